@@ -1,0 +1,159 @@
+//! Garbage collection: deletes steps the retention policy drops, then every chunk that no
+//! retained manifest references (directly or as a delta base) and that is older than the
+//! grace period.
+//!
+//! Safety, in order:
+//! 1. Take the run's `gc` lock first; only then list manifests (see `writer` for why a
+//!    concurrent writer is safe).
+//! 2. Never drop the latest visible commit, a rolled-back step (hidden, never deleted), a
+//!    damaged commit (an operator must look), or an uncommitted step newer than the latest
+//!    commit or younger than the grace period (it may still be in progress).
+//! 3. Delete a dropped step's commit record before its manifests, so a crash in between leaves
+//!    an incomplete step, never a commit that points at nothing.
+//! 4. Refuse to run if any retained manifest cannot be read: its references would be unknown.
+//! 5. Stop deleting if the lock is about to expire.
+
+use std::collections::{BTreeSet, HashSet};
+
+use futures::stream::{self, StreamExt, TryStreamExt};
+use serde::Serialize;
+
+use super::{layout, now_unix_ms, Progress, RunStore, StepState};
+use crate::error::StoreError;
+use crate::format::ShardManifest;
+use crate::hash::ChunkHash;
+use crate::ids::StepKey;
+
+pub(crate) const GC_LOCK: &str = "gc";
+
+#[derive(Clone, Debug)]
+pub struct GcPolicy {
+    /// Keep this many of the newest visible commits (at least 1).
+    pub keep_last: usize,
+    /// Also keep every visible commit whose step number is a multiple of this.
+    pub keep_every: Option<u64>,
+    /// Never delete a chunk or an uncommitted manifest younger than this.
+    pub grace_ms: u64,
+    pub dry_run: bool,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct GcReport {
+    pub dry_run: bool,
+    pub kept_steps: Vec<StepKey>,
+    pub deleted_steps: Vec<StepKey>,
+    pub deleted_incomplete: Vec<StepKey>,
+    pub kept_chunks: u64,
+    pub deleted_chunks: u64,
+    pub deleted_bytes: u64,
+    /// Unreferenced chunks left alone because they are younger than the grace period.
+    pub young_chunks: u64,
+}
+
+impl RunStore {
+    pub async fn gc(&self, policy: &GcPolicy, progress: &dyn Progress) -> Result<GcReport, StoreError> {
+        if policy.keep_last == 0 {
+            return Err(StoreError::BadRequest { reason: "--keep-last must be at least 1: gc never deletes the latest step".into() });
+        }
+        let lock = self.lock(GC_LOCK, "gc").await?;
+        let result = self.gc_locked(policy, progress, &lock).await;
+        let released = lock.release().await;
+        let report = result?;
+        released?;
+        Ok(report)
+    }
+
+    async fn gc_locked(&self, policy: &GcPolicy, progress: &dyn Progress, lock: &super::LockGuard) -> Result<GcReport, StoreError> {
+        let now = now_unix_ms();
+        let young = |created: Option<u64>| created.is_none_or(|t| t + policy.grace_ms > now);
+        let catalog = self.catalog().await?;
+        let visible: Vec<StepKey> = catalog.visible_commits().map(|s| s.step).collect();
+        let newest: BTreeSet<StepKey> = visible.iter().rev().take(policy.keep_last).copied().collect();
+        let mut report = GcReport { dry_run: policy.dry_run, ..Default::default() };
+        let mut retained_manifests: Vec<(StepKey, Option<u32>)> = Vec::new();
+        for status in &catalog.steps {
+            let step = status.step;
+            let keep = match &status.state {
+                StepState::Committed => newest.contains(&step) || policy.keep_every.is_some_and(|k| k > 0 && step.step % k == 0),
+                StepState::RolledBack { .. } | StepState::Damaged { .. } => true,
+                StepState::Incomplete { .. } => catalog.latest.is_none_or(|latest| (step.step, step.timeline) > (latest.step, latest.timeline)) || young(status.created_unix_ms),
+            };
+            match (&status.state, keep) {
+                (StepState::Incomplete { .. }, true) => retained_manifests.push((step, None)),
+                (StepState::Incomplete { .. }, false) => report.deleted_incomplete.push(step),
+                (_, true) => {
+                    report.kept_steps.push(step);
+                    retained_manifests.push((step, status.world_size));
+                }
+                (_, false) => report.deleted_steps.push(step),
+            }
+        }
+        // Everything retained manifests reference, bases included.
+        let mut referenced: HashSet<ChunkHash> = HashSet::new();
+        for (step, _) in &retained_manifests {
+            for manifest in self.manifests_of(*step).await? {
+                for chunk in manifest.chunk_refs() {
+                    referenced.insert(chunk.hash);
+                    referenced.extend(chunk.bases.iter().copied());
+                }
+            }
+        }
+        if !policy.dry_run {
+            for step in report.deleted_steps.iter().chain(&report.deleted_incomplete) {
+                self.store.delete(&layout::commit(&self.run, *step)).await?;
+                for meta in self.store.list(&layout::shard_dir(&self.run, *step)).await? {
+                    if let (Some(index), Some((step, rank))) = (self.store.index(), layout::parse_shard(&meta.location)) {
+                        index.remove_manifest(&self.run, step, rank)?;
+                    }
+                    self.store.delete(&meta.location).await?;
+                }
+            }
+        }
+        let chunks = self.store.list(&layout::chunks_prefix(&self.run)).await?;
+        let mut doomed = Vec::new();
+        for meta in chunks {
+            let Some(hash) = layout::parse_chunk(&meta.location) else { continue };
+            if referenced.contains(&hash) {
+                report.kept_chunks += 1;
+            } else if young(Some(meta.last_modified.timestamp_millis().max(0) as u64)) {
+                report.young_chunks += 1;
+            } else {
+                report.deleted_bytes += meta.size;
+                doomed.push((hash, meta.location));
+            }
+        }
+        report.deleted_chunks = doomed.len() as u64;
+        progress.set_total(doomed.len() as u64);
+        if !policy.dry_run {
+            let lock_margin_ms = 30_000.min(self.store.options.lock_ttl_ms / 4);
+            stream::iter(doomed)
+                .map(|(hash, path)| async move {
+                    if !lock.is_valid(lock_margin_ms) {
+                        return Err(StoreError::BadRequest { reason: "gc lock is about to expire; stopping (run gc again to finish)".into() });
+                    }
+                    self.store.delete(&path).await?;
+                    if let Some(index) = self.store.index() {
+                        index.remove_chunk(&self.run, &hash)?;
+                    }
+                    progress.advance(1);
+                    Ok(())
+                })
+                .buffer_unordered(self.store.options.upload_concurrency.max(1))
+                .try_collect::<()>()
+                .await?;
+        }
+        Ok(report)
+    }
+
+    /// Every shard manifest stored for `step` (committed or not); a damaged one is an error.
+    pub(crate) async fn manifests_of(&self, step: StepKey) -> Result<Vec<ShardManifest>, StoreError> {
+        let mut manifests = Vec::new();
+        for meta in self.store.list(&layout::shard_dir(&self.run, step)).await? {
+            let Some((_, rank)) = layout::parse_shard(&meta.location) else { continue };
+            let bytes = self.store.get(&meta.location).await?;
+            let (manifest, _): (ShardManifest, _) = self.open_object(&bytes, &meta.location, &step.to_string(), &rank.to_string())?;
+            manifests.push(manifest);
+        }
+        Ok(manifests)
+    }
+}

@@ -1,0 +1,288 @@
+//! The checkpoint store: writes and reads checkpoints of runs through `object_store`.
+//!
+//! Write path of one step (see ARCHITECTURE.md for why each ordering point matters):
+//!
+//! 1. [`RunStore::write_shard`], per rank: cut tensors into chunks, blake3 each, skip chunks
+//!    already stored, encode and put the rest (each put is durable when it returns), then put
+//!    the shard manifest, then re-check that every referenced chunk still exists once no
+//!    garbage collection holds the run's lock.
+//! 2. [`RunStore::commit`]: after every rank's manifest is stored, put `commits/<step>.json`
+//!    create-only. The step counts as committed from that moment, and never before.
+//!
+//! Readers only trust a step through its commit record, which pins each manifest's hash;
+//! every chunk is re-hashed after download.
+
+mod backend;
+mod catalog;
+mod gc;
+mod index;
+pub(crate) mod layout;
+mod lock;
+mod reader;
+mod verify;
+mod writer;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use futures::TryStreamExt;
+use object_store::path::Path;
+use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
+
+pub use backend::{OpenMode, S3Settings};
+pub use catalog::{Catalog, StepState, StepStatus};
+pub use gc::{GcPolicy, GcReport};
+pub use index::{ChunkIndex, ChunkInfo, IndexStats};
+pub use lock::LockGuard;
+pub use reader::{Checkpoint, TensorInfo};
+pub use verify::{Problem, VerifyOptions, VerifyReport};
+pub use writer::{DeltaBases, ShardInput, TensorData};
+
+use crate::error::StoreError;
+use crate::format::{self, Object, RunInfo};
+use crate::ids::RunId;
+
+/// Bounds and tunables of the store. Every number has a unit in its name.
+#[derive(Clone, Debug)]
+pub struct StoreOptions {
+    /// Raw bytes per chunk for new runs.
+    pub chunk_bytes: u64,
+    /// Chunks being hashed, encoded or uploaded at once; also bounds the writer's memory to
+    /// about this many encoded chunks.
+    pub upload_concurrency: usize,
+    /// Chunks being downloaded and verified at once.
+    pub download_concurrency: usize,
+    /// Objects larger than this are uploaded with multipart.
+    pub multipart_threshold_bytes: usize,
+    pub multipart_part_bytes: usize,
+    /// Retries of a failed request (S3; the local filesystem does not retry).
+    pub retries: usize,
+    pub zstd_level: i32,
+    pub delta_depth_max: u8,
+    /// Lifetime of an exclusive lock (gc) before others may break it.
+    pub lock_ttl_ms: u64,
+    /// Where the local chunk index lives; `None` runs without one.
+    pub index_path: Option<PathBuf>,
+    pub s3: S3Settings,
+}
+
+impl Default for StoreOptions {
+    fn default() -> Self {
+        Self {
+            chunk_bytes: 4 << 20,
+            upload_concurrency: 8,
+            download_concurrency: 8,
+            multipart_threshold_bytes: 16 << 20,
+            multipart_part_bytes: 8 << 20,
+            retries: 4,
+            zstd_level: 3,
+            delta_depth_max: 8,
+            lock_ttl_ms: 15 * 60 * 1000,
+            index_path: None,
+            s3: S3Settings::default(),
+        }
+    }
+}
+
+/// Receives progress of long operations in bytes (a progress bar, a metric).
+pub trait Progress: Send + Sync {
+    fn set_total(&self, _bytes: u64) {}
+    fn advance(&self, _bytes: u64) {}
+}
+
+/// Reports nowhere.
+impl Progress for () {}
+
+/// A store opened from a URL.
+#[derive(Clone)]
+pub struct Store {
+    objects: Arc<dyn ObjectStore>,
+    url: String,
+    options: Arc<StoreOptions>,
+    index: Option<Arc<ChunkIndex>>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store").field("url", &self.url).finish_non_exhaustive()
+    }
+}
+
+impl Store {
+    /// Opens the store at `url` and checks that it answers.
+    pub async fn open(url: &str, mode: OpenMode, options: StoreOptions) -> Result<Self, StoreError> {
+        let objects = backend::open(url, mode, &options.s3, options.retries)?;
+        Self::with_objects(objects, url, options).await
+    }
+
+    /// Wraps an already built `object_store` (tests, embedders).
+    pub async fn with_objects(objects: Arc<dyn ObjectStore>, url: &str, options: StoreOptions) -> Result<Self, StoreError> {
+        let probe = Path::from(layout::RUNS);
+        objects.list_with_delimiter(Some(&probe)).await.map_err(|source| match source {
+            object_store::Error::NotFound { .. } => StoreError::InvalidUrl {
+                url: url.to_string(),
+                reason: "the bucket or directory does not exist".into(),
+            },
+            source => StoreError::Backend { operation: "list", path: format!("{url} (reachability check)"), source },
+        })?;
+        let index = match &options.index_path {
+            None => None,
+            // The index is only an accelerator: if another process holds it, work without it.
+            Some(path) => match ChunkIndex::open(path) {
+                Ok(index) => Some(Arc::new(index)),
+                Err(error) => {
+                    tracing::warn!(%error, "local chunk index unavailable; continuing without it");
+                    None
+                }
+            },
+        };
+        Ok(Self { objects, url: url.to_string(), options: Arc::new(options), index })
+    }
+
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    pub fn options(&self) -> &StoreOptions {
+        &self.options
+    }
+
+    pub fn index(&self) -> Option<&ChunkIndex> {
+        self.index.as_deref()
+    }
+
+    pub fn run(&self, run: &RunId) -> RunStore {
+        RunStore { store: self.clone(), run: run.clone() }
+    }
+
+    /// Every run that has a `run.json`, sorted.
+    pub async fn runs(&self) -> Result<Vec<RunId>, StoreError> {
+        let prefix = Path::from(layout::RUNS);
+        let listing = self.objects.list_with_delimiter(Some(&prefix)).await.map_err(|e| StoreError::backend("list", &prefix, e))?;
+        let mut runs: Vec<RunId> = listing.common_prefixes.iter().filter_map(|p| p.filename()?.parse().ok()).collect();
+        runs.sort();
+        Ok(runs)
+    }
+
+    /// Recreates the local index from storage alone.
+    pub async fn rebuild_index(&self, progress: &dyn Progress) -> Result<IndexStats, StoreError> {
+        let index = self.index.as_ref().ok_or_else(|| StoreError::BadRequest { reason: "no local index is configured".into() })?;
+        index.clear()?;
+        for run in self.runs().await? {
+            self.run(&run).index_into(index, progress).await?;
+        }
+        index.flush()?;
+        index.stats()
+    }
+
+    pub(crate) async fn get(&self, path: &Path) -> Result<Bytes, StoreError> {
+        let result = self.objects.get(path).await.map_err(|e| StoreError::backend("get", path, e))?;
+        result.bytes().await.map_err(|e| StoreError::backend("get", path, e))
+    }
+
+    pub(crate) async fn get_prefix(&self, path: &Path, len: u64) -> Result<(Bytes, u64), StoreError> {
+        let options = object_store::GetOptions { range: Some((0..len).into()), ..Default::default() };
+        let result = self.objects.get_opts(path, options).await.map_err(|e| StoreError::backend("get", path, e))?;
+        let size = result.meta.size;
+        let bytes = result.bytes().await.map_err(|e| StoreError::backend("get", path, e))?;
+        Ok((bytes, size))
+    }
+
+    pub(crate) async fn head(&self, path: &Path) -> Result<Option<ObjectMeta>, StoreError> {
+        match self.objects.head(path).await {
+            Ok(meta) => Ok(Some(meta)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(StoreError::backend("head", path, e)),
+        }
+    }
+
+    /// Puts `bytes` at `path`. With `create_only`, fails with `AlreadyExists` mapped to `Ok(false)`
+    /// if something is there. Returns once the backend reports the object durable.
+    pub(crate) async fn put(&self, path: &Path, bytes: Bytes, create_only: bool) -> Result<bool, StoreError> {
+        if !create_only && bytes.len() > self.options.multipart_threshold_bytes {
+            let upload = self.objects.put_multipart(path).await.map_err(|e| StoreError::backend("put", path, e))?;
+            let mut writer = WriteMultipart::new_with_chunk_size(upload, self.options.multipart_part_bytes);
+            writer.put(bytes);
+            writer.finish().await.map_err(|e| StoreError::backend("multipart put", path, e))?;
+            return Ok(true);
+        }
+        let mode = if create_only { PutMode::Create } else { PutMode::Overwrite };
+        let options = PutOptions { mode, ..Default::default() };
+        match self.objects.put_opts(path, PutPayload::from_bytes(bytes), options).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::AlreadyExists { .. }) if create_only => Ok(false),
+            Err(e) => Err(StoreError::backend("put", path, e)),
+        }
+    }
+
+    pub(crate) async fn delete(&self, path: &Path) -> Result<(), StoreError> {
+        match self.objects.delete(path).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(StoreError::backend("delete", path, e)),
+        }
+    }
+
+    pub(crate) async fn list(&self, prefix: &Path) -> Result<Vec<ObjectMeta>, StoreError> {
+        self.objects.list(Some(prefix)).try_collect().await.map_err(|e| StoreError::backend("list", prefix, e))
+    }
+}
+
+/// One run inside a store.
+#[derive(Clone, Debug)]
+pub struct RunStore {
+    store: Store,
+    run: RunId,
+}
+
+pub(crate) fn now_unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+impl RunStore {
+    pub fn id(&self) -> &RunId {
+        &self.run
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    /// Creates the run's `run.json` unless it exists. Returns the stored identity, which wins
+    /// over `description` when the run already existed.
+    pub async fn create(&self, description: serde_json::Value) -> Result<RunInfo, StoreError> {
+        let info = RunInfo {
+            run: self.run.clone(),
+            created_unix_ms: now_unix_ms(),
+            chunk_bytes: self.store.options.chunk_bytes,
+            description,
+        };
+        let (bytes, _) = format::seal(&info);
+        let path = layout::run_json(&self.run);
+        if self.store.put(&path, bytes.into(), true).await? {
+            return Ok(info);
+        }
+        self.info().await
+    }
+
+    /// Reads `run.json`; `NoSuchRun` if the run was never created.
+    pub async fn info(&self) -> Result<RunInfo, StoreError> {
+        let path = layout::run_json(&self.run);
+        match self.store.get(&path).await {
+            Ok(bytes) => Ok(self.open_object::<RunInfo>(&bytes, &path, "-", "-")?.0),
+            Err(StoreError::NotFound { .. }) => Err(StoreError::NoSuchRun { run: self.run.clone() }),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub(crate) fn open_object<T: Object>(&self, bytes: &[u8], path: &Path, step: &str, rank: &str) -> Result<(T, crate::ChunkHash), StoreError> {
+        format::open(bytes).map_err(|source| StoreError::Format {
+            run: self.run.clone(),
+            step: step.to_string(),
+            rank: rank.to_string(),
+            path: path.to_string(),
+            source,
+        })
+    }
+}
