@@ -1,1 +1,7 @@
-fn main(){}
+//! `ckptctl`: list, show, verify, diff, import, export, restore, roll back and gc checkpoints.
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    lazarus_ckptd::ctl::main(lazarus_ckptd::ctl::Cli::parse())
+}

@@ -19,6 +19,7 @@ mod index;
 pub(crate) mod layout;
 mod lock;
 mod reader;
+mod transfer;
 mod verify;
 mod writer;
 

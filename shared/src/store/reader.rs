@@ -77,6 +77,12 @@ impl RunStore {
 
     /// Downloads and verifies one chunk, following its delta chain. Returns the raw bytes.
     pub(crate) async fn fetch_chunk(&self, hash: ChunkHash, context: &ChunkContext) -> Result<Vec<u8>, StoreError> {
+        Ok(self.fetch_chain(hash, context).await?.0)
+    }
+
+    /// Downloads and verifies one chunk and its delta chain. Returns the raw bytes and every
+    /// stored object of the chain (the chunk first), each verified by decoding.
+    pub(crate) async fn fetch_chain(&self, hash: ChunkHash, context: &ChunkContext) -> Result<(Vec<u8>, Vec<(ChunkHash, bytes::Bytes)>), StoreError> {
         let mut chain = Vec::new();
         let mut next = Some(hash);
         // Fetch down the chain to a chunk stored whole, then decode back up.
@@ -104,13 +110,13 @@ impl RunStore {
             chain.push((current, bytes));
         }
         let mut raw: Option<Vec<u8>> = None;
-        for (current, bytes) in chain.into_iter().rev() {
+        for (current, bytes) in chain.iter().rev().cloned() {
             let decoded = tokio::task::spawn_blocking(move || codec::decode(&bytes, current, raw.as_deref()))
                 .await
                 .expect("decoding does not panic");
             raw = Some(decoded.map_err(|e| self.corrupt(current, context, e))?);
         }
-        Ok(raw.expect("the chain holds at least the requested chunk"))
+        Ok((raw.expect("the chain holds at least the requested chunk"), chain))
     }
 
     fn corrupt(&self, chunk: ChunkHash, context: &ChunkContext, source: CodecError) -> StoreError {

@@ -114,7 +114,7 @@ impl RunStore {
                 raw_bytes: tensor.data.len() as u64,
                 chunks: Vec::new(),
             };
-            entry.validate().map_err(|error| StoreError::BadRequest { reason: error.to_string() })?;
+            entry.validate_layout().map_err(|error| StoreError::BadRequest { reason: error.to_string() })?;
             let item = tensors.len();
             for (index, offset) in (0..tensor.data.len()).step_by(chunk_bytes).enumerate() {
                 let len = chunk_bytes.min(tensor.data.len() - offset);

@@ -1,0 +1,541 @@
+//! One function per `ckptctl` command. Each prints a table, or JSON with `--json`.
+
+use std::collections::{BTreeMap, HashSet};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use lazarus_shared::format::{DType, DimRange};
+use lazarus_shared::safetensors_io::{self, HEADER_BLOB_PREFIX};
+use lazarus_shared::store::{Checkpoint, DeltaBases, GcPolicy, OpenMode, RunStore, ShardInput, StepState, Store, VerifyOptions};
+use lazarus_shared::{RunId, StepKey};
+use serde::Serialize;
+
+use super::output::{self, Bar};
+use super::{Cli, Command, ExportFormat, IndexAction, IntegrityProblems, UsageError};
+
+pub async fn run(cli: Cli) -> Result<()> {
+    let bars = !cli.json;
+    match &cli.command {
+        Command::Runs => runs(&cli).await,
+        Command::List { run } => list(&cli, run).await,
+        Command::Show { run, step } => show(&cli, run, step).await,
+        Command::Verify { run, step, all, read_data, sample } => {
+            let options = VerifyOptions { read_data: *read_data, sample_percent: *sample };
+            verify(&cli, run, step.as_deref(), *all, &options, bars).await
+        }
+        Command::Diff { run, a, b } => diff(&cli, run, a, b).await,
+        Command::Import { run, step, delta, files } => import(&cli, run, *step, *delta, files, bars).await,
+        Command::Export { run, step, format, out } => export(&cli, run, step, *format, out, bars).await,
+        Command::Restore { run, step, out } => restore(&cli, run, step, out, bars).await,
+        Command::Rollback { run, to, reason } => rollback(&cli, run, to, reason).await,
+        Command::Gc { run, keep_last, keep_every, grace, dry_run } => {
+            let policy = GcPolicy { keep_last: *keep_last, keep_every: *keep_every, grace_ms: grace.as_millis() as u64, dry_run: *dry_run };
+            gc(&cli, run, &policy, bars).await
+        }
+        Command::Index { action } => index(&cli, action, bars).await,
+    }
+}
+
+fn run_id(text: &str) -> Result<RunId> {
+    text.parse::<RunId>().map_err(|e| UsageError(e.to_string()).into())
+}
+
+async fn open_run(cli: &Cli, run: &str) -> Result<RunStore> {
+    let run = run_id(run)?;
+    let store = cli.open_store(OpenMode::Existing).await?;
+    let handle = store.run(&run);
+    handle.info().await?;
+    Ok(handle)
+}
+
+async fn open_step(cli: &Cli, run: &str, step: &str) -> Result<Checkpoint> {
+    let run = open_run(cli, run).await?;
+    let key = run.resolve_step(step).await?;
+    Ok(run.open_checkpoint(key).await?)
+}
+
+async fn runs(cli: &Cli) -> Result<()> {
+    #[derive(Serialize)]
+    struct RunLine {
+        run: RunId,
+        latest: Option<StepKey>,
+        committed_steps: usize,
+        steps: usize,
+    }
+    let store = cli.open_store(OpenMode::Existing).await?;
+    let mut lines = Vec::new();
+    for run in store.runs().await? {
+        let catalog = store.run(&run).catalog().await?;
+        lines.push(RunLine { latest: catalog.latest, committed_steps: catalog.visible_commits().count(), steps: catalog.steps.len(), run });
+    }
+    if cli.json {
+        output::json(&lines);
+    } else {
+        let rows: Vec<Vec<String>> = lines
+            .iter()
+            .map(|l| vec![l.run.to_string(), l.latest.map_or("-".into(), |s| s.to_string()), l.committed_steps.to_string(), l.steps.to_string()])
+            .collect();
+        output::table(&["RUN", "LATEST", "COMMITTED", "STEPS"], &rows);
+    }
+    Ok(())
+}
+
+fn state_text(state: &StepState) -> String {
+    match state {
+        StepState::Committed => "committed".into(),
+        StepState::RolledBack { by } => format!("rolled back (#{by})"),
+        StepState::Incomplete { ranks_present } => format!("incomplete ({} ranks)", ranks_present.len()),
+        StepState::Damaged { .. } => "DAMAGED".into(),
+    }
+}
+
+async fn list(cli: &Cli, run: &str) -> Result<()> {
+    let run = open_run(cli, run).await?;
+    let catalog = run.catalog().await?;
+    if cli.json {
+        output::json(&catalog);
+        return Ok(());
+    }
+    let rows: Vec<Vec<String>> = catalog
+        .steps
+        .iter()
+        .map(|s| {
+            let marker = if Some(s.step) == catalog.latest { "latest" } else { "" };
+            vec![
+                s.step.step.to_string(),
+                s.step.timeline.to_string(),
+                state_text(&s.state),
+                s.world_size.map_or("-".into(), |w| w.to_string()),
+                output::bytes(s.raw_bytes),
+                output::bytes(s.uploaded_bytes),
+                output::ratio(s.raw_bytes, s.uploaded_bytes),
+                output::time(s.created_unix_ms),
+                marker.into(),
+            ]
+        })
+        .collect();
+    output::table(&["STEP", "TIMELINE", "STATE", "RANKS", "RAW", "NEW STORED", "RATIO", "CREATED", ""], &rows);
+    for rollback in &catalog.rollbacks {
+        println!(
+            "rollback #{}: to step {} by {} at {}: {}",
+            rollback.seq,
+            rollback.to,
+            rollback.operator,
+            output::time(Some(rollback.created_unix_ms)),
+            rollback.reason
+        );
+    }
+    for step in &catalog.steps {
+        if let StepState::Damaged { reason } = &step.state {
+            println!("step {} is damaged: {reason}", step.step);
+        }
+    }
+    Ok(())
+}
+
+fn slice_text(slice: &[DimRange]) -> String {
+    let dims: Vec<String> = slice.iter().map(|r| format!("{}:{}", r.start, r.start + r.len)).collect();
+    format!("[{}]", dims.join(","))
+}
+
+async fn show(cli: &Cli, run: &str, step: &str) -> Result<()> {
+    let checkpoint = open_step(cli, run, step).await?;
+    if cli.json {
+        #[derive(Serialize)]
+        struct Show<'a> {
+            commit: &'a lazarus_shared::format::CommitRecord,
+            manifests: &'a [lazarus_shared::format::ShardManifest],
+        }
+        output::json(&Show { commit: &checkpoint.commit, manifests: &checkpoint.manifests });
+        return Ok(());
+    }
+    let commit = &checkpoint.commit;
+    println!("run {} step {}  world size {}  committed {}", commit.run, commit.step, commit.world_size, output::time(Some(commit.created_unix_ms)));
+    let ranks: Vec<Vec<String>> = commit
+        .shards
+        .iter()
+        .zip(&checkpoint.manifests)
+        .map(|(shard, manifest)| {
+            vec![
+                shard.rank.to_string(),
+                manifest.tensors.len().to_string(),
+                manifest.blobs.len().to_string(),
+                output::bytes(shard.raw_bytes),
+                output::bytes(shard.uploaded_bytes),
+                shard.manifest_blake3.short(),
+            ]
+        })
+        .collect();
+    output::table(&["RANK", "TENSORS", "BLOBS", "RAW", "NEW STORED", "MANIFEST"], &ranks);
+    println!();
+    let mut rows = Vec::new();
+    for tensor in checkpoint.tensors() {
+        let mut holders = Vec::new();
+        let mut chunks = 0;
+        for manifest in &checkpoint.manifests {
+            if let Some(entry) = manifest.tensor(&tensor.name) {
+                chunks += entry.chunks.len();
+                holders.push(if entry.is_whole() { manifest.rank.to_string() } else { format!("{}{}", manifest.rank, slice_text(&entry.slice)) });
+            }
+        }
+        let bytes = tensor.global_shape.iter().product::<u64>() * tensor.dtype.element_bytes() as u64;
+        rows.push(vec![tensor.name, tensor.dtype.name(), format!("{:?}", tensor.global_shape), holders.join(" "), chunks.to_string(), output::bytes(bytes)]);
+    }
+    output::table(&["TENSOR", "DTYPE", "SHAPE", "RANKS", "CHUNKS", "BYTES"], &rows);
+    for manifest in &checkpoint.manifests {
+        for blob in &manifest.blobs {
+            println!("blob rank {}: {} ({})", manifest.rank, blob.name, output::bytes(blob.raw_bytes));
+        }
+    }
+    Ok(())
+}
+
+async fn verify(cli: &Cli, run: &str, step: Option<&str>, all: bool, options: &VerifyOptions, bars: bool) -> Result<()> {
+    let run = open_run(cli, run).await?;
+    let steps: Vec<StepKey> = if all {
+        let catalog = run.catalog().await?;
+        catalog.steps.iter().filter(|s| !matches!(s.state, StepState::Incomplete { .. })).map(|s| s.step).collect()
+    } else {
+        vec![run.resolve_step(step.unwrap_or("latest")).await?]
+    };
+    let bar = if options.read_data { Bar::bytes("verify", bars) } else { Bar::items("verify", bars) };
+    let started = Instant::now();
+    let report = run.verify(&steps, options, &bar).await?;
+    bar.finish();
+    if cli.json {
+        output::json(&report);
+    } else {
+        for problem in &report.problems {
+            let mut place = format!("run={} step={}", problem.run, problem.step);
+            if let Some(rank) = problem.rank {
+                place += &format!(" rank={rank}");
+            }
+            if let (Some(item), Some(name)) = (&problem.item, &problem.name) {
+                place += &format!(" {item}={name:?}");
+            }
+            if let Some(chunk) = &problem.chunk {
+                place += &format!(" chunk={chunk}");
+            }
+            println!("BAD {place}: {}", problem.error);
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        println!(
+            "verified {} step(s), {} manifest(s), {} chunk(s){} in {seconds:.1}s: {}",
+            report.steps.len(),
+            report.manifests_checked,
+            report.chunks_checked,
+            if options.read_data { format!(", {} re-hashed", output::bytes(report.bytes_read)) } else { String::new() },
+            if report.problems.is_empty() { "OK".to_string() } else { format!("{} PROBLEM(S)", report.problems.len()) }
+        );
+    }
+    if !report.problems.is_empty() {
+        return Err(IntegrityProblems(format!("{} integrity problem(s) found in run {}", report.problems.len(), run.id())).into());
+    }
+    Ok(())
+}
+
+fn to_f64(dtype: DType, bytes: &[u8]) -> Option<Vec<f64>> {
+    let values = match dtype {
+        DType::F32 => bytes.chunks_exact(4).map(|b| f64::from(f32::from_le_bytes(b.try_into().expect("4 bytes")))).collect(),
+        DType::F64 => bytes.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))).collect(),
+        DType::BF16 => bytes.chunks_exact(2).map(|b| f64::from(half::bf16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
+        DType::F16 => bytes.chunks_exact(2).map(|b| f64::from(half::f16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
+        _ => return None,
+    };
+    Some(values)
+}
+
+async fn diff(cli: &Cli, run: &str, a: &str, b: &str) -> Result<()> {
+    #[derive(Serialize)]
+    struct TensorDiff {
+        name: String,
+        status: &'static str,
+        changed_elements: u64,
+        elements: u64,
+        max_abs_diff: Option<f64>,
+        relative_l2: Option<f64>,
+    }
+    let left = open_step(cli, run, a).await?;
+    let right = open_step(cli, run, b).await?;
+    let left_tensors: BTreeMap<String, _> = left.tensors().into_iter().map(|t| (t.name.clone(), t)).collect();
+    let right_tensors: BTreeMap<String, _> = right.tensors().into_iter().map(|t| (t.name.clone(), t)).collect();
+    let names: std::collections::BTreeSet<&String> = left_tensors.keys().chain(right_tensors.keys()).collect();
+    let chunk_list = |checkpoint: &Checkpoint, name: &str| -> Vec<_> {
+        checkpoint.manifests.iter().filter_map(|m| m.tensor(name)).flat_map(|t| t.chunks.iter().map(|c| c.hash)).collect()
+    };
+    let mut diffs = Vec::new();
+    for name in names {
+        let (Some(l), Some(r)) = (left_tensors.get(name), right_tensors.get(name)) else {
+            let status = if left_tensors.contains_key(name) { "removed" } else { "added" };
+            diffs.push(TensorDiff { name: name.clone(), status, changed_elements: 0, elements: 0, max_abs_diff: None, relative_l2: None });
+            continue;
+        };
+        let elements = l.global_shape.iter().product::<u64>();
+        if l.dtype != r.dtype || l.global_shape != r.global_shape {
+            diffs.push(TensorDiff { name: name.clone(), status: "reshaped", changed_elements: elements, elements, max_abs_diff: None, relative_l2: None });
+            continue;
+        }
+        if chunk_list(&left, name) == chunk_list(&right, name) {
+            diffs.push(TensorDiff { name: name.clone(), status: "same", changed_elements: 0, elements, max_abs_diff: Some(0.0), relative_l2: Some(0.0) });
+            continue;
+        }
+        let (lb, rb) = (left.read_tensor(name, &()).await?, right.read_tensor(name, &()).await?);
+        let element = l.dtype.element_bytes();
+        let changed = lb.chunks(element).zip(rb.chunks(element)).filter(|(x, y)| x != y).count() as u64;
+        let (max_abs_diff, relative_l2) = match (to_f64(l.dtype, &lb), to_f64(l.dtype, &rb)) {
+            (Some(x), Some(y)) => {
+                let max = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
+                let diff_norm = x.iter().zip(&y).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+                let base_norm = x.iter().map(|p| p * p).sum::<f64>().sqrt();
+                (Some(max), Some(if base_norm > 0.0 { diff_norm / base_norm } else { diff_norm }))
+            }
+            _ => (None, None),
+        };
+        let status = if changed == 0 { "same" } else { "changed" };
+        diffs.push(TensorDiff { name: name.clone(), status, changed_elements: changed, elements, max_abs_diff, relative_l2 });
+    }
+    if cli.json {
+        output::json(&diffs);
+        return Ok(());
+    }
+    let show = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.3e}"));
+    let rows: Vec<Vec<String>> = diffs
+        .iter()
+        .map(|d| vec![d.name.clone(), d.status.into(), format!("{}/{}", d.changed_elements, d.elements), show(d.max_abs_diff), show(d.relative_l2)])
+        .collect();
+    output::table(&["TENSOR", "STATUS", "CHANGED", "MAX |DIFF|", "REL L2"], &rows);
+    let changed = diffs.iter().filter(|d| d.status != "same").count();
+    println!("{changed} of {} tensors differ between {} and {}", diffs.len(), left.step(), right.step());
+    Ok(())
+}
+
+async fn import(cli: &Cli, run: &str, step: u64, delta: bool, files: &[PathBuf], bars: bool) -> Result<()> {
+    let run_id = run_id(run)?;
+    // Parse every file before touching the store: bad input changes nothing.
+    let mut tensors = Vec::new();
+    let mut blobs = Vec::new();
+    let mut names = HashSet::new();
+    let mut file_names = HashSet::new();
+    for path in files {
+        let file_name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| UsageError(format!("{} is not a file name", path.display())))?;
+        if !file_names.insert(file_name.to_string()) {
+            bail!(UsageError(format!("two input files are named {file_name}")));
+        }
+        let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        let parsed = safetensors_io::parse_file(file_name, Bytes::from(data))?;
+        for tensor in &parsed.tensors {
+            if !names.insert(tensor.name.clone()) {
+                bail!(UsageError(format!("tensor {:?} appears in more than one input file", tensor.name)));
+            }
+        }
+        blobs.push((format!("{HEADER_BLOB_PREFIX}{}", parsed.file_name), parsed.header));
+        tensors.extend(parsed.tensors);
+    }
+    let store = cli.open_store(OpenMode::CreateIfMissing).await?;
+    let handle = store.run(&run_id);
+    let description = serde_json::json!({ "source": "ckptctl import" });
+    handle.create(description).await?;
+    let key = StepKey::new(step, handle.current_timeline().await?);
+    let bases = if delta { delta_bases(&handle).await? } else { None };
+    let started = Instant::now();
+    let bar = Bar::bytes("import", bars);
+    let input = ShardInput { step: key, rank: 0, world_size: 1, tensors, blobs };
+    let manifest = handle.write_shard(input, bases.as_ref(), &bar).await?;
+    let commit = handle.commit(key, 1).await?;
+    bar.finish();
+    let seconds = started.elapsed().as_secs_f64();
+    if cli.json {
+        output::json(&serde_json::json!({ "run": run_id, "step": key, "raw_bytes": manifest.raw_bytes(), "uploaded_bytes": manifest.uploaded_bytes, "seconds": seconds, "commit": commit }));
+    } else {
+        println!(
+            "imported {} tensor(s), {} as run {run_id} step {key} in {seconds:.1}s: {} new in storage ({} of raw)",
+            manifest.tensors.len(),
+            output::bytes(manifest.raw_bytes()),
+            output::bytes(manifest.uploaded_bytes),
+            output::ratio(manifest.raw_bytes(), manifest.uploaded_bytes)
+        );
+    }
+    Ok(())
+}
+
+/// The latest step's tensors as delta bases, when it was written by a single rank.
+async fn delta_bases(run: &RunStore) -> Result<Option<DeltaBases>> {
+    let Some(latest) = run.latest().await? else { return Ok(None) };
+    let checkpoint = run.open_checkpoint(latest).await?;
+    let Ok(manifest) = checkpoint.manifest(0) else { return Ok(None) };
+    if checkpoint.manifests.len() != 1 {
+        return Ok(None);
+    }
+    let mut bases = DeltaBases::default();
+    for tensor in &manifest.tensors {
+        let raw = checkpoint.read_shard_tensor(0, &tensor.name, &()).await?;
+        bases.insert(tensor.name.clone(), Bytes::from(raw), tensor.chunks.clone());
+    }
+    Ok(Some(bases))
+}
+
+/// Writes a file next to its final name, fsyncs, then renames: a failed export leaves no file
+/// that looks complete.
+fn write_atomically(path: &Path, write: impl FnOnce(&mut std::fs::File) -> Result<()>) -> Result<()> {
+    let partial = path.with_extension("partial");
+    let mut file = std::fs::File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
+    let result = write(&mut file).and_then(|()| file.sync_all().with_context(|| format!("syncing {}", partial.display())));
+    if let Err(error) = result {
+        let _ = std::fs::remove_file(&partial);
+        return Err(error);
+    }
+    std::fs::rename(&partial, path).with_context(|| format!("renaming {}", partial.display()))?;
+    Ok(())
+}
+
+async fn export(cli: &Cli, run: &str, step: &str, format: ExportFormat, out: &Path, bars: bool) -> Result<()> {
+    let ExportFormat::Safetensors = format;
+    let checkpoint = open_step(cli, run, step).await?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let bar = Bar::bytes("export", bars);
+    let total: u64 = checkpoint.tensors().iter().map(|t| t.global_shape.iter().product::<u64>() * t.dtype.element_bytes() as u64).sum();
+    bar.set_total_bytes(total);
+    let header_blobs: Vec<String> = checkpoint.manifests.first().map(|m| m.blobs.iter().filter(|b| b.name.starts_with(HEADER_BLOB_PREFIX)).map(|b| b.name.clone()).collect()).unwrap_or_default();
+    let mut written = Vec::new();
+    if header_blobs.is_empty() {
+        // Not imported from files: one file with every global tensor.
+        let mut tensors = Vec::new();
+        for info in checkpoint.tensors() {
+            let data = checkpoint.read_tensor(&info.name, &bar).await?;
+            tensors.push((info.name, info.dtype, info.global_shape, data));
+        }
+        let bytes = safetensors_io::serialize(&tensors)?;
+        let path = out.join("model.safetensors");
+        write_atomically(&path, |file| Ok(file.write_all(&bytes)?))?;
+        written.push(path);
+    }
+    for blob in header_blobs {
+        let file_name = &blob[HEADER_BLOB_PREFIX.len()..];
+        safetensors_io::check_file_name(file_name)?;
+        let header = checkpoint.read_blob(0, &blob).await?;
+        let layout = safetensors_io::header_layout(file_name, &header)?;
+        // Read and verify everything before the file appears.
+        let mut parts = Vec::with_capacity(layout.len());
+        for (name, dtype, shape) in &layout {
+            let info = checkpoint.tensor_info(name).ok_or_else(|| anyhow::anyhow!("{file_name}: tensor {name:?} is in the file header but not in the checkpoint"))?;
+            if info.dtype != *dtype || &info.global_shape != shape {
+                bail!("{file_name}: tensor {name:?} is {:?} {:?} in the checkpoint but {dtype:?} {shape:?} in the file header", info.dtype, info.global_shape);
+            }
+            parts.push(checkpoint.read_tensor(name, &bar).await?);
+        }
+        let path = out.join(file_name);
+        write_atomically(&path, |file| {
+            file.write_all(&safetensors_io::length_prefix(&header))?;
+            file.write_all(&header)?;
+            for part in &parts {
+                file.write_all(part)?;
+            }
+            Ok(())
+        })?;
+        written.push(path);
+    }
+    bar.finish();
+    if cli.json {
+        output::json(&serde_json::json!({ "step": checkpoint.step(), "files": written }));
+    } else {
+        for path in &written {
+            println!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+async fn restore(cli: &Cli, run: &str, step: &str, out: &Path, bars: bool) -> Result<()> {
+    let checkpoint = open_step(cli, run, step).await?;
+    std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    let absolute = std::fs::canonicalize(out).with_context(|| format!("resolving {}", out.display()))?;
+    let url = format!("file://{}", absolute.display());
+    let target = Store::open(&url, OpenMode::CreateIfMissing, lazarus_shared::store::StoreOptions { index_path: None, ..cli.store_options() }).await?;
+    let bar = Bar::bytes("restore", bars);
+    let started = Instant::now();
+    checkpoint.run().copy_step_to(&target.run(checkpoint.run().id()), checkpoint.step(), &bar).await?;
+    bar.finish();
+    if cli.json {
+        output::json(&serde_json::json!({ "run": checkpoint.run().id(), "step": checkpoint.step(), "store": url }));
+    } else {
+        println!(
+            "restored run {} step {} ({}) into {url} in {:.1}s; check it with: ckptctl --store {url} verify {} {} --read-data",
+            checkpoint.run().id(),
+            checkpoint.step(),
+            output::bytes(checkpoint.commit.raw_bytes()),
+            started.elapsed().as_secs_f64(),
+            checkpoint.run().id(),
+            checkpoint.step().step,
+        );
+    }
+    Ok(())
+}
+
+async fn rollback(cli: &Cli, run: &str, to: &str, reason: &str) -> Result<()> {
+    if reason.trim().is_empty() {
+        bail!(UsageError("--reason must say why; it is kept with the rollback".into()));
+    }
+    let run = open_run(cli, run).await?;
+    let key = run.resolve_step(to).await?;
+    let operator = format!("{}@{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()), std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown".into()));
+    let record = run.rollback(key, reason, &operator).await?;
+    if cli.json {
+        output::json(&record);
+    } else {
+        println!("rolled back run {} to step {} (rollback #{}); later steps are hidden, not deleted; new steps go to timeline {}", run.id(), record.to, record.seq, record.seq);
+    }
+    Ok(())
+}
+
+async fn gc(cli: &Cli, run: &str, policy: &GcPolicy, bars: bool) -> Result<()> {
+    if policy.keep_last == 0 {
+        bail!(UsageError("--keep-last must be at least 1".into()));
+    }
+    let run = open_run(cli, run).await?;
+    let bar = Bar::items("gc", bars);
+    let report = run.gc(policy, &bar).await?;
+    bar.finish();
+    if cli.json {
+        output::json(&report);
+        return Ok(());
+    }
+    let verb = if report.dry_run { "would delete" } else { "deleted" };
+    let steps: Vec<String> = report.deleted_steps.iter().map(|s| s.to_string()).collect();
+    println!("kept {} step(s); {verb} {} step(s) [{}] and {} abandoned incomplete step(s)", report.kept_steps.len(), steps.len(), steps.join(", "), report.deleted_incomplete.len());
+    println!(
+        "kept {} chunk(s); {verb} {} unreferenced chunk(s) ({}); left {} unreferenced chunk(s) younger than the grace period",
+        report.kept_chunks,
+        report.deleted_chunks,
+        output::bytes(report.deleted_bytes),
+        report.young_chunks
+    );
+    Ok(())
+}
+
+async fn index(cli: &Cli, action: &IndexAction, bars: bool) -> Result<()> {
+    if cli.no_index {
+        bail!(UsageError("--no-index leaves no index to work on".into()));
+    }
+    let store = cli.open_store(OpenMode::Existing).await?;
+    if store.index().is_none() {
+        bail!("the local index could not be opened (another ckptctl may hold it)");
+    }
+    let stats = match action {
+        IndexAction::Rebuild => {
+            let bar = Bar::items("index", bars);
+            let stats = store.rebuild_index(&bar).await?;
+            bar.finish();
+            stats
+        }
+        IndexAction::Stats => store.index().expect("checked above").stats()?,
+    };
+    if cli.json {
+        output::json(&stats);
+    } else {
+        println!("index: {} chunk(s), {} manifest(s), {} reference(s)", stats.chunks, stats.manifests, stats.references);
+    }
+    Ok(())
+}
