@@ -75,6 +75,8 @@ pub enum CodecError {
     UnknownVersion { found: u16 },
     #[error("unknown codec byte {0}")]
     UnknownCodec(u8),
+    #[error("reserved header bytes are not zero")]
+    ReservedNotZero,
     #[error("chunk claims {raw_len} raw bytes, more than the {CHUNK_RAW_BYTES_MAX} allowed")]
     TooLarge { raw_len: u64 },
     #[error("chunk header names {found}, but it was read as {expected}")]
@@ -129,6 +131,9 @@ impl ChunkHeader {
         }
         let codec = Codec::from_byte(bytes[10]).ok_or(CodecError::UnknownCodec(bytes[10]))?;
         let delta_depth = bytes[11];
+        if bytes[12..16] != [0; 4] {
+            return Err(CodecError::ReservedNotZero);
+        }
         let raw_len = u64::from_le_bytes(bytes[16..24].try_into().expect("8 bytes"));
         if raw_len > CHUNK_RAW_BYTES_MAX {
             return Err(CodecError::TooLarge { raw_len });

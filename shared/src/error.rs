@@ -1,4 +1,6 @@
-//! Errors of the store library. Integrity failures have their own variants, so callers can
+//! Errors of the store library. Each message carries its cause's text (so a bare `{}` is
+//! complete); causes are kept as fields, not chained, so `{:#}` does not repeat them.
+//! Integrity failures have their own variants, so callers can
 //! tell "storage is down" from "storage returned bad bytes" (`ckptctl` exits 3 for those).
 
 use crate::codec::CodecError;
@@ -11,12 +13,11 @@ use crate::ids::{Rank, RunId, StepKey};
 pub enum StoreError {
     #[error("bad store URL {url:?}: {reason}")]
     InvalidUrl { url: String, reason: String },
-    #[error("storage {operation} failed for {path}: {source}")]
+    #[error("storage {operation} failed for {path}: {cause}")]
     Backend {
         operation: &'static str,
         path: String,
-        #[source]
-        source: object_store::Error,
+        cause: object_store::Error,
     },
     #[error("{path} does not exist")]
     NotFound { path: String },
@@ -36,20 +37,19 @@ pub enum StoreError {
     Locked { path: String, holder: String, expires: String },
     #[error("{reason}")]
     BadRequest { reason: String },
-    #[error("run {run} step {step} rank {rank}: {path}: {source}")]
+    #[error("run {run} step {step} rank {rank}: {path}: {cause}")]
     Format {
         run: RunId,
         step: String,
         rank: String,
         path: String,
-        #[source]
-        source: FormatError,
+        cause: FormatError,
     },
     #[error("run {run} step {step} rank {rank}: manifest {path} hashes to {found}, but the commit pinned {expected}")]
     ManifestMismatch { run: RunId, step: StepKey, rank: Rank, path: String, expected: ChunkHash, found: ChunkHash },
     #[error("run {run} step {step} rank {rank} {item} {name:?}: chunk {chunk} is missing from storage")]
     ChunkMissing { run: RunId, step: StepKey, rank: Rank, item: &'static str, name: String, chunk: ChunkHash },
-    #[error("run {run} step {step} rank {rank} {item} {name:?}: chunk {chunk} is corrupt: {source}")]
+    #[error("run {run} step {step} rank {rank} {item} {name:?}: chunk {chunk} is corrupt: {cause}")]
     ChunkCorrupt {
         run: RunId,
         step: StepKey,
@@ -57,20 +57,17 @@ pub enum StoreError {
         item: &'static str,
         name: String,
         chunk: ChunkHash,
-        #[source]
-        source: CodecError,
+        cause: CodecError,
     },
-    #[error("local index at {path}: {source}")]
+    #[error("local index at {path}: {cause}")]
     Index {
         path: String,
-        #[source]
-        source: sled::Error,
+        cause: sled::Error,
     },
-    #[error("{path}: {source}")]
+    #[error("{path}: {cause}")]
     Io {
         path: String,
-        #[source]
-        source: std::io::Error,
+        cause: std::io::Error,
     },
 }
 
@@ -104,7 +101,7 @@ impl StoreError {
     pub(crate) fn backend(operation: &'static str, path: &object_store::path::Path, source: object_store::Error) -> Self {
         match source {
             object_store::Error::NotFound { .. } => StoreError::NotFound { path: path.to_string() },
-            source => StoreError::Backend { operation, path: path.to_string(), source },
+            cause => StoreError::Backend { operation, path: path.to_string(), cause },
         }
     }
 }

@@ -1,1 +1,189 @@
+//! Shared pieces of the end-to-end tests and benchmarks: finding the built binaries, running
+//! `ckptctl`, a real S3 server (`s3s-fs`) on 127.0.0.1, and test data.
 
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use lazarus_shared::format::DType;
+
+/// A binary of this workspace, built by `cargo build --workspace --bins` in the same profile
+/// as the running test.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test binary path");
+    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+    let path = profile_dir.join(name);
+    assert!(path.exists(), "{} is missing: build the binaries first (ops/test.sh does: cargo build --release --workspace --bins)", path.display());
+    path
+}
+
+/// `../shared/data/<name>` beside the repository.
+pub fn shared_data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data").join(name)
+}
+
+/// Runs `ckptctl` against one store with a private local index.
+#[derive(Debug)]
+pub struct Ctl {
+    pub store: String,
+    pub index: PathBuf,
+    pub envs: Vec<(String, String)>,
+}
+
+impl Ctl {
+    pub fn new(store: impl Into<String>, index: &Path) -> Self {
+        Self { store: store.into(), index: index.to_path_buf(), envs: Vec::new() }
+    }
+
+    pub fn command(&self, args: &[&str]) -> Command {
+        let mut command = Command::new(bin("ckptctl"));
+        command.arg("--store").arg(&self.store).arg("--index").arg(&self.index).args(args);
+        command.env_remove("LAZARUS_STORE").env("LAZARUS_LOG", "warn");
+        for (key, value) in &self.envs {
+            command.env(key, value);
+        }
+        command
+    }
+
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.command(args).output().expect("ckptctl runs")
+    }
+
+    /// Runs and asserts the exit code; returns stdout.
+    pub fn expect(&self, code: i32, args: &[&str]) -> String {
+        let output = self.run(args);
+        let stdout = String::from_utf8_lossy(&output.stdout).to_string();
+        let stderr = String::from_utf8_lossy(&output.stderr).to_string();
+        assert_eq!(output.status.code(), Some(code), "ckptctl {args:?} exited {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", output.status.code());
+        stdout + &stderr
+    }
+
+    pub fn json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = vec!["--json"];
+        all.extend_from_slice(args);
+        let output = self.run(&all);
+        assert!(output.status.success(), "ckptctl {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        serde_json::from_slice(&output.stdout).expect("ckptctl --json prints JSON")
+    }
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port on 127.0.0.1")
+}
+
+pub const S3_ACCESS_KEY: &str = "lazarus-test";
+pub const S3_SECRET_KEY: &str = "lazarus-test-secret";
+pub const S3_BUCKET: &str = "ckpt";
+
+/// A real S3 server (`s3s-fs`) on 127.0.0.1 and a free port, serving a temporary directory
+/// with one bucket. Killed when dropped.
+#[derive(Debug)]
+pub struct S3Server {
+    child: Child,
+    pub port: u16,
+    pub root: tempfile::TempDir,
+}
+
+impl S3Server {
+    pub fn start() -> Self {
+        let root = tempfile::tempdir().expect("temp dir");
+        std::fs::create_dir(root.path().join(S3_BUCKET)).expect("bucket directory");
+        for _attempt in 0..5 {
+            let port = free_port();
+            let mut child = Command::new("s3s-fs")
+                .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", S3_ACCESS_KEY, "--secret-key", S3_SECRET_KEY])
+                .arg(root.path())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("s3s-fs is installed (ops/setup.sh test installs it)");
+            if wait_ready(&mut child, port) {
+                return Self { child, port, root };
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        panic!("s3s-fs did not start on 127.0.0.1");
+    }
+
+    pub fn url(&self, prefix: &str) -> String {
+        format!("s3://{S3_BUCKET}/{prefix}")
+    }
+
+    pub fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    /// The environment a client needs to reach this server.
+    pub fn envs(&self) -> Vec<(String, String)> {
+        vec![
+            ("AWS_ACCESS_KEY_ID".into(), S3_ACCESS_KEY.into()),
+            ("AWS_SECRET_ACCESS_KEY".into(), S3_SECRET_KEY.into()),
+            ("AWS_ENDPOINT".into(), self.endpoint()),
+            ("AWS_REGION".into(), "us-east-1".into()),
+            ("AWS_ALLOW_HTTP".into(), "true".into()),
+        ]
+    }
+}
+
+/// Waits until `child` accepts connections on `port`; false if it exits or takes too long.
+fn wait_ready(child: &mut Child, port: u16) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if let Ok(Some(_)) = child.try_wait() {
+            return false;
+        }
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    false
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Deterministic pseudo-random f32 values (xorshift), as little-endian bytes.
+pub fn random_f32_bytes(count: usize, seed: u64) -> Vec<u8> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..count)
+        .flat_map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let value = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
+            value.to_le_bytes()
+        })
+        .collect()
+}
+
+/// Writes a `.safetensors` file of f32 tensors.
+pub fn write_safetensors(path: &Path, tensors: &[(&str, Vec<u64>, Vec<u8>)]) {
+    let tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)> = tensors.iter().map(|(name, shape, data)| (name.to_string(), DType::F32, shape.clone(), data.clone())).collect();
+    let bytes = lazarus_shared::safetensors_io::serialize(&tensors).expect("valid tensors");
+    std::fs::write(path, bytes).expect("write safetensors");
+}
+
+/// Every file under `root`, recursively.
+pub fn files_under(root: &Path) -> Vec<PathBuf> {
+    let mut files = Vec::new();
+    let mut pending = vec![root.to_path_buf()];
+    while let Some(dir) = pending.pop() {
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let path = entry.path();
+            if path.is_dir() {
+                pending.push(path);
+            } else {
+                files.push(path);
+            }
+        }
+    }
+    files.sort();
+    files
+}

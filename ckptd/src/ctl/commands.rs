@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use lazarus_shared::format::{DType, DimRange};
 use lazarus_shared::safetensors_io::{self, HEADER_BLOB_PREFIX};
-use lazarus_shared::store::{Checkpoint, DeltaBases, GcPolicy, OpenMode, RunStore, ShardInput, StepState, Store, VerifyOptions};
+use lazarus_shared::store::{Checkpoint, DeltaBases, GcPolicy, OpenMode, RunStore, ShardInput, StepState, Store, TensorData, VerifyOptions};
 use lazarus_shared::{RunId, StepKey};
 use serde::Serialize;
 
@@ -27,7 +27,7 @@ pub async fn run(cli: Cli) -> Result<()> {
             verify(&cli, run, step.as_deref(), *all, &options, bars).await
         }
         Command::Diff { run, a, b } => diff(&cli, run, a, b).await,
-        Command::Import { run, step, delta, files } => import(&cli, run, *step, *delta, files, bars).await,
+        Command::Import { run, step, delta, chunk_bytes, files } => import(&cli, run, *step, *delta, *chunk_bytes, files, bars).await,
         Command::Export { run, step, format, out } => export(&cli, run, step, *format, out, bars).await,
         Command::Restore { run, step, out } => restore(&cli, run, step, out, bars).await,
         Command::Rollback { run, to, reason } => rollback(&cli, run, to, reason).await,
@@ -199,7 +199,26 @@ async fn verify(cli: &Cli, run: &str, step: Option<&str>, all: bool, options: &V
         let catalog = run.catalog().await?;
         catalog.steps.iter().filter(|s| !matches!(s.state, StepState::Incomplete { .. })).map(|s| s.step).collect()
     } else {
-        vec![run.resolve_step(step.unwrap_or("latest")).await?]
+        let wanted = step.unwrap_or("latest");
+        match run.resolve_step(wanted).await {
+            Ok(key) => vec![key],
+            Err(error @ lazarus_shared::StoreError::NotCommitted { .. }) => {
+                // Manifests without a commit record: either a write that never finished, or a
+                // commit record that was lost. Asked for by name, that is a problem to report.
+                let catalog = run.catalog().await?;
+                let orphan = catalog.steps.iter().find(|s| s.step.step.to_string() == wanted && matches!(s.state, StepState::Incomplete { .. }));
+                let Some(orphan) = orphan else { return Err(error.into()) };
+                let message = format!(
+                    "BAD run={} step={}: shard manifests exist but the commit record commits/{}.json is missing (lost, or the write never finished)",
+                    run.id(),
+                    orphan.step,
+                    orphan.step.object_name()
+                );
+                println!("{message}");
+                return Err(IntegrityProblems(message).into());
+            }
+            Err(error) => return Err(error.into()),
+        }
     };
     let bar = if options.read_data { Bar::bytes("verify", bars) } else { Bar::items("verify", bars) };
     let started = Instant::now();
@@ -312,7 +331,7 @@ async fn diff(cli: &Cli, run: &str, a: &str, b: &str) -> Result<()> {
     Ok(())
 }
 
-async fn import(cli: &Cli, run: &str, step: u64, delta: bool, files: &[PathBuf], bars: bool) -> Result<()> {
+async fn import(cli: &Cli, run: &str, step: u64, delta: bool, chunk_bytes: Option<u64>, files: &[PathBuf], bars: bool) -> Result<()> {
     let run_id = run_id(run)?;
     // Parse every file before touching the store: bad input changes nothing.
     let mut tensors = Vec::new();
@@ -334,11 +353,23 @@ async fn import(cli: &Cli, run: &str, step: u64, delta: bool, files: &[PathBuf],
         blobs.push((format!("{HEADER_BLOB_PREFIX}{}", parsed.file_name), parsed.header));
         tensors.extend(parsed.tensors);
     }
-    let store = cli.open_store(OpenMode::CreateIfMissing).await?;
+    let mut options = cli.store_options();
+    options.chunk_bytes = chunk_bytes.unwrap_or(options.chunk_bytes);
+    let url = cli.store.as_deref().ok_or_else(|| UsageError("no store given: pass --store URL or set LAZARUS_STORE".into()))?;
+    let store = Store::open(url, OpenMode::CreateIfMissing, options).await?;
     let handle = store.run(&run_id);
     let description = serde_json::json!({ "source": "ckptctl import" });
-    handle.create(description).await?;
+    let info = handle.create(description).await?;
     let key = StepKey::new(step, handle.current_timeline().await?);
+    if handle.load_commit(key).await.is_ok() {
+        // Re-running an import that already finished is a no-op, if the content is the same.
+        let checkpoint = handle.open_checkpoint(key).await?;
+        if !same_content(&checkpoint, &tensors, &blobs, info.chunk_bytes) {
+            return Err(lazarus_shared::StoreError::StepAlreadyCommitted { run: run_id, step: key }.into());
+        }
+        println!("run {run_id} step {key} is already committed with this content; nothing to do");
+        return Ok(());
+    }
     let bases = if delta { delta_bases(&handle).await? } else { None };
     let started = Instant::now();
     let bar = Bar::bytes("import", bars);
@@ -359,6 +390,20 @@ async fn import(cli: &Cli, run: &str, step: u64, delta: bool, files: &[PathBuf],
         );
     }
     Ok(())
+}
+
+/// Whether a committed single-rank step holds exactly these tensors and blobs.
+fn same_content(checkpoint: &Checkpoint, tensors: &[TensorData], blobs: &[(String, Bytes)], chunk_bytes: u64) -> bool {
+    let Ok(manifest) = checkpoint.manifest(0) else { return false };
+    let hashes = |data: &Bytes| -> Vec<lazarus_shared::ChunkHash> { data.chunks(chunk_bytes as usize).map(lazarus_shared::ChunkHash::of).collect() };
+    let stored = |chunks: &[lazarus_shared::format::ChunkRef]| -> Vec<lazarus_shared::ChunkHash> { chunks.iter().map(|c| c.hash).collect() };
+    checkpoint.manifests.len() == 1
+        && manifest.tensors.len() == tensors.len()
+        && manifest.blobs.len() == blobs.len()
+        && tensors.iter().all(|t| {
+            manifest.tensor(&t.name).is_some_and(|entry| entry.dtype == t.dtype && entry.global_shape == t.global_shape && stored(&entry.chunks) == hashes(&t.data))
+        })
+        && blobs.iter().all(|(name, data)| manifest.blob(name).is_some_and(|entry| stored(&entry.chunks) == hashes(data)))
 }
 
 /// The latest step's tensors as delta bases, when it was written by a single rank.
@@ -512,6 +557,9 @@ async fn gc(cli: &Cli, run: &str, policy: &GcPolicy, bars: bool) -> Result<()> {
         output::bytes(report.deleted_bytes),
         report.young_chunks
     );
+    if report.deleted_staging_files > 0 {
+        println!("{verb} {} staging file(s) left by killed writers", report.deleted_staging_files);
+    }
     Ok(())
 }
 

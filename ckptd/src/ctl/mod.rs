@@ -88,6 +88,9 @@ pub enum Command {
         /// Delta-encode against the run's latest step where that stores less.
         #[arg(long)]
         delta: bool,
+        /// Raw bytes per chunk, used when this import creates the run (default 4 MiB).
+        #[arg(long, value_parser = clap::value_parser!(u64).range(1024..=256 << 20))]
+        chunk_bytes: Option<u64>,
         #[arg(required = true)]
         files: Vec<PathBuf>,
     },
@@ -213,7 +216,12 @@ impl Cli {
             upload_concurrency: self.concurrency.max(1),
             download_concurrency: self.concurrency.max(1),
             index_path,
-            s3: S3Settings { endpoint: self.s3_endpoint.clone(), region: self.s3_region.clone(), allow_http: self.s3_allow_http.then_some(true) },
+            s3: S3Settings {
+                endpoint: self.s3_endpoint.clone(),
+                region: self.s3_region.clone(),
+                allow_http: self.s3_allow_http.then_some(true),
+                ..S3Settings::default()
+            },
             ..StoreOptions::default()
         }
     }

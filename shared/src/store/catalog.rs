@@ -66,7 +66,7 @@ impl RunStore {
                 step: step.to_string(),
                 rank: "-".into(),
                 path: path.to_string(),
-                source: format::FormatError::Invalid { what: "commit record".into(), reason: format!("it names run {} step {}", record.run, record.step) },
+                cause: format::FormatError::Invalid { what: "commit record".into(), reason: format!("it names run {} step {}", record.run, record.step) },
             });
         }
         Ok(record)

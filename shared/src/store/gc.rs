@@ -48,6 +48,8 @@ pub struct GcReport {
     pub deleted_bytes: u64,
     /// Unreferenced chunks left alone because they are younger than the grace period.
     pub young_chunks: u64,
+    /// Half-written staging files (`name#N`) that a killed writer left in a `file://` store.
+    pub deleted_staging_files: u64,
 }
 
 impl RunStore {
@@ -142,7 +144,45 @@ impl RunStore {
                 .try_collect::<()>()
                 .await?;
         }
+        report.deleted_staging_files = self.sweep_staging_files(policy, now)?;
         Ok(report)
+    }
+
+    /// `object_store` writes a local file as `name#N` and renames it into place; a writer
+    /// killed in between leaves the staging file, which listings never show. Removes those
+    /// older than the grace period under this run's directory.
+    fn sweep_staging_files(&self, policy: &GcPolicy, now: u64) -> Result<u64, StoreError> {
+        let Some(root) = &self.store.local_root else { return Ok(0) };
+        let run_dir = root.join(layout::RUNS).join(self.run.as_str());
+        let io = |path: &std::path::Path, cause| StoreError::Io { path: path.display().to_string(), cause };
+        let mut removed = 0;
+        let mut pending = vec![run_dir];
+        while let Some(dir) = pending.pop() {
+            let entries = match std::fs::read_dir(&dir) {
+                Ok(entries) => entries,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(error) => return Err(io(&dir, error)),
+            };
+            for entry in entries {
+                let entry = entry.map_err(|e| io(&dir, e))?;
+                let path = entry.path();
+                let metadata = entry.metadata().map_err(|e| io(&path, e))?;
+                if metadata.is_dir() {
+                    pending.push(path);
+                    continue;
+                }
+                let name = entry.file_name().to_string_lossy().to_string();
+                let staging = name.rsplit_once('#').is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+                let modified_ms = metadata.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64);
+                if staging && modified_ms.is_some_and(|t| t + policy.grace_ms <= now) {
+                    if !policy.dry_run {
+                        std::fs::remove_file(&path).map_err(|e| io(&path, e))?;
+                    }
+                    removed += 1;
+                }
+            }
+        }
+        Ok(removed)
     }
 
     /// Every shard manifest stored for `step` (committed or not); a damaged one is an error.

@@ -53,7 +53,7 @@ fn manifest_key(run: &RunId, step: StepKey, rank: Rank) -> Vec<u8> {
 
 impl ChunkIndex {
     pub fn open(path: &FsPath) -> Result<Self, StoreError> {
-        let error = |source| StoreError::Index { path: path.display().to_string(), source };
+        let error = |cause| StoreError::Index { path: path.display().to_string(), cause };
         let db = sled::open(path).map_err(error)?;
         Ok(Self {
             chunks: db.open_tree("chunks").map_err(error)?,
@@ -65,7 +65,7 @@ impl ChunkIndex {
     }
 
     fn error(&self, source: sled::Error) -> StoreError {
-        StoreError::Index { path: self.path.display().to_string(), source }
+        StoreError::Index { path: self.path.display().to_string(), cause: source }
     }
 
     pub fn chunk(&self, run: &RunId, hash: &ChunkHash) -> Option<ChunkInfo> {

@@ -103,6 +103,8 @@ pub struct Store {
     url: String,
     options: Arc<StoreOptions>,
     index: Option<Arc<ChunkIndex>>,
+    /// The directory of a `file://` store, for cleanup that `object_store` cannot see.
+    local_root: Option<PathBuf>,
 }
 
 impl std::fmt::Debug for Store {
@@ -114,19 +116,23 @@ impl std::fmt::Debug for Store {
 impl Store {
     /// Opens the store at `url` and checks that it answers.
     pub async fn open(url: &str, mode: OpenMode, options: StoreOptions) -> Result<Self, StoreError> {
-        let objects = backend::open(url, mode, &options.s3, options.retries)?;
-        Self::with_objects(objects, url, options).await
+        let backend = backend::open(url, mode, &options.s3, options.retries)?;
+        let mut store = Self::with_objects(backend.objects, url, options).await?;
+        store.local_root = backend.local_root;
+        Ok(store)
     }
 
     /// Wraps an already built `object_store` (tests, embedders).
     pub async fn with_objects(objects: Arc<dyn ObjectStore>, url: &str, options: StoreOptions) -> Result<Self, StoreError> {
         let probe = Path::from(layout::RUNS);
         objects.list_with_delimiter(Some(&probe)).await.map_err(|source| match source {
-            object_store::Error::NotFound { .. } => StoreError::InvalidUrl {
-                url: url.to_string(),
-                reason: "the bucket or directory does not exist".into(),
-            },
-            source => StoreError::Backend { operation: "list", path: format!("{url} (reachability check)"), source },
+            // S3 servers answer a missing bucket with a 404 `NoSuchBucket`, which object_store
+            // passes on as a generic error.
+            object_store::Error::NotFound { .. } => StoreError::InvalidUrl { url: url.to_string(), reason: "the bucket or directory does not exist".into() },
+            source if source.to_string().contains("NoSuchBucket") => {
+                StoreError::InvalidUrl { url: url.to_string(), reason: "the bucket does not exist; create it, or check the URL and endpoint".into() }
+            }
+            source => StoreError::Backend { operation: "list", path: format!("{url} (reachability check)"), cause: source },
         })?;
         let index = match &options.index_path {
             None => None,
@@ -139,7 +145,7 @@ impl Store {
                 }
             },
         };
-        Ok(Self { objects, url: url.to_string(), options: Arc::new(options), index })
+        Ok(Self { objects, url: url.to_string(), options: Arc::new(options), index, local_root: None })
     }
 
     pub fn url(&self) -> &str {
@@ -278,12 +284,12 @@ impl RunStore {
     }
 
     pub(crate) fn open_object<T: Object>(&self, bytes: &[u8], path: &Path, step: &str, rank: &str) -> Result<(T, crate::ChunkHash), StoreError> {
-        format::open(bytes).map_err(|source| StoreError::Format {
+        format::open(bytes).map_err(|cause| StoreError::Format {
             run: self.run.clone(),
             step: step.to_string(),
             rank: rank.to_string(),
             path: path.to_string(),
-            source,
+            cause,
         })
     }
 }

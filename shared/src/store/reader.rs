@@ -60,7 +60,7 @@ impl RunStore {
                     step: step.to_string(),
                     rank: rank.to_string(),
                     path: path.clone(),
-                    source: crate::format::FormatError::Invalid { what: "shard manifest".into(), reason: "committed, but missing from storage".into() },
+                    cause: crate::format::FormatError::Invalid { what: "shard manifest".into(), reason: "committed, but missing from storage".into() },
                 })
             }
             Err(e) => return Err(e),
@@ -119,7 +119,7 @@ impl RunStore {
         Ok((raw.expect("the chain holds at least the requested chunk"), chain))
     }
 
-    fn corrupt(&self, chunk: ChunkHash, context: &ChunkContext, source: CodecError) -> StoreError {
+    fn corrupt(&self, chunk: ChunkHash, context: &ChunkContext, cause: CodecError) -> StoreError {
         StoreError::ChunkCorrupt {
             run: self.run.clone(),
             step: context.step,
@@ -127,7 +127,7 @@ impl RunStore {
             item: context.item,
             name: context.name.clone(),
             chunk,
-            source,
+            cause,
         }
     }
 
