@@ -1,5 +1,8 @@
 //! End-to-end tests: one test binary that `mod`s every scenario (one link, shared harness).
 
+// Test code: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used)]
+
 mod cli;
 mod conformance;
 mod crash;

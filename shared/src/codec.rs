@@ -38,7 +38,12 @@ pub enum Codec {
 }
 
 impl Codec {
-    pub const ALL: [Codec; 4] = [Codec::Raw, Codec::Zstd, Codec::Shuffle4Zstd, Codec::XorShuffle4Zstd];
+    pub const ALL: [Codec; 4] = [
+        Codec::Raw,
+        Codec::Zstd,
+        Codec::Shuffle4Zstd,
+        Codec::XorShuffle4Zstd,
+    ];
 
     fn to_byte(self) -> u8 {
         match self {
@@ -80,7 +85,10 @@ pub enum CodecError {
     #[error("chunk claims {raw_len} raw bytes, more than the {CHUNK_RAW_BYTES_MAX} allowed")]
     TooLarge { raw_len: u64 },
     #[error("chunk header names {found}, but it was read as {expected}")]
-    NameMismatch { expected: ChunkHash, found: ChunkHash },
+    NameMismatch {
+        expected: ChunkHash,
+        found: ChunkHash,
+    },
     #[error("delta chunk needs base {base} ({depth} deep), which was not supplied or has the wrong length")]
     BaseMissing { base: ChunkHash, depth: u8 },
     #[error("bad delta header: depth {depth}, codec {codec:?}")]
@@ -90,7 +98,10 @@ pub enum CodecError {
     #[error("payload decodes to {found} bytes, header says {expected}")]
     LengthMismatch { expected: u64, found: u64 },
     #[error("checksum mismatch: decoded bytes hash to {found}, chunk is named {expected}")]
-    ChecksumMismatch { expected: ChunkHash, found: ChunkHash },
+    ChecksumMismatch {
+        expected: ChunkHash,
+        found: ChunkHash,
+    },
 }
 
 /// The parsed fixed header of a chunk object.
@@ -143,9 +154,18 @@ impl ChunkHeader {
         let is_delta = codec == Codec::XorShuffle4Zstd;
         let has_base = base_bytes != [0u8; 32];
         if is_delta != has_base || is_delta != (delta_depth > 0) || delta_depth > DELTA_DEPTH_MAX {
-            return Err(CodecError::BadDelta { depth: delta_depth, codec });
+            return Err(CodecError::BadDelta {
+                depth: delta_depth,
+                codec,
+            });
         }
-        Ok(Self { codec, delta_depth, raw_len, raw_hash, base: has_base.then_some(ChunkHash(base_bytes)) })
+        Ok(Self {
+            codec,
+            delta_depth,
+            raw_len,
+            raw_hash,
+            base: has_base.then_some(ChunkHash(base_bytes)),
+        })
     }
 }
 
@@ -174,21 +194,38 @@ pub fn encode_with(
     base: Option<DeltaBase<'_>>,
     zstd_level: i32,
 ) -> EncodedChunk {
-    assert!(raw.len() as u64 <= CHUNK_RAW_BYTES_MAX, "chunk larger than CHUNK_RAW_BYTES_MAX");
+    assert!(
+        raw.len() as u64 <= CHUNK_RAW_BYTES_MAX,
+        "chunk larger than CHUNK_RAW_BYTES_MAX"
+    );
     let (payload, delta_depth, base_hash) = match codec {
         Codec::Raw => (raw.to_vec(), 0, None),
         Codec::Zstd => (compress(raw, zstd_level), 0, None),
         Codec::Shuffle4Zstd => (compress(&shuffle4(raw), zstd_level), 0, None),
         Codec::XorShuffle4Zstd => {
             let base = base.expect("the delta codec needs a base");
-            assert_eq!(base.raw.len(), raw.len(), "a delta base must have the chunk's length");
+            assert_eq!(
+                base.raw.len(),
+                raw.len(),
+                "a delta base must have the chunk's length"
+            );
             assert!(base.depth < DELTA_DEPTH_MAX, "delta chain too deep");
             let mut delta = raw.to_vec();
             xor_in_place(&mut delta, base.raw);
-            (compress(&shuffle4(&delta), zstd_level), base.depth + 1, Some(base.hash))
+            (
+                compress(&shuffle4(&delta), zstd_level),
+                base.depth + 1,
+                Some(base.hash),
+            )
         }
     };
-    let header = ChunkHeader { codec, delta_depth, raw_len: raw.len() as u64, raw_hash, base: base_hash };
+    let header = ChunkHeader {
+        codec,
+        delta_depth,
+        raw_len: raw.len() as u64,
+        raw_hash,
+        base: base_hash,
+    };
     let mut bytes = Vec::with_capacity(HEADER_BYTES + payload.len());
     bytes.extend_from_slice(&header.to_bytes());
     bytes.extend_from_slice(&payload);
@@ -208,11 +245,28 @@ pub struct CodecPolicy {
 /// Encodes `raw` with whichever allowed codec stores it smallest: a delta against `base` when
 /// one is given and the chain is not too deep, shuffle4+zstd for 4-byte elements, plain zstd
 /// otherwise, and raw when compression does not pay.
-pub fn encode_best(raw: &[u8], raw_hash: ChunkHash, base: Option<DeltaBase<'_>>, policy: CodecPolicy) -> EncodedChunk {
-    let plain_codec = if policy.element_bytes == 4 { Codec::Shuffle4Zstd } else { Codec::Zstd };
+pub fn encode_best(
+    raw: &[u8],
+    raw_hash: ChunkHash,
+    base: Option<DeltaBase<'_>>,
+    policy: CodecPolicy,
+) -> EncodedChunk {
+    let plain_codec = if policy.element_bytes == 4 {
+        Codec::Shuffle4Zstd
+    } else {
+        Codec::Zstd
+    };
     let mut best = encode_with(raw, raw_hash, plain_codec, None, policy.zstd_level);
-    if let Some(base) = base.filter(|b| b.raw.len() == raw.len() && b.depth < policy.delta_depth_max.min(DELTA_DEPTH_MAX)) {
-        let delta = encode_with(raw, raw_hash, Codec::XorShuffle4Zstd, Some(base), policy.zstd_level);
+    if let Some(base) = base.filter(|b| {
+        b.raw.len() == raw.len() && b.depth < policy.delta_depth_max.min(DELTA_DEPTH_MAX)
+    }) {
+        let delta = encode_with(
+            raw,
+            raw_hash,
+            Codec::XorShuffle4Zstd,
+            Some(base),
+            policy.zstd_level,
+        );
         if delta.bytes.len() < best.bytes.len() {
             best = delta;
         }
@@ -227,10 +281,17 @@ pub fn encode_best(raw: &[u8], raw_hash: ChunkHash, base: Option<DeltaBase<'_>>,
 ///
 /// For a delta chunk, `base_raw` must hold the verified raw bytes of `header.base`. The
 /// returned bytes always hash to `expected`.
-pub fn decode(bytes: &[u8], expected: ChunkHash, base_raw: Option<&[u8]>) -> Result<Vec<u8>, CodecError> {
+pub fn decode(
+    bytes: &[u8],
+    expected: ChunkHash,
+    base_raw: Option<&[u8]>,
+) -> Result<Vec<u8>, CodecError> {
     let header = ChunkHeader::parse(bytes)?;
     if header.raw_hash != expected {
-        return Err(CodecError::NameMismatch { expected, found: header.raw_hash });
+        return Err(CodecError::NameMismatch {
+            expected,
+            found: header.raw_hash,
+        });
     }
     let payload = &bytes[HEADER_BYTES..];
     let raw = match header.codec {
@@ -238,10 +299,15 @@ pub fn decode(bytes: &[u8], expected: ChunkHash, base_raw: Option<&[u8]>) -> Res
         Codec::Zstd => decompress(payload, header.raw_len)?,
         Codec::Shuffle4Zstd => unshuffle4(&decompress(payload, header.raw_len)?),
         Codec::XorShuffle4Zstd => {
-            let base_hash = header.base.expect("parse checked that delta chunks have a base");
+            let base_hash = header
+                .base
+                .expect("parse checked that delta chunks have a base");
             let base = base_raw
                 .filter(|b| b.len() as u64 == header.raw_len)
-                .ok_or(CodecError::BaseMissing { base: base_hash, depth: header.delta_depth })?;
+                .ok_or(CodecError::BaseMissing {
+                    base: base_hash,
+                    depth: header.delta_depth,
+                })?;
             let mut raw = unshuffle4(&decompress(payload, header.raw_len)?);
             if raw.len() == base.len() {
                 xor_in_place(&mut raw, base);
@@ -250,7 +316,10 @@ pub fn decode(bytes: &[u8], expected: ChunkHash, base_raw: Option<&[u8]>) -> Res
         }
     };
     if raw.len() as u64 != header.raw_len {
-        return Err(CodecError::LengthMismatch { expected: header.raw_len, found: raw.len() as u64 });
+        return Err(CodecError::LengthMismatch {
+            expected: header.raw_len,
+            found: raw.len() as u64,
+        });
     }
     let found = ChunkHash::of(&raw);
     if found != expected {
@@ -380,7 +449,10 @@ mod tests {
             for position in [0, 9, 12, 20, 30, 60, HEADER_BYTES, encoded.bytes.len() - 1] {
                 let mut damaged = encoded.bytes.clone();
                 damaged[position] ^= 0x10;
-                assert!(decode(&damaged, hash, None).is_err(), "{codec:?}: flip at {position} not caught");
+                assert!(
+                    decode(&damaged, hash, None).is_err(),
+                    "{codec:?}: flip at {position} not caught"
+                );
             }
             assert!(decode(&encoded.bytes[..encoded.bytes.len() - 1], hash, None).is_err());
         }
@@ -388,21 +460,41 @@ mod tests {
 
     #[test]
     fn delta_against_a_similar_step_is_smaller() {
-        let before: Vec<f32> = (0..4096).map(|i| ((i * 7919) % 1000) as f32 / 997.0).collect();
+        let before: Vec<f32> = (0..4096)
+            .map(|i| ((i * 7919) % 1000) as f32 / 997.0)
+            .collect();
         let mut after = before.clone();
         for value in after.iter_mut().step_by(64) {
             *value += 1e-3;
         }
         let (before, after) = (floats(&before), floats(&after));
-        let base = DeltaBase { hash: ChunkHash::of(&before), depth: 0, raw: &before };
-        let policy = CodecPolicy { element_bytes: 4, zstd_level: 3, delta_depth_max: 8 };
+        let base = DeltaBase {
+            hash: ChunkHash::of(&before),
+            depth: 0,
+            raw: &before,
+        };
+        let policy = CodecPolicy {
+            element_bytes: 4,
+            zstd_level: 3,
+            delta_depth_max: 8,
+        };
         let best = encode_best(&after, ChunkHash::of(&after), Some(base), policy);
         let plain = encode_with(&after, ChunkHash::of(&after), Codec::Shuffle4Zstd, None, 3);
         assert_eq!(best.header.codec, Codec::XorShuffle4Zstd);
-        assert!(best.bytes.len() * 2 < plain.bytes.len(), "{} vs {}", best.bytes.len(), plain.bytes.len());
+        assert!(
+            best.bytes.len() * 2 < plain.bytes.len(),
+            "{} vs {}",
+            best.bytes.len(),
+            plain.bytes.len()
+        );
         // The chain bound is honoured: a base already at the limit is not used.
         let deep = DeltaBase { depth: 8, ..base };
-        assert_eq!(encode_best(&after, ChunkHash::of(&after), Some(deep), policy).header.delta_depth, 0);
+        assert_eq!(
+            encode_best(&after, ChunkHash::of(&after), Some(deep), policy)
+                .header
+                .delta_depth,
+            0
+        );
     }
 
     #[test]
@@ -411,6 +503,9 @@ mod tests {
         let mut encoded = encode_with(&raw, ChunkHash::of(&raw), Codec::Raw, None, 3).bytes;
         encoded[8] = 9;
         let error = decode(&encoded, ChunkHash::of(&raw), None).unwrap_err();
-        assert!(matches!(error, CodecError::UnknownVersion { found: 9 }), "{error}");
+        assert!(
+            matches!(error, CodecError::UnknownVersion { found: 9 }),
+            "{error}"
+        );
     }
 }

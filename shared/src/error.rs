@@ -27,14 +27,34 @@ pub enum StoreError {
     NotCommitted { run: RunId, step: String },
     #[error("run {run} step {step} is already committed; a committed step is never rewritten")]
     StepAlreadyCommitted { run: RunId, step: StepKey },
-    #[error("run {run} step {step} cannot be committed: shard manifests missing for ranks {missing:?}")]
-    IncompleteStep { run: RunId, step: StepKey, missing: Vec<Rank> },
+    #[error(
+        "run {run} step {step} cannot be committed: shard manifests missing for ranks {missing:?}"
+    )]
+    IncompleteStep {
+        run: RunId,
+        step: StepKey,
+        missing: Vec<Rank>,
+    },
     #[error("run {run} step {step} belongs to timeline {step_timeline}, but the run was rolled back (timeline {current}); restart from the latest step")]
-    RolledBack { run: RunId, step: StepKey, step_timeline: u32, current: u32 },
+    RolledBack {
+        run: RunId,
+        step: StepKey,
+        step_timeline: u32,
+        current: u32,
+    },
     #[error("run {run} step {step}: no tensor or blob named {name:?}{}", rank.map(|r| format!(" on rank {r}")).unwrap_or_default())]
-    NoSuchTensor { run: RunId, step: StepKey, rank: Option<Rank>, name: String },
+    NoSuchTensor {
+        run: RunId,
+        step: StepKey,
+        rank: Option<Rank>,
+        name: String,
+    },
     #[error("{path} is held by {holder} until {expires}; wait for it, or remove it if that process is gone")]
-    Locked { path: String, holder: String, expires: String },
+    Locked {
+        path: String,
+        holder: String,
+        expires: String,
+    },
     #[error("{reason}")]
     BadRequest { reason: String },
     #[error("run {run} step {step} rank {rank}: {path}: {cause}")]
@@ -46,10 +66,28 @@ pub enum StoreError {
         cause: FormatError,
     },
     #[error("run {run} step {step} rank {rank}: manifest {path} hashes to {found}, but the commit pinned {expected}")]
-    ManifestMismatch { run: RunId, step: StepKey, rank: Rank, path: String, expected: ChunkHash, found: ChunkHash },
-    #[error("run {run} step {step} rank {rank} {item} {name:?}: chunk {chunk} is missing from storage")]
-    ChunkMissing { run: RunId, step: StepKey, rank: Rank, item: &'static str, name: String, chunk: ChunkHash },
-    #[error("run {run} step {step} rank {rank} {item} {name:?}: chunk {chunk} is corrupt: {cause}")]
+    ManifestMismatch {
+        run: RunId,
+        step: StepKey,
+        rank: Rank,
+        path: String,
+        expected: ChunkHash,
+        found: ChunkHash,
+    },
+    #[error(
+        "run {run} step {step} rank {rank} {item} {name:?}: chunk {chunk} is missing from storage"
+    )]
+    ChunkMissing {
+        run: RunId,
+        step: StepKey,
+        rank: Rank,
+        item: &'static str,
+        name: String,
+        chunk: ChunkHash,
+    },
+    #[error(
+        "run {run} step {step} rank {rank} {item} {name:?}: chunk {chunk} is corrupt: {cause}"
+    )]
     ChunkCorrupt {
         run: RunId,
         step: StepKey,
@@ -60,15 +98,9 @@ pub enum StoreError {
         cause: CodecError,
     },
     #[error("local index at {path}: {cause}")]
-    Index {
-        path: String,
-        cause: sled::Error,
-    },
+    Index { path: String, cause: sled::Error },
     #[error("{path}: {cause}")]
-    Io {
-        path: String,
-        cause: std::io::Error,
-    },
+    Io { path: String, cause: std::io::Error },
 }
 
 impl StoreError {
@@ -98,10 +130,20 @@ impl StoreError {
         )
     }
 
-    pub(crate) fn backend(operation: &'static str, path: &object_store::path::Path, source: object_store::Error) -> Self {
+    pub(crate) fn backend(
+        operation: &'static str,
+        path: &object_store::path::Path,
+        source: object_store::Error,
+    ) -> Self {
         match source {
-            object_store::Error::NotFound { .. } => StoreError::NotFound { path: path.to_string() },
-            cause => StoreError::Backend { operation, path: path.to_string(), cause },
+            object_store::Error::NotFound { .. } => StoreError::NotFound {
+                path: path.to_string(),
+            },
+            cause => StoreError::Backend {
+                operation,
+                path: path.to_string(),
+                cause,
+            },
         }
     }
 }

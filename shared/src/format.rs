@@ -31,7 +31,10 @@ pub enum FormatError {
     #[error("format version {found} is not supported (this build reads version {FORMAT_VERSION}); upgrade Lazarus to read it")]
     UnknownVersion { found: u64 },
     #[error("expected a {expected} object, found {found:?}")]
-    WrongKind { expected: &'static str, found: String },
+    WrongKind {
+        expected: &'static str,
+        found: String,
+    },
     #[error("object body hashes to {found}, its envelope says {expected}")]
     ChecksumMismatch { expected: String, found: ChunkHash },
     #[error("malformed JSON: {0}")]
@@ -43,7 +46,10 @@ pub enum FormatError {
 }
 
 fn invalid(what: impl Into<String>, reason: impl Into<String>) -> FormatError {
-    FormatError::Invalid { what: what.into(), reason: reason.into() }
+    FormatError::Invalid {
+        what: what.into(),
+        reason: reason.into(),
+    }
 }
 
 #[derive(Serialize)]
@@ -78,8 +84,16 @@ pub fn seal<T: Object>(object: &T) -> (Vec<u8>, ChunkHash) {
     let body = serde_json::to_string(object).expect("format types always serialise");
     let hash = ChunkHash::of(body.as_bytes());
     let raw = RawValue::from_string(body).expect("serde_json output is valid JSON");
-    let envelope = EnvelopeOut { format_version: FORMAT_VERSION, kind: T::KIND, blake3: hash.to_hex(), body: &raw };
-    (serde_json::to_vec(&envelope).expect("envelope serialises"), hash)
+    let envelope = EnvelopeOut {
+        format_version: FORMAT_VERSION,
+        kind: T::KIND,
+        blake3: hash.to_hex(),
+        body: &raw,
+    };
+    (
+        serde_json::to_vec(&envelope).expect("envelope serialises"),
+        hash,
+    )
 }
 
 /// Checks the envelope (version first, then kind and hash), parses and validates the body.
@@ -90,15 +104,23 @@ pub fn open<T: Object>(bytes: &[u8]) -> Result<(T, ChunkHash), FormatError> {
     }
     let version: VersionOnly = serde_json::from_slice(bytes)?;
     if version.format_version != u64::from(FORMAT_VERSION) {
-        return Err(FormatError::UnknownVersion { found: version.format_version });
+        return Err(FormatError::UnknownVersion {
+            found: version.format_version,
+        });
     }
     let envelope: EnvelopeIn<'_> = serde_json::from_slice(bytes)?;
     if envelope.kind != T::KIND {
-        return Err(FormatError::WrongKind { expected: T::KIND, found: envelope.kind.chars().take(64).collect() });
+        return Err(FormatError::WrongKind {
+            expected: T::KIND,
+            found: envelope.kind.chars().take(64).collect(),
+        });
     }
     let found = ChunkHash::of(envelope.body.get().as_bytes());
     if found.to_hex() != envelope.blake3 {
-        return Err(FormatError::ChecksumMismatch { expected: envelope.blake3.chars().take(64).collect(), found });
+        return Err(FormatError::ChecksumMismatch {
+            expected: envelope.blake3.chars().take(64).collect(),
+            found,
+        });
     }
     let object: T = serde_json::from_str(envelope.body.get())?;
     object.validate()?;
@@ -131,7 +153,12 @@ pub enum DType {
 impl DType {
     pub fn element_bytes(self) -> usize {
         match self {
-            DType::BOOL | DType::U8 | DType::I8 | DType::F8_E4M3 | DType::F8_E5M2 | DType::F8_E8M0 => 1,
+            DType::BOOL
+            | DType::U8
+            | DType::I8
+            | DType::F8_E4M3
+            | DType::F8_E5M2
+            | DType::F8_E8M0 => 1,
             DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
             DType::I32 | DType::U32 | DType::F32 => 4,
             DType::I64 | DType::U64 | DType::F64 | DType::C64 => 8,
@@ -179,7 +206,10 @@ pub struct TensorEntry {
 impl TensorEntry {
     /// True when this entry holds the whole global tensor.
     pub fn is_whole(&self) -> bool {
-        self.slice.iter().zip(&self.global_shape).all(|(range, dim)| range.start == 0 && range.len == *dim)
+        self.slice
+            .iter()
+            .zip(&self.global_shape)
+            .all(|(range, dim)| range.start == 0 && range.len == *dim)
     }
 
     pub fn global_bytes(&self) -> u64 {
@@ -211,17 +241,24 @@ pub struct ShardManifest {
 
 impl ShardManifest {
     pub fn raw_bytes(&self) -> u64 {
-        self.tensors.iter().map(|t| t.raw_bytes).sum::<u64>() + self.blobs.iter().map(|b| b.raw_bytes).sum::<u64>()
+        self.tensors.iter().map(|t| t.raw_bytes).sum::<u64>()
+            + self.blobs.iter().map(|b| b.raw_bytes).sum::<u64>()
     }
 
     /// Stored size of every chunk this shard refers to, counting each distinct chunk once.
     pub fn stored_bytes(&self) -> u64 {
         let mut seen = std::collections::HashSet::new();
-        self.chunk_refs().filter(|c| seen.insert(c.hash)).map(|c| c.stored_len).sum()
+        self.chunk_refs()
+            .filter(|c| seen.insert(c.hash))
+            .map(|c| c.stored_len)
+            .sum()
     }
 
     pub fn chunk_refs(&self) -> impl Iterator<Item = &ChunkRef> {
-        self.tensors.iter().flat_map(|t| &t.chunks).chain(self.blobs.iter().flat_map(|b| &b.chunks))
+        self.tensors
+            .iter()
+            .flat_map(|t| &t.chunks)
+            .chain(self.blobs.iter().flat_map(|b| &b.chunks))
     }
 
     pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
@@ -235,7 +272,13 @@ impl ShardManifest {
 
 fn validate_name(what: &str, name: &str) -> Result<(), FormatError> {
     if name.is_empty() || name.len() > NAME_BYTES_MAX || name.chars().any(char::is_control) {
-        return Err(invalid(what, format!("name {:?} is empty, too long or has control characters", name.chars().take(80).collect::<String>())));
+        return Err(invalid(
+            what,
+            format!(
+                "name {:?} is empty, too long or has control characters",
+                name.chars().take(80).collect::<String>()
+            ),
+        ));
     }
     Ok(())
 }
@@ -244,15 +287,34 @@ fn validate_chunks(what: &str, chunks: &[ChunkRef], raw_bytes: u64) -> Result<()
     let mut total: u64 = 0;
     for chunk in chunks {
         if chunk.raw_len > CHUNK_RAW_BYTES_MAX || chunk.bases.len() > usize::from(DELTA_DEPTH_MAX) {
-            return Err(invalid(what, format!("chunk {} is too large or its delta chain too deep", chunk.hash)));
+            return Err(invalid(
+                what,
+                format!(
+                    "chunk {} is too large or its delta chain too deep",
+                    chunk.hash
+                ),
+            ));
         }
         if (chunk.codec == Codec::XorShuffle4Zstd) == chunk.bases.is_empty() {
-            return Err(invalid(what, format!("chunk {} has codec {} but {} delta bases", chunk.hash, chunk.codec.name(), chunk.bases.len())));
+            return Err(invalid(
+                what,
+                format!(
+                    "chunk {} has codec {} but {} delta bases",
+                    chunk.hash,
+                    chunk.codec.name(),
+                    chunk.bases.len()
+                ),
+            ));
         }
-        total = total.checked_add(chunk.raw_len).ok_or_else(|| invalid(what, "chunk lengths overflow"))?;
+        total = total
+            .checked_add(chunk.raw_len)
+            .ok_or_else(|| invalid(what, "chunk lengths overflow"))?;
     }
     if total != raw_bytes {
-        return Err(invalid(what, format!("chunks hold {total} raw bytes, entry says {raw_bytes}")));
+        return Err(invalid(
+            what,
+            format!("chunks hold {total} raw bytes, entry says {raw_bytes}"),
+        ));
     }
     Ok(())
 }
@@ -260,7 +322,11 @@ fn validate_chunks(what: &str, chunks: &[ChunkRef], raw_bytes: u64) -> Result<()
 impl TensorEntry {
     pub fn validate(&self) -> Result<(), FormatError> {
         self.validate_layout()?;
-        validate_chunks(&format!("tensor {:?}", self.name), &self.chunks, self.raw_bytes)
+        validate_chunks(
+            &format!("tensor {:?}", self.name),
+            &self.chunks,
+            self.raw_bytes,
+        )
     }
 
     /// Name, dtype, shape, slice and size agree with each other (chunks are not looked at).
@@ -268,24 +334,45 @@ impl TensorEntry {
         validate_name("tensor", &self.name)?;
         let what = format!("tensor {:?}", self.name);
         if self.global_shape.len() > DIMS_MAX || self.slice.len() != self.global_shape.len() {
-            return Err(invalid(&what, "slice and shape have different ranks, or too many dimensions"));
+            return Err(invalid(
+                &what,
+                "slice and shape have different ranks, or too many dimensions",
+            ));
         }
         let mut elements: u64 = 1;
         let mut global_elements: u64 = 1;
         for (range, dim) in self.slice.iter().zip(&self.global_shape) {
-            let end = range.start.checked_add(range.len).ok_or_else(|| invalid(&what, "slice overflows"))?;
+            let end = range
+                .start
+                .checked_add(range.len)
+                .ok_or_else(|| invalid(&what, "slice overflows"))?;
             if end > *dim {
-                return Err(invalid(&what, format!("slice {}..{} lies outside dimension {dim}", range.start, end)));
+                return Err(invalid(
+                    &what,
+                    format!(
+                        "slice {}..{} lies outside dimension {dim}",
+                        range.start, end
+                    ),
+                ));
             }
-            elements = elements.checked_mul(range.len).ok_or_else(|| invalid(&what, "slice size overflows"))?;
-            global_elements = global_elements.checked_mul(*dim).ok_or_else(|| invalid(&what, "shape overflows"))?;
+            elements = elements
+                .checked_mul(range.len)
+                .ok_or_else(|| invalid(&what, "slice size overflows"))?;
+            global_elements = global_elements
+                .checked_mul(*dim)
+                .ok_or_else(|| invalid(&what, "shape overflows"))?;
         }
         global_elements
             .checked_mul(self.dtype.element_bytes() as u64)
             .ok_or_else(|| invalid(&what, "global size overflows"))?;
-        let bytes = elements.checked_mul(self.dtype.element_bytes() as u64).ok_or_else(|| invalid(&what, "size overflows"))?;
+        let bytes = elements
+            .checked_mul(self.dtype.element_bytes() as u64)
+            .ok_or_else(|| invalid(&what, "size overflows"))?;
         if bytes != self.raw_bytes {
-            return Err(invalid(&what, format!("slice holds {bytes} bytes, entry says {}", self.raw_bytes)));
+            return Err(invalid(
+                &what,
+                format!("slice holds {bytes} bytes, entry says {}", self.raw_bytes),
+            ));
         }
         Ok(())
     }
@@ -295,8 +382,12 @@ impl Object for ShardManifest {
     const KIND: &'static str = "shard";
 
     fn validate(&self) -> Result<(), FormatError> {
-        if self.world_size == 0 || self.world_size > WORLD_SIZE_MAX || self.rank >= self.world_size {
-            return Err(invalid("shard manifest", format!("rank {} of world size {}", self.rank, self.world_size)));
+        if self.world_size == 0 || self.world_size > WORLD_SIZE_MAX || self.rank >= self.world_size
+        {
+            return Err(invalid(
+                "shard manifest",
+                format!("rank {} of world size {}", self.rank, self.world_size),
+            ));
         }
         if self.tensors.len() + self.blobs.len() > TENSORS_PER_SHARD_MAX {
             return Err(invalid("shard manifest", "too many tensors"));
@@ -305,14 +396,24 @@ impl Object for ShardManifest {
         for tensor in &self.tensors {
             tensor.validate()?;
             if !names.insert(("tensor", tensor.name.as_str())) {
-                return Err(invalid("shard manifest", format!("tensor {:?} appears twice", tensor.name)));
+                return Err(invalid(
+                    "shard manifest",
+                    format!("tensor {:?} appears twice", tensor.name),
+                ));
             }
         }
         for blob in &self.blobs {
             validate_name("blob", &blob.name)?;
-            validate_chunks(&format!("blob {:?}", blob.name), &blob.chunks, blob.raw_bytes)?;
+            validate_chunks(
+                &format!("blob {:?}", blob.name),
+                &blob.chunks,
+                blob.raw_bytes,
+            )?;
             if !names.insert(("blob", blob.name.as_str())) {
-                return Err(invalid("shard manifest", format!("blob {:?} appears twice", blob.name)));
+                return Err(invalid(
+                    "shard manifest",
+                    format!("blob {:?} appears twice", blob.name),
+                ));
             }
         }
         Ok(())
@@ -353,9 +454,24 @@ impl Object for CommitRecord {
     const KIND: &'static str = "commit";
 
     fn validate(&self) -> Result<(), FormatError> {
-        let ranks_in_order = self.shards.iter().enumerate().all(|(index, shard)| shard.rank as usize == index);
-        if self.world_size == 0 || self.world_size > WORLD_SIZE_MAX || self.shards.len() != self.world_size as usize || !ranks_in_order {
-            return Err(invalid("commit record", format!("{} shards listed for world size {}", self.shards.len(), self.world_size)));
+        let ranks_in_order = self
+            .shards
+            .iter()
+            .enumerate()
+            .all(|(index, shard)| shard.rank as usize == index);
+        if self.world_size == 0
+            || self.world_size > WORLD_SIZE_MAX
+            || self.shards.len() != self.world_size as usize
+            || !ranks_in_order
+        {
+            return Err(invalid(
+                "commit record",
+                format!(
+                    "{} shards listed for world size {}",
+                    self.shards.len(),
+                    self.world_size
+                ),
+            ));
         }
         Ok(())
     }
@@ -385,7 +501,13 @@ impl Object for RollbackRecord {
 
     fn validate(&self) -> Result<(), FormatError> {
         if self.seq == 0 || self.to.timeline >= self.seq {
-            return Err(invalid("rollback record", format!("seq {} cannot roll back to timeline {}", self.seq, self.to.timeline)));
+            return Err(invalid(
+                "rollback record",
+                format!(
+                    "seq {} cannot roll back to timeline {}",
+                    self.seq, self.to.timeline
+                ),
+            ));
         }
         Ok(())
     }
@@ -408,7 +530,10 @@ impl Object for RunInfo {
 
     fn validate(&self) -> Result<(), FormatError> {
         if self.chunk_bytes == 0 || self.chunk_bytes > CHUNK_RAW_BYTES_MAX {
-            return Err(invalid("run.json", format!("chunk size {} is out of range", self.chunk_bytes)));
+            return Err(invalid(
+                "run.json",
+                format!("chunk size {} is out of range", self.chunk_bytes),
+            ));
         }
         Ok(())
     }
@@ -453,7 +578,13 @@ mod tests {
                 global_shape: vec![4, 2],
                 slice: vec![DimRange { start: 2, len: 2 }, DimRange { start: 0, len: 2 }],
                 raw_bytes: 16,
-                chunks: vec![ChunkRef { hash, raw_len: 16, stored_len: 20, codec: Codec::Zstd, bases: vec![] }],
+                chunks: vec![ChunkRef {
+                    hash,
+                    raw_len: 16,
+                    stored_len: 20,
+                    codec: Codec::Zstd,
+                    bases: vec![],
+                }],
             }],
             blobs: vec![],
             uploaded_bytes: 20,
@@ -467,11 +598,22 @@ mod tests {
         assert_eq!((opened, opened_hash), (manifest(), hash));
         let text = String::from_utf8(bytes).unwrap();
         let edited = text.replace("\"rank\":1", "\"rank\":0");
-        assert!(matches!(open::<ShardManifest>(edited.as_bytes()), Err(FormatError::ChecksumMismatch { .. })));
+        assert!(matches!(
+            open::<ShardManifest>(edited.as_bytes()),
+            Err(FormatError::ChecksumMismatch { .. })
+        ));
         let future = text.replace("\"format_version\":1", "\"format_version\":7");
         let error = open::<ShardManifest>(future.as_bytes()).unwrap_err();
-        assert!(error.to_string().contains("format version 7 is not supported"), "{error}");
-        assert!(matches!(open::<CommitRecord>(text.as_bytes()), Err(FormatError::WrongKind { .. })));
+        assert!(
+            error
+                .to_string()
+                .contains("format version 7 is not supported"),
+            "{error}"
+        );
+        assert!(matches!(
+            open::<CommitRecord>(text.as_bytes()),
+            Err(FormatError::WrongKind { .. })
+        ));
     }
 
     #[test]
@@ -484,7 +626,10 @@ mod tests {
         rank.rank = 2;
         for bad in [outside, short, rank] {
             let (bytes, _) = seal(&bad);
-            assert!(matches!(open::<ShardManifest>(&bytes), Err(FormatError::Invalid { .. })));
+            assert!(matches!(
+                open::<ShardManifest>(&bytes),
+                Err(FormatError::Invalid { .. })
+            ));
         }
     }
 

@@ -46,7 +46,11 @@ impl FromStr for ChunkHash {
     type Err = BadHash;
 
     fn from_str(text: &str) -> Result<Self, Self::Err> {
-        if text.len() != 64 || !text.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) {
+        if text.len() != 64
+            || !text
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        {
             return Err(BadHash(text.chars().take(80).collect()));
         }
         blake3::Hash::from_hex(text)

@@ -32,7 +32,9 @@ impl TryFrom<String> for RunId {
         let valid = !text.is_empty()
             && text.len() <= 128
             && text.as_bytes()[0].is_ascii_alphanumeric()
-            && text.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
         if valid {
             Ok(Self(text))
         } else {
@@ -128,7 +130,16 @@ mod tests {
 
     #[test]
     fn run_ids_cannot_escape_their_prefix() {
-        for bad in ["", "..", "../x", "a/b", ".hidden", "a b", "-x", &"x".repeat(129)] {
+        for bad in [
+            "",
+            "..",
+            "../x",
+            "a/b",
+            ".hidden",
+            "a b",
+            "-x",
+            &"x".repeat(129),
+        ] {
             assert!(bad.parse::<RunId>().is_err(), "{bad:?} accepted");
         }
         for good in ["run1", "olmoe-1b.v2_final", "7"] {
@@ -138,10 +149,20 @@ mod tests {
 
     #[test]
     fn step_keys_round_trip_and_reject_lookalikes() {
-        for key in [StepKey::new(0, 0), StepKey::new(110, 0), StepKey::new(110, 3)] {
+        for key in [
+            StepKey::new(0, 0),
+            StepKey::new(110, 0),
+            StepKey::new(110, 3),
+        ] {
             assert_eq!(StepKey::parse_object_name(&key.object_name()), Some(key));
         }
-        for bad in ["110", "000000000110-t0", "000000000110-t", "00000000011a", "000000000110-t01"] {
+        for bad in [
+            "110",
+            "000000000110-t0",
+            "000000000110-t",
+            "00000000011a",
+            "000000000110-t01",
+        ] {
             assert_eq!(StepKey::parse_object_name(bad), None, "{bad:?} accepted");
         }
     }

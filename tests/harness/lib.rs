@@ -6,13 +6,18 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod toy;
+
 use lazarus_shared::format::DType;
 
 /// A binary of this workspace, built by `cargo build --workspace --bins` in the same profile
 /// as the running test.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test binary path");
-    let profile_dir = exe.parent().and_then(Path::parent).expect("target/<profile>/deps/<test>");
+    let profile_dir = exe
+        .parent()
+        .and_then(Path::parent)
+        .expect("target/<profile>/deps/<test>");
     let path = profile_dir.join(name);
     assert!(path.exists(), "{} is missing: build the binaries first (ops/test.sh does: cargo build --release --workspace --bins)", path.display());
     path
@@ -20,7 +25,9 @@ pub fn bin(name: &str) -> PathBuf {
 
 /// `../shared/data/<name>` beside the repository.
 pub fn shared_data(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data").join(name)
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../shared/data")
+        .join(name)
 }
 
 /// Runs `ckptctl` against one store with a private local index.
@@ -33,13 +40,24 @@ pub struct Ctl {
 
 impl Ctl {
     pub fn new(store: impl Into<String>, index: &Path) -> Self {
-        Self { store: store.into(), index: index.to_path_buf(), envs: Vec::new() }
+        Self {
+            store: store.into(),
+            index: index.to_path_buf(),
+            envs: Vec::new(),
+        }
     }
 
     pub fn command(&self, args: &[&str]) -> Command {
         let mut command = Command::new(bin("ckptctl"));
-        command.arg("--store").arg(&self.store).arg("--index").arg(&self.index).args(args);
-        command.env_remove("LAZARUS_STORE").env("LAZARUS_LOG", "warn");
+        command
+            .arg("--store")
+            .arg(&self.store)
+            .arg("--index")
+            .arg(&self.index)
+            .args(args);
+        command
+            .env_remove("LAZARUS_STORE")
+            .env("LAZARUS_LOG", "warn");
         for (key, value) in &self.envs {
             command.env(key, value);
         }
@@ -55,7 +73,12 @@ impl Ctl {
         let output = self.run(args);
         let stdout = String::from_utf8_lossy(&output.stdout).to_string();
         let stderr = String::from_utf8_lossy(&output.stderr).to_string();
-        assert_eq!(output.status.code(), Some(code), "ckptctl {args:?} exited {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}", output.status.code());
+        assert_eq!(
+            output.status.code(),
+            Some(code),
+            "ckptctl {args:?} exited {:?}\nstdout:\n{stdout}\nstderr:\n{stderr}",
+            output.status.code()
+        );
         stdout + &stderr
     }
 
@@ -63,13 +86,20 @@ impl Ctl {
         let mut all = vec!["--json"];
         all.extend_from_slice(args);
         let output = self.run(&all);
-        assert!(output.status.success(), "ckptctl {args:?}: {}", String::from_utf8_lossy(&output.stderr));
+        assert!(
+            output.status.success(),
+            "ckptctl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
         serde_json::from_slice(&output.stdout).expect("ckptctl --json prints JSON")
     }
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("a free port on 127.0.0.1")
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port on 127.0.0.1")
 }
 
 pub const S3_ACCESS_KEY: &str = "lazarus-test";
@@ -92,7 +122,16 @@ impl S3Server {
         for _attempt in 0..5 {
             let port = free_port();
             let mut child = Command::new("s3s-fs")
-                .args(["--host", "127.0.0.1", "--port", &port.to_string(), "--access-key", S3_ACCESS_KEY, "--secret-key", S3_SECRET_KEY])
+                .args([
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    &port.to_string(),
+                    "--access-key",
+                    S3_ACCESS_KEY,
+                    "--secret-key",
+                    S3_SECRET_KEY,
+                ])
                 .arg(root.path())
                 .stdout(Stdio::null())
                 .stderr(Stdio::null())
@@ -165,7 +204,10 @@ pub fn random_f32_bytes(count: usize, seed: u64) -> Vec<u8> {
 
 /// Writes a `.safetensors` file of f32 tensors.
 pub fn write_safetensors(path: &Path, tensors: &[(&str, Vec<u64>, Vec<u8>)]) {
-    let tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)> = tensors.iter().map(|(name, shape, data)| (name.to_string(), DType::F32, shape.clone(), data.clone())).collect();
+    let tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| (name.to_string(), DType::F32, shape.clone(), data.clone()))
+        .collect();
     let bytes = lazarus_shared::safetensors_io::serialize(&tensors).expect("valid tensors");
     std::fs::write(path, bytes).expect("write safetensors");
 }

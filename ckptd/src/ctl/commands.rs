@@ -9,7 +9,10 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use lazarus_shared::format::{DType, DimRange};
 use lazarus_shared::safetensors_io::{self, HEADER_BLOB_PREFIX};
-use lazarus_shared::store::{Checkpoint, DeltaBases, GcPolicy, OpenMode, RunStore, ShardInput, StepState, Store, TensorData, VerifyOptions};
+use lazarus_shared::store::{
+    Checkpoint, DeltaBases, GcPolicy, OpenMode, RunStore, ShardInput, StepState, Store, TensorData,
+    VerifyOptions,
+};
 use lazarus_shared::{RunId, StepKey};
 use serde::Serialize;
 
@@ -22,17 +25,48 @@ pub async fn run(cli: Cli) -> Result<()> {
         Command::Runs => runs(&cli).await,
         Command::List { run } => list(&cli, run).await,
         Command::Show { run, step } => show(&cli, run, step).await,
-        Command::Verify { run, step, all, read_data, sample } => {
-            let options = VerifyOptions { read_data: *read_data, sample_percent: *sample };
+        Command::Verify {
+            run,
+            step,
+            all,
+            read_data,
+            sample,
+        } => {
+            let options = VerifyOptions {
+                read_data: *read_data,
+                sample_percent: *sample,
+            };
             verify(&cli, run, step.as_deref(), *all, &options, bars).await
         }
         Command::Diff { run, a, b } => diff(&cli, run, a, b).await,
-        Command::Import { run, step, delta, chunk_bytes, files } => import(&cli, run, *step, *delta, *chunk_bytes, files, bars).await,
-        Command::Export { run, step, format, out } => export(&cli, run, step, *format, out, bars).await,
+        Command::Import {
+            run,
+            step,
+            delta,
+            chunk_bytes,
+            files,
+        } => import(&cli, run, *step, *delta, *chunk_bytes, files, bars).await,
+        Command::Export {
+            run,
+            step,
+            format,
+            out,
+        } => export(&cli, run, step, *format, out, bars).await,
         Command::Restore { run, step, out } => restore(&cli, run, step, out, bars).await,
         Command::Rollback { run, to, reason } => rollback(&cli, run, to, reason).await,
-        Command::Gc { run, keep_last, keep_every, grace, dry_run } => {
-            let policy = GcPolicy { keep_last: *keep_last, keep_every: *keep_every, grace_ms: grace.as_millis() as u64, dry_run: *dry_run };
+        Command::Gc {
+            run,
+            keep_last,
+            keep_every,
+            grace,
+            dry_run,
+        } => {
+            let policy = GcPolicy {
+                keep_last: *keep_last,
+                keep_every: *keep_every,
+                grace_ms: grace.as_millis() as u64,
+                dry_run: *dry_run,
+            };
             gc(&cli, run, &policy, bars).await
         }
         Command::Index { action } => index(&cli, action, bars).await,
@@ -40,7 +74,8 @@ pub async fn run(cli: Cli) -> Result<()> {
 }
 
 fn run_id(text: &str) -> Result<RunId> {
-    text.parse::<RunId>().map_err(|e| UsageError(e.to_string()).into())
+    text.parse::<RunId>()
+        .map_err(|e| UsageError(e.to_string()).into())
 }
 
 async fn open_run(cli: &Cli, run: &str) -> Result<RunStore> {
@@ -69,14 +104,26 @@ async fn runs(cli: &Cli) -> Result<()> {
     let mut lines = Vec::new();
     for run in store.runs().await? {
         let catalog = store.run(&run).catalog().await?;
-        lines.push(RunLine { latest: catalog.latest, committed_steps: catalog.visible_commits().count(), steps: catalog.steps.len(), run });
+        lines.push(RunLine {
+            latest: catalog.latest,
+            committed_steps: catalog.visible_commits().count(),
+            steps: catalog.steps.len(),
+            run,
+        });
     }
     if cli.json {
         output::json(&lines);
     } else {
         let rows: Vec<Vec<String>> = lines
             .iter()
-            .map(|l| vec![l.run.to_string(), l.latest.map_or("-".into(), |s| s.to_string()), l.committed_steps.to_string(), l.steps.to_string()])
+            .map(|l| {
+                vec![
+                    l.run.to_string(),
+                    l.latest.map_or("-".into(), |s| s.to_string()),
+                    l.committed_steps.to_string(),
+                    l.steps.to_string(),
+                ]
+            })
             .collect();
         output::table(&["RUN", "LATEST", "COMMITTED", "STEPS"], &rows);
     }
@@ -87,7 +134,9 @@ fn state_text(state: &StepState) -> String {
     match state {
         StepState::Committed => "committed".into(),
         StepState::RolledBack { by } => format!("rolled back (#{by})"),
-        StepState::Incomplete { ranks_present } => format!("incomplete ({} ranks)", ranks_present.len()),
+        StepState::Incomplete { ranks_present } => {
+            format!("incomplete ({} ranks)", ranks_present.len())
+        }
         StepState::Damaged { .. } => "DAMAGED".into(),
     }
 }
@@ -103,7 +152,11 @@ async fn list(cli: &Cli, run: &str) -> Result<()> {
         .steps
         .iter()
         .map(|s| {
-            let marker = if Some(s.step) == catalog.latest { "latest" } else { "" };
+            let marker = if Some(s.step) == catalog.latest {
+                "latest"
+            } else {
+                ""
+            };
             vec![
                 s.step.step.to_string(),
                 s.step.timeline.to_string(),
@@ -117,7 +170,20 @@ async fn list(cli: &Cli, run: &str) -> Result<()> {
             ]
         })
         .collect();
-    output::table(&["STEP", "TIMELINE", "STATE", "RANKS", "RAW", "NEW STORED", "RATIO", "CREATED", ""], &rows);
+    output::table(
+        &[
+            "STEP",
+            "TIMELINE",
+            "STATE",
+            "RANKS",
+            "RAW",
+            "NEW STORED",
+            "RATIO",
+            "CREATED",
+            "",
+        ],
+        &rows,
+    );
     for rollback in &catalog.rollbacks {
         println!(
             "rollback #{}: to step {} by {} at {}: {}",
@@ -137,7 +203,10 @@ async fn list(cli: &Cli, run: &str) -> Result<()> {
 }
 
 fn slice_text(slice: &[DimRange]) -> String {
-    let dims: Vec<String> = slice.iter().map(|r| format!("{}:{}", r.start, r.start + r.len)).collect();
+    let dims: Vec<String> = slice
+        .iter()
+        .map(|r| format!("{}:{}", r.start, r.start + r.len))
+        .collect();
     format!("[{}]", dims.join(","))
 }
 
@@ -149,11 +218,20 @@ async fn show(cli: &Cli, run: &str, step: &str) -> Result<()> {
             commit: &'a lazarus_shared::format::CommitRecord,
             manifests: &'a [lazarus_shared::format::ShardManifest],
         }
-        output::json(&Show { commit: &checkpoint.commit, manifests: &checkpoint.manifests });
+        output::json(&Show {
+            commit: &checkpoint.commit,
+            manifests: &checkpoint.manifests,
+        });
         return Ok(());
     }
     let commit = &checkpoint.commit;
-    println!("run {} step {}  world size {}  committed {}", commit.run, commit.step, commit.world_size, output::time(Some(commit.created_unix_ms)));
+    println!(
+        "run {} step {}  world size {}  committed {}",
+        commit.run,
+        commit.step,
+        commit.world_size,
+        output::time(Some(commit.created_unix_ms))
+    );
     let ranks: Vec<Vec<String>> = commit
         .shards
         .iter()
@@ -169,7 +247,10 @@ async fn show(cli: &Cli, run: &str, step: &str) -> Result<()> {
             ]
         })
         .collect();
-    output::table(&["RANK", "TENSORS", "BLOBS", "RAW", "NEW STORED", "MANIFEST"], &ranks);
+    output::table(
+        &["RANK", "TENSORS", "BLOBS", "RAW", "NEW STORED", "MANIFEST"],
+        &ranks,
+    );
     println!();
     let mut rows = Vec::new();
     for tensor in checkpoint.tensors() {
@@ -178,26 +259,58 @@ async fn show(cli: &Cli, run: &str, step: &str) -> Result<()> {
         for manifest in &checkpoint.manifests {
             if let Some(entry) = manifest.tensor(&tensor.name) {
                 chunks += entry.chunks.len();
-                holders.push(if entry.is_whole() { manifest.rank.to_string() } else { format!("{}{}", manifest.rank, slice_text(&entry.slice)) });
+                holders.push(if entry.is_whole() {
+                    manifest.rank.to_string()
+                } else {
+                    format!("{}{}", manifest.rank, slice_text(&entry.slice))
+                });
             }
         }
-        let bytes = tensor.global_shape.iter().product::<u64>() * tensor.dtype.element_bytes() as u64;
-        rows.push(vec![tensor.name, tensor.dtype.name(), format!("{:?}", tensor.global_shape), holders.join(" "), chunks.to_string(), output::bytes(bytes)]);
+        let bytes =
+            tensor.global_shape.iter().product::<u64>() * tensor.dtype.element_bytes() as u64;
+        rows.push(vec![
+            tensor.name,
+            tensor.dtype.name(),
+            format!("{:?}", tensor.global_shape),
+            holders.join(" "),
+            chunks.to_string(),
+            output::bytes(bytes),
+        ]);
     }
-    output::table(&["TENSOR", "DTYPE", "SHAPE", "RANKS", "CHUNKS", "BYTES"], &rows);
+    output::table(
+        &["TENSOR", "DTYPE", "SHAPE", "RANKS", "CHUNKS", "BYTES"],
+        &rows,
+    );
     for manifest in &checkpoint.manifests {
         for blob in &manifest.blobs {
-            println!("blob rank {}: {} ({})", manifest.rank, blob.name, output::bytes(blob.raw_bytes));
+            println!(
+                "blob rank {}: {} ({})",
+                manifest.rank,
+                blob.name,
+                output::bytes(blob.raw_bytes)
+            );
         }
     }
     Ok(())
 }
 
-async fn verify(cli: &Cli, run: &str, step: Option<&str>, all: bool, options: &VerifyOptions, bars: bool) -> Result<()> {
+async fn verify(
+    cli: &Cli,
+    run: &str,
+    step: Option<&str>,
+    all: bool,
+    options: &VerifyOptions,
+    bars: bool,
+) -> Result<()> {
     let run = open_run(cli, run).await?;
     let steps: Vec<StepKey> = if all {
         let catalog = run.catalog().await?;
-        catalog.steps.iter().filter(|s| !matches!(s.state, StepState::Incomplete { .. })).map(|s| s.step).collect()
+        catalog
+            .steps
+            .iter()
+            .filter(|s| !matches!(s.state, StepState::Incomplete { .. }))
+            .map(|s| s.step)
+            .collect()
     } else {
         let wanted = step.unwrap_or("latest");
         match run.resolve_step(wanted).await {
@@ -206,8 +319,13 @@ async fn verify(cli: &Cli, run: &str, step: Option<&str>, all: bool, options: &V
                 // Manifests without a commit record: either a write that never finished, or a
                 // commit record that was lost. Asked for by name, that is a problem to report.
                 let catalog = run.catalog().await?;
-                let orphan = catalog.steps.iter().find(|s| s.step.step.to_string() == wanted && matches!(s.state, StepState::Incomplete { .. }));
-                let Some(orphan) = orphan else { return Err(error.into()) };
+                let orphan = catalog.steps.iter().find(|s| {
+                    s.step.step.to_string() == wanted
+                        && matches!(s.state, StepState::Incomplete { .. })
+                });
+                let Some(orphan) = orphan else {
+                    return Err(error.into());
+                };
                 let message = format!(
                     "BAD run={} step={}: shard manifests exist but the commit record commits/{}.json is missing (lost, or the write never finished)",
                     run.id(),
@@ -220,7 +338,11 @@ async fn verify(cli: &Cli, run: &str, step: Option<&str>, all: bool, options: &V
             Err(error) => return Err(error.into()),
         }
     };
-    let bar = if options.read_data { Bar::bytes("verify", bars) } else { Bar::items("verify", bars) };
+    let bar = if options.read_data {
+        Bar::bytes("verify", bars)
+    } else {
+        Bar::items("verify", bars)
+    };
     let started = Instant::now();
     let report = run.verify(&steps, options, &bar).await?;
     bar.finish();
@@ -246,22 +368,47 @@ async fn verify(cli: &Cli, run: &str, step: Option<&str>, all: bool, options: &V
             report.steps.len(),
             report.manifests_checked,
             report.chunks_checked,
-            if options.read_data { format!(", {} re-hashed", output::bytes(report.bytes_read)) } else { String::new() },
-            if report.problems.is_empty() { "OK".to_string() } else { format!("{} PROBLEM(S)", report.problems.len()) }
+            if options.read_data {
+                format!(", {} re-hashed", output::bytes(report.bytes_read))
+            } else {
+                String::new()
+            },
+            if report.problems.is_empty() {
+                "OK".to_string()
+            } else {
+                format!("{} PROBLEM(S)", report.problems.len())
+            }
         );
     }
     if !report.problems.is_empty() {
-        return Err(IntegrityProblems(format!("{} integrity problem(s) found in run {}", report.problems.len(), run.id())).into());
+        return Err(IntegrityProblems(format!(
+            "{} integrity problem(s) found in run {}",
+            report.problems.len(),
+            run.id()
+        ))
+        .into());
     }
     Ok(())
 }
 
 fn to_f64(dtype: DType, bytes: &[u8]) -> Option<Vec<f64>> {
     let values = match dtype {
-        DType::F32 => bytes.chunks_exact(4).map(|b| f64::from(f32::from_le_bytes(b.try_into().expect("4 bytes")))).collect(),
-        DType::F64 => bytes.chunks_exact(8).map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes"))).collect(),
-        DType::BF16 => bytes.chunks_exact(2).map(|b| f64::from(half::bf16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
-        DType::F16 => bytes.chunks_exact(2).map(|b| f64::from(half::f16::from_le_bytes([b[0], b[1]]).to_f32())).collect(),
+        DType::F32 => bytes
+            .chunks_exact(4)
+            .map(|b| f64::from(f32::from_le_bytes(b.try_into().expect("4 bytes"))))
+            .collect(),
+        DType::F64 => bytes
+            .chunks_exact(8)
+            .map(|b| f64::from_le_bytes(b.try_into().expect("8 bytes")))
+            .collect(),
+        DType::BF16 => bytes
+            .chunks_exact(2)
+            .map(|b| f64::from(half::bf16::from_le_bytes([b[0], b[1]]).to_f32()))
+            .collect(),
+        DType::F16 => bytes
+            .chunks_exact(2)
+            .map(|b| f64::from(half::f16::from_le_bytes([b[0], b[1]]).to_f32()))
+            .collect(),
         _ => return None,
     };
     Some(values)
@@ -279,42 +426,111 @@ async fn diff(cli: &Cli, run: &str, a: &str, b: &str) -> Result<()> {
     }
     let left = open_step(cli, run, a).await?;
     let right = open_step(cli, run, b).await?;
-    let left_tensors: BTreeMap<String, _> = left.tensors().into_iter().map(|t| (t.name.clone(), t)).collect();
-    let right_tensors: BTreeMap<String, _> = right.tensors().into_iter().map(|t| (t.name.clone(), t)).collect();
-    let names: std::collections::BTreeSet<&String> = left_tensors.keys().chain(right_tensors.keys()).collect();
+    let left_tensors: BTreeMap<String, _> = left
+        .tensors()
+        .into_iter()
+        .map(|t| (t.name.clone(), t))
+        .collect();
+    let right_tensors: BTreeMap<String, _> = right
+        .tensors()
+        .into_iter()
+        .map(|t| (t.name.clone(), t))
+        .collect();
+    let names: std::collections::BTreeSet<&String> =
+        left_tensors.keys().chain(right_tensors.keys()).collect();
     let chunk_list = |checkpoint: &Checkpoint, name: &str| -> Vec<_> {
-        checkpoint.manifests.iter().filter_map(|m| m.tensor(name)).flat_map(|t| t.chunks.iter().map(|c| c.hash)).collect()
+        checkpoint
+            .manifests
+            .iter()
+            .filter_map(|m| m.tensor(name))
+            .flat_map(|t| t.chunks.iter().map(|c| c.hash))
+            .collect()
     };
     let mut diffs = Vec::new();
     for name in names {
         let (Some(l), Some(r)) = (left_tensors.get(name), right_tensors.get(name)) else {
-            let status = if left_tensors.contains_key(name) { "removed" } else { "added" };
-            diffs.push(TensorDiff { name: name.clone(), status, changed_elements: 0, elements: 0, max_abs_diff: None, relative_l2: None });
+            let status = if left_tensors.contains_key(name) {
+                "removed"
+            } else {
+                "added"
+            };
+            diffs.push(TensorDiff {
+                name: name.clone(),
+                status,
+                changed_elements: 0,
+                elements: 0,
+                max_abs_diff: None,
+                relative_l2: None,
+            });
             continue;
         };
         let elements = l.global_shape.iter().product::<u64>();
         if l.dtype != r.dtype || l.global_shape != r.global_shape {
-            diffs.push(TensorDiff { name: name.clone(), status: "reshaped", changed_elements: elements, elements, max_abs_diff: None, relative_l2: None });
+            diffs.push(TensorDiff {
+                name: name.clone(),
+                status: "reshaped",
+                changed_elements: elements,
+                elements,
+                max_abs_diff: None,
+                relative_l2: None,
+            });
             continue;
         }
         if chunk_list(&left, name) == chunk_list(&right, name) {
-            diffs.push(TensorDiff { name: name.clone(), status: "same", changed_elements: 0, elements, max_abs_diff: Some(0.0), relative_l2: Some(0.0) });
+            diffs.push(TensorDiff {
+                name: name.clone(),
+                status: "same",
+                changed_elements: 0,
+                elements,
+                max_abs_diff: Some(0.0),
+                relative_l2: Some(0.0),
+            });
             continue;
         }
-        let (lb, rb) = (left.read_tensor(name, &()).await?, right.read_tensor(name, &()).await?);
+        let (lb, rb) = (
+            left.read_tensor(name, &()).await?,
+            right.read_tensor(name, &()).await?,
+        );
         let element = l.dtype.element_bytes();
-        let changed = lb.chunks(element).zip(rb.chunks(element)).filter(|(x, y)| x != y).count() as u64;
+        let changed = lb
+            .chunks(element)
+            .zip(rb.chunks(element))
+            .filter(|(x, y)| x != y)
+            .count() as u64;
         let (max_abs_diff, relative_l2) = match (to_f64(l.dtype, &lb), to_f64(l.dtype, &rb)) {
             (Some(x), Some(y)) => {
-                let max = x.iter().zip(&y).map(|(p, q)| (p - q).abs()).fold(0.0, f64::max);
-                let diff_norm = x.iter().zip(&y).map(|(p, q)| (p - q) * (p - q)).sum::<f64>().sqrt();
+                let max = x
+                    .iter()
+                    .zip(&y)
+                    .map(|(p, q)| (p - q).abs())
+                    .fold(0.0, f64::max);
+                let diff_norm = x
+                    .iter()
+                    .zip(&y)
+                    .map(|(p, q)| (p - q) * (p - q))
+                    .sum::<f64>()
+                    .sqrt();
                 let base_norm = x.iter().map(|p| p * p).sum::<f64>().sqrt();
-                (Some(max), Some(if base_norm > 0.0 { diff_norm / base_norm } else { diff_norm }))
+                (
+                    Some(max),
+                    Some(if base_norm > 0.0 {
+                        diff_norm / base_norm
+                    } else {
+                        diff_norm
+                    }),
+                )
             }
             _ => (None, None),
         };
         let status = if changed == 0 { "same" } else { "changed" };
-        diffs.push(TensorDiff { name: name.clone(), status, changed_elements: changed, elements, max_abs_diff, relative_l2 });
+        diffs.push(TensorDiff {
+            name: name.clone(),
+            status,
+            changed_elements: changed,
+            elements,
+            max_abs_diff,
+            relative_l2,
+        });
     }
     if cli.json {
         output::json(&diffs);
@@ -323,15 +539,39 @@ async fn diff(cli: &Cli, run: &str, a: &str, b: &str) -> Result<()> {
     let show = |v: Option<f64>| v.map_or("-".into(), |v| format!("{v:.3e}"));
     let rows: Vec<Vec<String>> = diffs
         .iter()
-        .map(|d| vec![d.name.clone(), d.status.into(), format!("{}/{}", d.changed_elements, d.elements), show(d.max_abs_diff), show(d.relative_l2)])
+        .map(|d| {
+            vec![
+                d.name.clone(),
+                d.status.into(),
+                format!("{}/{}", d.changed_elements, d.elements),
+                show(d.max_abs_diff),
+                show(d.relative_l2),
+            ]
+        })
         .collect();
-    output::table(&["TENSOR", "STATUS", "CHANGED", "MAX |DIFF|", "REL L2"], &rows);
+    output::table(
+        &["TENSOR", "STATUS", "CHANGED", "MAX |DIFF|", "REL L2"],
+        &rows,
+    );
     let changed = diffs.iter().filter(|d| d.status != "same").count();
-    println!("{changed} of {} tensors differ between {} and {}", diffs.len(), left.step(), right.step());
+    println!(
+        "{changed} of {} tensors differ between {} and {}",
+        diffs.len(),
+        left.step(),
+        right.step()
+    );
     Ok(())
 }
 
-async fn import(cli: &Cli, run: &str, step: u64, delta: bool, chunk_bytes: Option<u64>, files: &[PathBuf], bars: bool) -> Result<()> {
+async fn import(
+    cli: &Cli,
+    run: &str,
+    step: u64,
+    delta: bool,
+    chunk_bytes: Option<u64>,
+    files: &[PathBuf],
+    bars: bool,
+) -> Result<()> {
     let run_id = run_id(run)?;
     // Parse every file before touching the store: bad input changes nothing.
     let mut tensors = Vec::new();
@@ -339,7 +579,10 @@ async fn import(cli: &Cli, run: &str, step: u64, delta: bool, chunk_bytes: Optio
     let mut names = HashSet::new();
     let mut file_names = HashSet::new();
     for path in files {
-        let file_name = path.file_name().and_then(|n| n.to_str()).ok_or_else(|| UsageError(format!("{} is not a file name", path.display())))?;
+        let file_name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| UsageError(format!("{} is not a file name", path.display())))?;
         if !file_names.insert(file_name.to_string()) {
             bail!(UsageError(format!("two input files are named {file_name}")));
         }
@@ -347,15 +590,23 @@ async fn import(cli: &Cli, run: &str, step: u64, delta: bool, chunk_bytes: Optio
         let parsed = safetensors_io::parse_file(file_name, Bytes::from(data))?;
         for tensor in &parsed.tensors {
             if !names.insert(tensor.name.clone()) {
-                bail!(UsageError(format!("tensor {:?} appears in more than one input file", tensor.name)));
+                bail!(UsageError(format!(
+                    "tensor {:?} appears in more than one input file",
+                    tensor.name
+                )));
             }
         }
-        blobs.push((format!("{HEADER_BLOB_PREFIX}{}", parsed.file_name), parsed.header));
+        blobs.push((
+            format!("{HEADER_BLOB_PREFIX}{}", parsed.file_name),
+            parsed.header,
+        ));
         tensors.extend(parsed.tensors);
     }
     let mut options = cli.store_options();
     options.chunk_bytes = chunk_bytes.unwrap_or(options.chunk_bytes);
-    let url = cli.store.as_deref().ok_or_else(|| UsageError("no store given: pass --store URL or set LAZARUS_STORE".into()))?;
+    let url = cli.store.as_deref().ok_or_else(|| {
+        UsageError("no store given: pass --store URL or set LAZARUS_STORE".into())
+    })?;
     let store = Store::open(url, OpenMode::CreateIfMissing, options).await?;
     let handle = store.run(&run_id);
     let description = serde_json::json!({ "source": "ckptctl import" });
@@ -365,21 +616,37 @@ async fn import(cli: &Cli, run: &str, step: u64, delta: bool, chunk_bytes: Optio
         // Re-running an import that already finished is a no-op, if the content is the same.
         let checkpoint = handle.open_checkpoint(key).await?;
         if !same_content(&checkpoint, &tensors, &blobs, info.chunk_bytes) {
-            return Err(lazarus_shared::StoreError::StepAlreadyCommitted { run: run_id, step: key }.into());
+            return Err(lazarus_shared::StoreError::StepAlreadyCommitted {
+                run: run_id,
+                step: key,
+            }
+            .into());
         }
         println!("run {run_id} step {key} is already committed with this content; nothing to do");
         return Ok(());
     }
-    let bases = if delta { delta_bases(&handle).await? } else { None };
+    let bases = if delta {
+        delta_bases(&handle).await?
+    } else {
+        None
+    };
     let started = Instant::now();
     let bar = Bar::bytes("import", bars);
-    let input = ShardInput { step: key, rank: 0, world_size: 1, tensors, blobs };
+    let input = ShardInput {
+        step: key,
+        rank: 0,
+        world_size: 1,
+        tensors,
+        blobs,
+    };
     let manifest = handle.write_shard(input, bases.as_ref(), &bar).await?;
     let commit = handle.commit(key, 1).await?;
     bar.finish();
     let seconds = started.elapsed().as_secs_f64();
     if cli.json {
-        output::json(&serde_json::json!({ "run": run_id, "step": key, "raw_bytes": manifest.raw_bytes(), "uploaded_bytes": manifest.uploaded_bytes, "seconds": seconds, "commit": commit }));
+        output::json(
+            &serde_json::json!({ "run": run_id, "step": key, "raw_bytes": manifest.raw_bytes(), "uploaded_bytes": manifest.uploaded_bytes, "seconds": seconds, "commit": commit }),
+        );
     } else {
         println!(
             "imported {} tensor(s), {} as run {run_id} step {key} in {seconds:.1}s: {} new in storage ({} of raw)",
@@ -393,24 +660,49 @@ async fn import(cli: &Cli, run: &str, step: u64, delta: bool, chunk_bytes: Optio
 }
 
 /// Whether a committed single-rank step holds exactly these tensors and blobs.
-fn same_content(checkpoint: &Checkpoint, tensors: &[TensorData], blobs: &[(String, Bytes)], chunk_bytes: u64) -> bool {
-    let Ok(manifest) = checkpoint.manifest(0) else { return false };
-    let hashes = |data: &Bytes| -> Vec<lazarus_shared::ChunkHash> { data.chunks(chunk_bytes as usize).map(lazarus_shared::ChunkHash::of).collect() };
-    let stored = |chunks: &[lazarus_shared::format::ChunkRef]| -> Vec<lazarus_shared::ChunkHash> { chunks.iter().map(|c| c.hash).collect() };
+fn same_content(
+    checkpoint: &Checkpoint,
+    tensors: &[TensorData],
+    blobs: &[(String, Bytes)],
+    chunk_bytes: u64,
+) -> bool {
+    let Ok(manifest) = checkpoint.manifest(0) else {
+        return false;
+    };
+    let hashes = |data: &Bytes| -> Vec<lazarus_shared::ChunkHash> {
+        data.chunks(chunk_bytes as usize)
+            .map(lazarus_shared::ChunkHash::of)
+            .collect()
+    };
+    let stored = |chunks: &[lazarus_shared::format::ChunkRef]| -> Vec<lazarus_shared::ChunkHash> {
+        chunks.iter().map(|c| c.hash).collect()
+    };
     checkpoint.manifests.len() == 1
         && manifest.tensors.len() == tensors.len()
         && manifest.blobs.len() == blobs.len()
         && tensors.iter().all(|t| {
-            manifest.tensor(&t.name).is_some_and(|entry| entry.dtype == t.dtype && entry.global_shape == t.global_shape && stored(&entry.chunks) == hashes(&t.data))
+            manifest.tensor(&t.name).is_some_and(|entry| {
+                entry.dtype == t.dtype
+                    && entry.global_shape == t.global_shape
+                    && stored(&entry.chunks) == hashes(&t.data)
+            })
         })
-        && blobs.iter().all(|(name, data)| manifest.blob(name).is_some_and(|entry| stored(&entry.chunks) == hashes(data)))
+        && blobs.iter().all(|(name, data)| {
+            manifest
+                .blob(name)
+                .is_some_and(|entry| stored(&entry.chunks) == hashes(data))
+        })
 }
 
 /// The latest step's tensors as delta bases, when it was written by a single rank.
 async fn delta_bases(run: &RunStore) -> Result<Option<DeltaBases>> {
-    let Some(latest) = run.latest().await? else { return Ok(None) };
+    let Some(latest) = run.latest().await? else {
+        return Ok(None);
+    };
     let checkpoint = run.open_checkpoint(latest).await?;
-    let Ok(manifest) = checkpoint.manifest(0) else { return Ok(None) };
+    let Ok(manifest) = checkpoint.manifest(0) else {
+        return Ok(None);
+    };
     if checkpoint.manifests.len() != 1 {
         return Ok(None);
     }
@@ -424,10 +716,17 @@ async fn delta_bases(run: &RunStore) -> Result<Option<DeltaBases>> {
 
 /// Writes a file next to its final name, fsyncs, then renames: a failed export leaves no file
 /// that looks complete.
-fn write_atomically(path: &Path, write: impl FnOnce(&mut std::fs::File) -> Result<()>) -> Result<()> {
+fn write_atomically(
+    path: &Path,
+    write: impl FnOnce(&mut std::fs::File) -> Result<()>,
+) -> Result<()> {
     let partial = path.with_extension("partial");
-    let mut file = std::fs::File::create(&partial).with_context(|| format!("creating {}", partial.display()))?;
-    let result = write(&mut file).and_then(|()| file.sync_all().with_context(|| format!("syncing {}", partial.display())));
+    let mut file = std::fs::File::create(&partial)
+        .with_context(|| format!("creating {}", partial.display()))?;
+    let result = write(&mut file).and_then(|()| {
+        file.sync_all()
+            .with_context(|| format!("syncing {}", partial.display()))
+    });
     if let Err(error) = result {
         let _ = std::fs::remove_file(&partial);
         return Err(error);
@@ -436,14 +735,35 @@ fn write_atomically(path: &Path, write: impl FnOnce(&mut std::fs::File) -> Resul
     Ok(())
 }
 
-async fn export(cli: &Cli, run: &str, step: &str, format: ExportFormat, out: &Path, bars: bool) -> Result<()> {
+async fn export(
+    cli: &Cli,
+    run: &str,
+    step: &str,
+    format: ExportFormat,
+    out: &Path,
+    bars: bool,
+) -> Result<()> {
     let ExportFormat::Safetensors = format;
     let checkpoint = open_step(cli, run, step).await?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
     let bar = Bar::bytes("export", bars);
-    let total: u64 = checkpoint.tensors().iter().map(|t| t.global_shape.iter().product::<u64>() * t.dtype.element_bytes() as u64).sum();
+    let total: u64 = checkpoint
+        .tensors()
+        .iter()
+        .map(|t| t.global_shape.iter().product::<u64>() * t.dtype.element_bytes() as u64)
+        .sum();
     bar.set_total_bytes(total);
-    let header_blobs: Vec<String> = checkpoint.manifests.first().map(|m| m.blobs.iter().filter(|b| b.name.starts_with(HEADER_BLOB_PREFIX)).map(|b| b.name.clone()).collect()).unwrap_or_default();
+    let header_blobs: Vec<String> = checkpoint
+        .manifests
+        .first()
+        .map(|m| {
+            m.blobs
+                .iter()
+                .filter(|b| b.name.starts_with(HEADER_BLOB_PREFIX))
+                .map(|b| b.name.clone())
+                .collect()
+        })
+        .unwrap_or_default();
     let mut written = Vec::new();
     if header_blobs.is_empty() {
         // Not imported from files: one file with every global tensor.
@@ -465,7 +785,11 @@ async fn export(cli: &Cli, run: &str, step: &str, format: ExportFormat, out: &Pa
         // Read and verify everything before the file appears.
         let mut parts = Vec::with_capacity(layout.len());
         for (name, dtype, shape) in &layout {
-            let info = checkpoint.tensor_info(name).ok_or_else(|| anyhow::anyhow!("{file_name}: tensor {name:?} is in the file header but not in the checkpoint"))?;
+            let info = checkpoint.tensor_info(name).ok_or_else(|| {
+                anyhow::anyhow!(
+                    "{file_name}: tensor {name:?} is in the file header but not in the checkpoint"
+                )
+            })?;
             if info.dtype != *dtype || &info.global_shape != shape {
                 bail!("{file_name}: tensor {name:?} is {:?} {:?} in the checkpoint but {dtype:?} {shape:?} in the file header", info.dtype, info.global_shape);
             }
@@ -496,15 +820,29 @@ async fn export(cli: &Cli, run: &str, step: &str, format: ExportFormat, out: &Pa
 async fn restore(cli: &Cli, run: &str, step: &str, out: &Path, bars: bool) -> Result<()> {
     let checkpoint = open_step(cli, run, step).await?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
-    let absolute = std::fs::canonicalize(out).with_context(|| format!("resolving {}", out.display()))?;
+    let absolute =
+        std::fs::canonicalize(out).with_context(|| format!("resolving {}", out.display()))?;
     let url = format!("file://{}", absolute.display());
-    let target = Store::open(&url, OpenMode::CreateIfMissing, lazarus_shared::store::StoreOptions { index_path: None, ..cli.store_options() }).await?;
+    let target = Store::open(
+        &url,
+        OpenMode::CreateIfMissing,
+        lazarus_shared::store::StoreOptions {
+            index_path: None,
+            ..cli.store_options()
+        },
+    )
+    .await?;
     let bar = Bar::bytes("restore", bars);
     let started = Instant::now();
-    checkpoint.run().copy_step_to(&target.run(checkpoint.run().id()), checkpoint.step(), &bar).await?;
+    checkpoint
+        .run()
+        .copy_step_to(&target.run(checkpoint.run().id()), checkpoint.step(), &bar)
+        .await?;
     bar.finish();
     if cli.json {
-        output::json(&serde_json::json!({ "run": checkpoint.run().id(), "step": checkpoint.step(), "store": url }));
+        output::json(
+            &serde_json::json!({ "run": checkpoint.run().id(), "step": checkpoint.step(), "store": url }),
+        );
     } else {
         println!(
             "restored run {} step {} ({}) into {url} in {:.1}s; check it with: ckptctl --store {url} verify {} {} --read-data",
@@ -521,11 +859,17 @@ async fn restore(cli: &Cli, run: &str, step: &str, out: &Path, bars: bool) -> Re
 
 async fn rollback(cli: &Cli, run: &str, to: &str, reason: &str) -> Result<()> {
     if reason.trim().is_empty() {
-        bail!(UsageError("--reason must say why; it is kept with the rollback".into()));
+        bail!(UsageError(
+            "--reason must say why; it is kept with the rollback".into()
+        ));
     }
     let run = open_run(cli, run).await?;
     let key = run.resolve_step(to).await?;
-    let operator = format!("{}@{}", std::env::var("USER").unwrap_or_else(|_| "unknown".into()), std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown".into()));
+    let operator = format!(
+        "{}@{}",
+        std::env::var("USER").unwrap_or_else(|_| "unknown".into()),
+        std::env::var("HOSTNAME").unwrap_or_else(|_| "unknown".into())
+    );
     let record = run.rollback(key, reason, &operator).await?;
     if cli.json {
         output::json(&record);
@@ -547,9 +891,19 @@ async fn gc(cli: &Cli, run: &str, policy: &GcPolicy, bars: bool) -> Result<()> {
         output::json(&report);
         return Ok(());
     }
-    let verb = if report.dry_run { "would delete" } else { "deleted" };
+    let verb = if report.dry_run {
+        "would delete"
+    } else {
+        "deleted"
+    };
     let steps: Vec<String> = report.deleted_steps.iter().map(|s| s.to_string()).collect();
-    println!("kept {} step(s); {verb} {} step(s) [{}] and {} abandoned incomplete step(s)", report.kept_steps.len(), steps.len(), steps.join(", "), report.deleted_incomplete.len());
+    println!(
+        "kept {} step(s); {verb} {} step(s) [{}] and {} abandoned incomplete step(s)",
+        report.kept_steps.len(),
+        steps.len(),
+        steps.join(", "),
+        report.deleted_incomplete.len()
+    );
     println!(
         "kept {} chunk(s); {verb} {} unreferenced chunk(s) ({}); left {} unreferenced chunk(s) younger than the grace period",
         report.kept_chunks,
@@ -558,7 +912,10 @@ async fn gc(cli: &Cli, run: &str, policy: &GcPolicy, bars: bool) -> Result<()> {
         report.young_chunks
     );
     if report.deleted_staging_files > 0 {
-        println!("{verb} {} staging file(s) left by killed writers", report.deleted_staging_files);
+        println!(
+            "{verb} {} staging file(s) left by killed writers",
+            report.deleted_staging_files
+        );
     }
     Ok(())
 }
@@ -583,7 +940,10 @@ async fn index(cli: &Cli, action: &IndexAction, bars: bool) -> Result<()> {
     if cli.json {
         output::json(&stats);
     } else {
-        println!("index: {} chunk(s), {} manifest(s), {} reference(s)", stats.chunks, stats.manifests, stats.references);
+        println!(
+            "index: {} chunk(s), {} manifest(s), {} reference(s)",
+            stats.chunks, stats.manifests, stats.references
+        );
     }
     Ok(())
 }

@@ -14,7 +14,11 @@ use lazarus_shared::store::{OpenMode, S3Settings, Store, StoreOptions};
 use lazarus_shared::StoreError;
 
 #[derive(Debug, Parser)]
-#[command(name = "ckptctl", version, about = "Inspect, audit, restore, roll back and garbage-collect Lazarus checkpoints")]
+#[command(
+    name = "ckptctl",
+    version,
+    about = "Inspect, audit, restore, roll back and garbage-collect Lazarus checkpoints"
+)]
 pub struct Cli {
     /// Store URL: file:///path, s3://bucket/prefix or memory://
     #[arg(long, env = "LAZARUS_STORE", global = true)]
@@ -173,7 +177,9 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
         if cause.is::<IntegrityProblems>() {
             return EXIT_INTEGRITY;
         }
-        if cause.is::<UsageError>() || cause.is::<lazarus_shared::safetensors_io::SafetensorsError>() {
+        if cause.is::<UsageError>()
+            || cause.is::<lazarus_shared::safetensors_io::SafetensorsError>()
+        {
             return EXIT_USAGE;
         }
         if let Some(store) = cause.downcast_ref::<StoreError>() {
@@ -190,7 +196,10 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
 
 pub fn main(cli: Cli) -> ExitCode {
     init_logging(cli.log_format);
-    let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().expect("tokio runtime starts");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("tokio runtime starts");
     match runtime.block_on(commands::run(cli)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
@@ -201,8 +210,11 @@ pub fn main(cli: Cli) -> ExitCode {
 }
 
 fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("LAZARUS_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LAZARUS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     match format {
         LogFormat::Human => builder.init(),
         LogFormat::Json => builder.json().init(),
@@ -211,7 +223,13 @@ fn init_logging(format: LogFormat) {
 
 impl Cli {
     pub(crate) fn store_options(&self) -> StoreOptions {
-        let index_path = if self.no_index { None } else { self.index.clone().or_else(|| self.store.as_deref().map(default_index_path)) };
+        let index_path = if self.no_index {
+            None
+        } else {
+            self.index
+                .clone()
+                .or_else(|| self.store.as_deref().map(default_index_path))
+        };
         StoreOptions {
             upload_concurrency: self.concurrency.max(1),
             download_concurrency: self.concurrency.max(1),
@@ -227,7 +245,9 @@ impl Cli {
     }
 
     pub(crate) async fn open_store(&self, mode: OpenMode) -> anyhow::Result<Store> {
-        let url = self.store.as_deref().ok_or_else(|| UsageError("no store given: pass --store URL or set LAZARUS_STORE".into()))?;
+        let url = self.store.as_deref().ok_or_else(|| {
+            UsageError("no store given: pass --store URL or set LAZARUS_STORE".into())
+        })?;
         Ok(Store::open(url, mode, self.store_options()).await?)
     }
 }
@@ -238,5 +258,8 @@ fn default_index_path(url: &str) -> PathBuf {
         .map(PathBuf::from)
         .or_else(|| std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache")))
         .unwrap_or_else(std::env::temp_dir);
-    cache.join("lazarus").join("index").join(&blake3::hash(url.as_bytes()).to_hex()[..16])
+    cache
+        .join("lazarus")
+        .join("index")
+        .join(&blake3::hash(url.as_bytes()).to_hex()[..16])
 }

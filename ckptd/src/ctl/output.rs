@@ -10,17 +10,33 @@ pub struct Bar(ProgressBar);
 
 impl Bar {
     pub fn bytes(message: &'static str, visible: bool) -> Self {
-        Self::new(message, visible, "{msg:>10} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}")
+        Self::new(
+            message,
+            visible,
+            "{msg:>10} [{bar:40}] {bytes}/{total_bytes} {bytes_per_sec} eta {eta}",
+        )
     }
 
     pub fn items(message: &'static str, visible: bool) -> Self {
-        Self::new(message, visible, "{msg:>10} [{bar:40}] {pos}/{len} eta {eta}")
+        Self::new(
+            message,
+            visible,
+            "{msg:>10} [{bar:40}] {pos}/{len} eta {eta}",
+        )
     }
 
     fn new(message: &'static str, visible: bool, template: &str) -> Self {
-        let target = if visible { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() };
+        let target = if visible {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        };
         let bar = ProgressBar::with_draw_target(Some(0), target);
-        bar.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
+        bar.set_style(
+            ProgressStyle::with_template(template)
+                .expect("valid template")
+                .progress_chars("=> "),
+        );
         bar.set_message(message);
         Self(bar)
     }
@@ -69,7 +85,10 @@ pub fn ratio(raw: u64, stored: u64) -> String {
 
 pub fn time(unix_ms: Option<u64>) -> String {
     match unix_ms {
-        Some(ms) => humantime::format_rfc3339_seconds(std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms)).to_string(),
+        Some(ms) => humantime::format_rfc3339_seconds(
+            std::time::UNIX_EPOCH + std::time::Duration::from_millis(ms),
+        )
+        .to_string(),
         None => "-".into(),
     }
 }
@@ -83,7 +102,11 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
         }
     }
     let line = |cells: Vec<String>| {
-        let padded: Vec<String> = cells.iter().zip(&widths).map(|(cell, width)| format!("{cell:<width$}")).collect();
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(cell, width)| format!("{cell:<width$}"))
+            .collect();
         println!("{}", padded.join("  ").trim_end());
     };
     line(header.iter().map(|h| h.to_string()).collect());
@@ -93,5 +116,8 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
 }
 
 pub fn json(value: &impl serde::Serialize) {
-    println!("{}", serde_json::to_string_pretty(value).expect("output types serialise"));
+    println!(
+        "{}",
+        serde_json::to_string_pretty(value).expect("output types serialise")
+    );
 }

@@ -47,7 +47,9 @@ pub struct Catalog {
 
 impl Catalog {
     pub fn visible_commits(&self) -> impl Iterator<Item = &StepStatus> {
-        self.steps.iter().filter(|s| s.state == StepState::Committed)
+        self.steps
+            .iter()
+            .filter(|s| s.state == StepState::Committed)
     }
 }
 
@@ -56,17 +58,26 @@ impl RunStore {
         let path = layout::commit(&self.run, step);
         let bytes = match self.store.get(&path).await {
             Ok(bytes) => bytes,
-            Err(StoreError::NotFound { .. }) => return Err(StoreError::NotCommitted { run: self.run.clone(), step: step.to_string() }),
+            Err(StoreError::NotFound { .. }) => {
+                return Err(StoreError::NotCommitted {
+                    run: self.run.clone(),
+                    step: step.to_string(),
+                })
+            }
             Err(e) => return Err(e),
         };
-        let (record, _): (CommitRecord, _) = self.open_object(&bytes, &path, &step.to_string(), "-")?;
+        let (record, _): (CommitRecord, _) =
+            self.open_object(&bytes, &path, &step.to_string(), "-")?;
         if record.run != self.run || record.step != step {
             return Err(StoreError::Format {
                 run: self.run.clone(),
                 step: step.to_string(),
                 rank: "-".into(),
                 path: path.to_string(),
-                cause: format::FormatError::Invalid { what: "commit record".into(), reason: format!("it names run {} step {}", record.run, record.step) },
+                cause: format::FormatError::Invalid {
+                    what: "commit record".into(),
+                    reason: format!("it names run {} step {}", record.run, record.step),
+                },
             });
         }
         Ok(record)
@@ -76,9 +87,14 @@ impl RunStore {
     /// cannot know what is hidden.
     pub async fn rollbacks(&self) -> Result<Vec<RollbackRecord>, StoreError> {
         let mut records = Vec::new();
-        for meta in self.store.list(&layout::rollbacks_prefix(&self.run)).await? {
+        for meta in self
+            .store
+            .list(&layout::rollbacks_prefix(&self.run))
+            .await?
+        {
             let bytes = self.store.get(&meta.location).await?;
-            let (record, _): (RollbackRecord, _) = self.open_object(&bytes, &meta.location, "-", "-")?;
+            let (record, _): (RollbackRecord, _) =
+                self.open_object(&bytes, &meta.location, "-", "-")?;
             records.push(record);
         }
         records.sort_by_key(|r| r.seq);
@@ -95,7 +111,11 @@ impl RunStore {
         let rollbacks = self.rollbacks().await?;
         let mut steps: BTreeMap<StepKey, StepStatus> = BTreeMap::new();
         for meta in self.store.list(&layout::commits_prefix(&self.run)).await? {
-            let Some(step) = layout::file_stem(&meta.location, ".json").and_then(StepKey::parse_object_name) else { continue };
+            let Some(step) =
+                layout::file_stem(&meta.location, ".json").and_then(StepKey::parse_object_name)
+            else {
+                continue;
+            };
             let status = match self.load_commit(step).await {
                 Ok(record) => StepStatus {
                     step,
@@ -110,7 +130,9 @@ impl RunStore {
                 },
                 Err(error) if error.is_integrity() => StepStatus {
                     step,
-                    state: StepState::Damaged { reason: format!("{error}") },
+                    state: StepState::Damaged {
+                        reason: format!("{error}"),
+                    },
                     world_size: None,
                     raw_bytes: 0,
                     uploaded_bytes: 0,
@@ -121,10 +143,14 @@ impl RunStore {
             steps.insert(step, status);
         }
         for meta in self.store.list(&layout::shards_prefix(&self.run)).await? {
-            let Some((step, rank)) = layout::parse_shard(&meta.location) else { continue };
+            let Some((step, rank)) = layout::parse_shard(&meta.location) else {
+                continue;
+            };
             let status = steps.entry(step).or_insert_with(|| StepStatus {
                 step,
-                state: StepState::Incomplete { ranks_present: Vec::new() },
+                state: StepState::Incomplete {
+                    ranks_present: Vec::new(),
+                },
                 world_size: None,
                 raw_bytes: 0,
                 uploaded_bytes: 0,
@@ -142,7 +168,12 @@ impl RunStore {
         let timeline = rollbacks.last().map_or(0, |r| r.seq);
         let mut steps: Vec<StepStatus> = steps.into_values().collect();
         steps.sort_by_key(|s| (s.step.step, s.step.timeline));
-        Ok(Catalog { steps, rollbacks, latest, timeline })
+        Ok(Catalog {
+            steps,
+            rollbacks,
+            latest,
+            timeline,
+        })
     }
 
     /// The newest visible committed step, if any.
@@ -154,17 +185,35 @@ impl RunStore {
     /// that number, else the newest hidden one), or `<step>-t<timeline>`.
     pub async fn resolve_step(&self, text: &str) -> Result<StepKey, StoreError> {
         let catalog = self.catalog().await?;
-        let not_committed = || StoreError::NotCommitted { run: self.run.clone(), step: text.to_string() };
+        let not_committed = || StoreError::NotCommitted {
+            run: self.run.clone(),
+            step: text.to_string(),
+        };
         if text == "latest" {
             return catalog.latest.ok_or_else(not_committed);
         }
         let (number, timeline) = match text.split_once("-t") {
-            Some((step, timeline)) => (step, Some(timeline.parse::<u32>().map_err(|_| not_committed())?)),
+            Some((step, timeline)) => (
+                step,
+                Some(timeline.parse::<u32>().map_err(|_| not_committed())?),
+            ),
             None => (text, None),
         };
-        let number: u64 = number.parse().map_err(|_| StoreError::BadRequest { reason: format!("{text:?} is not a step: use a number, N-tT or 'latest'") })?;
-        let candidates = catalog.steps.iter().filter(|s| s.step.step == number && timeline.is_none_or(|t| s.step.timeline == t));
-        let committed: Vec<&super::StepStatus> = candidates.filter(|s| matches!(s.state, StepState::Committed | StepState::RolledBack { .. } | StepState::Damaged { .. })).collect();
+        let number: u64 = number.parse().map_err(|_| StoreError::BadRequest {
+            reason: format!("{text:?} is not a step: use a number, N-tT or 'latest'"),
+        })?;
+        let candidates = catalog
+            .steps
+            .iter()
+            .filter(|s| s.step.step == number && timeline.is_none_or(|t| s.step.timeline == t));
+        let committed: Vec<&super::StepStatus> = candidates
+            .filter(|s| {
+                matches!(
+                    s.state,
+                    StepState::Committed | StepState::RolledBack { .. } | StepState::Damaged { .. }
+                )
+            })
+            .collect();
         committed
             .iter()
             .find(|s| s.state == StepState::Committed)
@@ -174,12 +223,22 @@ impl RunStore {
     }
 
     /// Hides every step after `to` and starts a new timeline. Deletes nothing.
-    pub async fn rollback(&self, to: StepKey, reason: &str, operator: &str) -> Result<RollbackRecord, StoreError> {
+    pub async fn rollback(
+        &self,
+        to: StepKey,
+        reason: &str,
+        operator: &str,
+    ) -> Result<RollbackRecord, StoreError> {
         for _attempt in 0..8 {
             let catalog = self.catalog().await?;
             let target = catalog.steps.iter().find(|s| s.step == to);
             if target.map(|t| &t.state) != Some(&StepState::Committed) {
-                return Err(StoreError::BadRequest { reason: format!("step {to} is not a visible committed step of run {}; see `ckptctl list`", self.run) });
+                return Err(StoreError::BadRequest {
+                    reason: format!(
+                        "step {to} is not a visible committed step of run {}; see `ckptctl list`",
+                        self.run
+                    ),
+                });
             }
             let record = RollbackRecord {
                 run: self.run.clone(),
@@ -190,12 +249,18 @@ impl RunStore {
                 created_unix_ms: now_unix_ms(),
             };
             let (bytes, _) = format::seal(&record);
-            if self.store.put(&layout::rollback(&self.run, record.seq), bytes.into(), true).await? {
+            if self
+                .store
+                .put(&layout::rollback(&self.run, record.seq), bytes.into(), true)
+                .await?
+            {
                 tracing::warn!(run = %self.run, to = %to, seq = record.seq, reason, "rolled back");
                 return Ok(record);
             }
             // Another rollback took this sequence number first: look again.
         }
-        Err(StoreError::BadRequest { reason: "concurrent rollbacks kept colliding; try again".into() })
+        Err(StoreError::BadRequest {
+            reason: "concurrent rollbacks kept colliding; try again".into(),
+        })
     }
 }

@@ -53,9 +53,15 @@ pub struct GcReport {
 }
 
 impl RunStore {
-    pub async fn gc(&self, policy: &GcPolicy, progress: &dyn Progress) -> Result<GcReport, StoreError> {
+    pub async fn gc(
+        &self,
+        policy: &GcPolicy,
+        progress: &dyn Progress,
+    ) -> Result<GcReport, StoreError> {
         if policy.keep_last == 0 {
-            return Err(StoreError::BadRequest { reason: "--keep-last must be at least 1: gc never deletes the latest step".into() });
+            return Err(StoreError::BadRequest {
+                reason: "--keep-last must be at least 1: gc never deletes the latest step".into(),
+            });
         }
         let lock = self.lock(GC_LOCK, "gc").await?;
         let result = self.gc_locked(policy, progress, &lock).await;
@@ -65,20 +71,42 @@ impl RunStore {
         Ok(report)
     }
 
-    async fn gc_locked(&self, policy: &GcPolicy, progress: &dyn Progress, lock: &super::LockGuard) -> Result<GcReport, StoreError> {
+    async fn gc_locked(
+        &self,
+        policy: &GcPolicy,
+        progress: &dyn Progress,
+        lock: &super::LockGuard,
+    ) -> Result<GcReport, StoreError> {
         let now = now_unix_ms();
         let young = |created: Option<u64>| created.is_none_or(|t| t + policy.grace_ms > now);
         let catalog = self.catalog().await?;
         let visible: Vec<StepKey> = catalog.visible_commits().map(|s| s.step).collect();
-        let newest: BTreeSet<StepKey> = visible.iter().rev().take(policy.keep_last).copied().collect();
-        let mut report = GcReport { dry_run: policy.dry_run, ..Default::default() };
+        let newest: BTreeSet<StepKey> = visible
+            .iter()
+            .rev()
+            .take(policy.keep_last)
+            .copied()
+            .collect();
+        let mut report = GcReport {
+            dry_run: policy.dry_run,
+            ..Default::default()
+        };
         let mut retained_manifests: Vec<(StepKey, Option<u32>)> = Vec::new();
         for status in &catalog.steps {
             let step = status.step;
             let keep = match &status.state {
-                StepState::Committed => newest.contains(&step) || policy.keep_every.is_some_and(|k| k > 0 && step.step % k == 0),
+                StepState::Committed => {
+                    newest.contains(&step)
+                        || policy
+                            .keep_every
+                            .is_some_and(|k| k > 0 && step.step % k == 0)
+                }
                 StepState::RolledBack { .. } | StepState::Damaged { .. } => true,
-                StepState::Incomplete { .. } => catalog.latest.is_none_or(|latest| (step.step, step.timeline) > (latest.step, latest.timeline)) || young(status.created_unix_ms),
+                StepState::Incomplete { .. } => {
+                    catalog.latest.is_none_or(|latest| {
+                        (step.step, step.timeline) > (latest.step, latest.timeline)
+                    }) || young(status.created_unix_ms)
+                }
             };
             match (&status.state, keep) {
                 (StepState::Incomplete { .. }, true) => retained_manifests.push((step, None)),
@@ -101,10 +129,20 @@ impl RunStore {
             }
         }
         if !policy.dry_run {
-            for step in report.deleted_steps.iter().chain(&report.deleted_incomplete) {
+            for step in report
+                .deleted_steps
+                .iter()
+                .chain(&report.deleted_incomplete)
+            {
                 self.store.delete(&layout::commit(&self.run, *step)).await?;
-                for meta in self.store.list(&layout::shard_dir(&self.run, *step)).await? {
-                    if let (Some(index), Some((step, rank))) = (self.store.index(), layout::parse_shard(&meta.location)) {
+                for meta in self
+                    .store
+                    .list(&layout::shard_dir(&self.run, *step))
+                    .await?
+                {
+                    if let (Some(index), Some((step, rank))) =
+                        (self.store.index(), layout::parse_shard(&meta.location))
+                    {
                         index.remove_manifest(&self.run, step, rank)?;
                     }
                     self.store.delete(&meta.location).await?;
@@ -114,7 +152,9 @@ impl RunStore {
         let chunks = self.store.list(&layout::chunks_prefix(&self.run)).await?;
         let mut doomed = Vec::new();
         for meta in chunks {
-            let Some(hash) = layout::parse_chunk(&meta.location) else { continue };
+            let Some(hash) = layout::parse_chunk(&meta.location) else {
+                continue;
+            };
             if referenced.contains(&hash) {
                 report.kept_chunks += 1;
             } else if young(Some(meta.last_modified.timestamp_millis().max(0) as u64)) {
@@ -131,7 +171,10 @@ impl RunStore {
             stream::iter(doomed)
                 .map(|(hash, path)| async move {
                     if !lock.is_valid(lock_margin_ms) {
-                        return Err(StoreError::BadRequest { reason: "gc lock is about to expire; stopping (run gc again to finish)".into() });
+                        return Err(StoreError::BadRequest {
+                            reason: "gc lock is about to expire; stopping (run gc again to finish)"
+                                .into(),
+                        });
                     }
                     self.store.delete(&path).await?;
                     if let Some(index) = self.store.index() {
@@ -152,9 +195,14 @@ impl RunStore {
     /// killed in between leaves the staging file, which listings never show. Removes those
     /// older than the grace period under this run's directory.
     fn sweep_staging_files(&self, policy: &GcPolicy, now: u64) -> Result<u64, StoreError> {
-        let Some(root) = &self.store.local_root else { return Ok(0) };
+        let Some(root) = &self.store.local_root else {
+            return Ok(0);
+        };
         let run_dir = root.join(layout::RUNS).join(self.run.as_str());
-        let io = |path: &std::path::Path, cause| StoreError::Io { path: path.display().to_string(), cause };
+        let io = |path: &std::path::Path, cause| StoreError::Io {
+            path: path.display().to_string(),
+            cause,
+        };
         let mut removed = 0;
         let mut pending = vec![run_dir];
         while let Some(dir) = pending.pop() {
@@ -172,8 +220,14 @@ impl RunStore {
                     continue;
                 }
                 let name = entry.file_name().to_string_lossy().to_string();
-                let staging = name.rsplit_once('#').is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
-                let modified_ms = metadata.modified().ok().and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map(|d| d.as_millis() as u64);
+                let staging = name
+                    .rsplit_once('#')
+                    .is_some_and(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
+                let modified_ms = metadata
+                    .modified()
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map(|d| d.as_millis() as u64);
                 if staging && modified_ms.is_some_and(|t| t + policy.grace_ms <= now) {
                     if !policy.dry_run {
                         std::fs::remove_file(&path).map_err(|e| io(&path, e))?;
@@ -186,12 +240,18 @@ impl RunStore {
     }
 
     /// Every shard manifest stored for `step` (committed or not); a damaged one is an error.
-    pub(crate) async fn manifests_of(&self, step: StepKey) -> Result<Vec<ShardManifest>, StoreError> {
+    pub(crate) async fn manifests_of(
+        &self,
+        step: StepKey,
+    ) -> Result<Vec<ShardManifest>, StoreError> {
         let mut manifests = Vec::new();
         for meta in self.store.list(&layout::shard_dir(&self.run, step)).await? {
-            let Some((_, rank)) = layout::parse_shard(&meta.location) else { continue };
+            let Some((_, rank)) = layout::parse_shard(&meta.location) else {
+                continue;
+            };
             let bytes = self.store.get(&meta.location).await?;
-            let (manifest, _): (ShardManifest, _) = self.open_object(&bytes, &meta.location, &step.to_string(), &rank.to_string())?;
+            let (manifest, _): (ShardManifest, _) =
+                self.open_object(&bytes, &meta.location, &step.to_string(), &rank.to_string())?;
             manifests.push(manifest);
         }
         Ok(manifests)

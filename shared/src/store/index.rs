@@ -9,7 +9,7 @@ use futures::stream::{self, StreamExt, TryStreamExt};
 use serde::{Deserialize, Serialize};
 
 use super::{layout, Progress, RunStore};
-use crate::codec::{Codec, ChunkHeader, HEADER_BYTES};
+use crate::codec::{ChunkHeader, Codec, HEADER_BYTES};
 use crate::error::StoreError;
 use crate::hash::ChunkHash;
 use crate::ids::{Rank, RunId, StepKey};
@@ -53,7 +53,10 @@ fn manifest_key(run: &RunId, step: StepKey, rank: Rank) -> Vec<u8> {
 
 impl ChunkIndex {
     pub fn open(path: &FsPath) -> Result<Self, StoreError> {
-        let error = |cause| StoreError::Index { path: path.display().to_string(), cause };
+        let error = |cause| StoreError::Index {
+            path: path.display().to_string(),
+            cause,
+        };
         let db = sled::open(path).map_err(error)?;
         Ok(Self {
             chunks: db.open_tree("chunks").map_err(error)?,
@@ -65,7 +68,10 @@ impl ChunkIndex {
     }
 
     fn error(&self, source: sled::Error) -> StoreError {
-        StoreError::Index { path: self.path.display().to_string(), cause: source }
+        StoreError::Index {
+            path: self.path.display().to_string(),
+            cause: source,
+        }
     }
 
     pub fn chunk(&self, run: &RunId, hash: &ChunkHash) -> Option<ChunkInfo> {
@@ -73,35 +79,66 @@ impl ChunkIndex {
         serde_json::from_slice(&value).ok()
     }
 
-    pub fn put_chunk(&self, run: &RunId, hash: &ChunkHash, info: &ChunkInfo) -> Result<(), StoreError> {
+    pub fn put_chunk(
+        &self,
+        run: &RunId,
+        hash: &ChunkHash,
+        info: &ChunkInfo,
+    ) -> Result<(), StoreError> {
         let value = serde_json::to_vec(info).expect("ChunkInfo serialises");
-        self.chunks.insert(chunk_key(run, hash), value).map_err(|e| self.error(e))?;
+        self.chunks
+            .insert(chunk_key(run, hash), value)
+            .map_err(|e| self.error(e))?;
         Ok(())
     }
 
     pub fn remove_chunk(&self, run: &RunId, hash: &ChunkHash) -> Result<(), StoreError> {
-        self.chunks.remove(chunk_key(run, hash)).map_err(|e| self.error(e))?;
-        self.refs.remove(chunk_key(run, hash)).map_err(|e| self.error(e))?;
+        self.chunks
+            .remove(chunk_key(run, hash))
+            .map_err(|e| self.error(e))?;
+        self.refs
+            .remove(chunk_key(run, hash))
+            .map_err(|e| self.error(e))?;
         Ok(())
     }
 
     /// Counts one manifest's references (once per distinct chunk), unless already counted.
-    pub fn add_manifest(&self, run: &RunId, step: StepKey, rank: Rank, hashes: &[ChunkHash]) -> Result<(), StoreError> {
+    pub fn add_manifest(
+        &self,
+        run: &RunId,
+        step: StepKey,
+        rank: Rank,
+        hashes: &[ChunkHash],
+    ) -> Result<(), StoreError> {
         let mut distinct: Vec<ChunkHash> = hashes.to_vec();
         distinct.sort();
         distinct.dedup();
         let value = serde_json::to_vec(&distinct).expect("hashes serialise");
-        let previous = self.manifests.insert(manifest_key(run, step, rank), value).map_err(|e| self.error(e))?;
+        let previous = self
+            .manifests
+            .insert(manifest_key(run, step, rank), value)
+            .map_err(|e| self.error(e))?;
         if previous.is_some() {
             // Recounting a rewritten manifest: drop the old references first.
-            let old: Vec<ChunkHash> = previous.and_then(|v| serde_json::from_slice(&v).ok()).unwrap_or_default();
+            let old: Vec<ChunkHash> = previous
+                .and_then(|v| serde_json::from_slice(&v).ok())
+                .unwrap_or_default();
             self.adjust(run, &old, -1)?;
         }
         self.adjust(run, &distinct, 1)
     }
 
-    pub fn remove_manifest(&self, run: &RunId, step: StepKey, rank: Rank) -> Result<(), StoreError> {
-        if let Some(value) = self.manifests.remove(manifest_key(run, step, rank)).map_err(|e| self.error(e))? {
+    pub fn remove_manifest(
+        &self,
+        run: &RunId,
+        step: StepKey,
+        rank: Rank,
+    ) -> Result<(), StoreError> {
+        if let Some(value) = self
+            .manifests
+            .remove(manifest_key(run, step, rank))
+            .map_err(|e| self.error(e))?
+        {
             let old: Vec<ChunkHash> = serde_json::from_slice(&value).unwrap_or_default();
             self.adjust(run, &old, -1)?;
         }
@@ -112,7 +149,9 @@ impl ChunkIndex {
         for hash in hashes {
             self.refs
                 .update_and_fetch(chunk_key(run, hash), |old| {
-                    let count = old.map_or(0, |v| i64::from_le_bytes(v.try_into().unwrap_or([0; 8]))) + delta;
+                    let count = old
+                        .map_or(0, |v| i64::from_le_bytes(v.try_into().unwrap_or([0; 8])))
+                        + delta;
                     (count > 0).then(|| count.to_le_bytes().to_vec())
                 })
                 .map_err(|e| self.error(e))?;
@@ -122,16 +161,27 @@ impl ChunkIndex {
 
     /// How many manifests reference `hash`.
     pub fn references(&self, run: &RunId, hash: &ChunkHash) -> u64 {
-        self.refs.get(chunk_key(run, hash)).ok().flatten().map_or(0, |v| i64::from_le_bytes(v.as_ref().try_into().unwrap_or([0; 8])).max(0) as u64)
+        self.refs
+            .get(chunk_key(run, hash))
+            .ok()
+            .flatten()
+            .map_or(0, |v| {
+                i64::from_le_bytes(v.as_ref().try_into().unwrap_or([0; 8])).max(0) as u64
+            })
     }
 
     pub fn stats(&self) -> Result<IndexStats, StoreError> {
         let mut references = 0u64;
         for entry in self.refs.iter() {
             let (_, value) = entry.map_err(|e| self.error(e))?;
-            references += i64::from_le_bytes(value.as_ref().try_into().unwrap_or([0; 8])).max(0) as u64;
+            references +=
+                i64::from_le_bytes(value.as_ref().try_into().unwrap_or([0; 8])).max(0) as u64;
         }
-        Ok(IndexStats { chunks: self.chunks.len() as u64, manifests: self.manifests.len() as u64, references })
+        Ok(IndexStats {
+            chunks: self.chunks.len() as u64,
+            manifests: self.manifests.len() as u64,
+            references,
+        })
     }
 
     pub fn clear(&self) -> Result<(), StoreError> {
@@ -149,32 +199,62 @@ impl ChunkIndex {
 
 impl RunStore {
     /// Adds this run's chunks (from their headers) and manifests to `index`.
-    pub(crate) async fn index_into(&self, index: &ChunkIndex, progress: &dyn Progress) -> Result<(), StoreError> {
+    pub(crate) async fn index_into(
+        &self,
+        index: &ChunkIndex,
+        progress: &dyn Progress,
+    ) -> Result<(), StoreError> {
         let chunks = self.store.list(&layout::chunks_prefix(&self.run)).await?;
         progress.set_total(chunks.len() as u64);
         let headers: Vec<Option<(ChunkHash, ChunkHeader, u64)>> = stream::iter(chunks)
             .map(|meta| async move {
-                let Some(hash) = layout::parse_chunk(&meta.location) else { return Ok(None) };
-                let (bytes, size) = self.store.get_prefix(&meta.location, HEADER_BYTES as u64).await?;
+                let Some(hash) = layout::parse_chunk(&meta.location) else {
+                    return Ok(None);
+                };
+                let (bytes, size) = self
+                    .store
+                    .get_prefix(&meta.location, HEADER_BYTES as u64)
+                    .await?;
                 progress.advance(1);
                 // A damaged chunk is left out; `verify` is the tool that reports it.
-                Ok::<_, StoreError>(ChunkHeader::parse(&bytes).ok().filter(|h| h.raw_hash == hash).map(|h| (hash, h, size)))
+                Ok::<_, StoreError>(
+                    ChunkHeader::parse(&bytes)
+                        .ok()
+                        .filter(|h| h.raw_hash == hash)
+                        .map(|h| (hash, h, size)),
+                )
             })
             .buffer_unordered(self.store.options.download_concurrency.max(1))
             .try_collect()
             .await?;
-        let headers: std::collections::HashMap<ChunkHash, (ChunkHeader, u64)> = headers.into_iter().flatten().map(|(hash, header, size)| (hash, (header, size))).collect();
+        let headers: std::collections::HashMap<ChunkHash, (ChunkHeader, u64)> = headers
+            .into_iter()
+            .flatten()
+            .map(|(hash, header, size)| (hash, (header, size)))
+            .collect();
         for (hash, (header, size)) in &headers {
             let mut bases = Vec::new();
             let mut next = header.base;
-            while let Some(base) = next.filter(|_| bases.len() < usize::from(crate::codec::DELTA_DEPTH_MAX)) {
+            while let Some(base) =
+                next.filter(|_| bases.len() < usize::from(crate::codec::DELTA_DEPTH_MAX))
+            {
                 bases.push(base);
                 next = headers.get(&base).and_then(|(h, _)| h.base);
             }
-            index.put_chunk(&self.run, hash, &ChunkInfo { stored_len: *size, codec: header.codec, bases })?;
+            index.put_chunk(
+                &self.run,
+                hash,
+                &ChunkInfo {
+                    stored_len: *size,
+                    codec: header.codec,
+                    bases,
+                },
+            )?;
         }
         for meta in self.store.list(&layout::shards_prefix(&self.run)).await? {
-            let Some((step, rank)) = layout::parse_shard(&meta.location) else { continue };
+            let Some((step, rank)) = layout::parse_shard(&meta.location) else {
+                continue;
+            };
             let bytes = self.store.get(&meta.location).await?;
             if let Ok((manifest, _)) = crate::format::open::<crate::format::ShardManifest>(&bytes) {
                 let hashes: Vec<ChunkHash> = manifest.chunk_refs().map(|c| c.hash).collect();

@@ -29,7 +29,10 @@ pub fn shard_dir(run: &RunId, step: StepKey) -> Path {
 }
 
 pub fn shard(run: &RunId, step: StepKey, rank: Rank) -> Path {
-    Path::from(format!("{RUNS}/{run}/shards/{}/{rank:06}.json", step.object_name()))
+    Path::from(format!(
+        "{RUNS}/{run}/shards/{}/{rank:06}.json",
+        step.object_name()
+    ))
 }
 
 pub fn commits_prefix(run: &RunId) -> Path {
@@ -66,7 +69,10 @@ pub fn parse_shard(path: &Path) -> Option<(StepKey, Rank)> {
     if rank_text.len() != 6 || !rank_text.bytes().all(|b| b.is_ascii_digit()) {
         return None;
     }
-    Some((StepKey::parse_object_name(step_part.as_ref())?, rank_text.parse().ok()?))
+    Some((
+        StepKey::parse_object_name(step_part.as_ref())?,
+        rank_text.parse().ok()?,
+    ))
 }
 
 /// Parses `.../chunks/<hh>/<hex>`.

@@ -46,7 +46,9 @@ pub(crate) fn render_time(unix_ms: u64) -> String {
 impl RunStore {
     pub(crate) async fn read_lock(&self, path: &Path) -> Result<Option<LockRecord>, StoreError> {
         match self.store.get(path).await {
-            Ok(bytes) => Ok(format::open::<LockRecord>(&bytes).ok().map(|(record, _)| record)),
+            Ok(bytes) => Ok(format::open::<LockRecord>(&bytes)
+                .ok()
+                .map(|(record, _)| record)),
             Err(StoreError::NotFound { .. }) => Ok(None),
             Err(e) => Err(e),
         }
@@ -69,12 +71,18 @@ impl RunStore {
             if self.store.put(&path, bytes.clone().into(), true).await? {
                 tokio::time::sleep(Duration::from_millis(20)).await;
                 return match self.read_lock(&path).await? {
-                    Some(current) if current.owner == record.owner => Ok(LockGuard { run: self.clone(), path, record }),
+                    Some(current) if current.owner == record.owner => Ok(LockGuard {
+                        run: self.clone(),
+                        path,
+                        record,
+                    }),
                     other => Err(self.locked(&path, other)),
                 };
             }
             match self.read_lock(&path).await? {
-                Some(current) if current.expires_unix_ms > now_unix_ms() => return Err(self.locked(&path, Some(current))),
+                Some(current) if current.expires_unix_ms > now_unix_ms() => {
+                    return Err(self.locked(&path, Some(current)))
+                }
                 // Expired or unreadable: break it and try again.
                 _ => {
                     tracing::warn!(path = %path, "breaking an expired lock");
@@ -89,10 +97,17 @@ impl RunStore {
         match holder {
             Some(h) => StoreError::Locked {
                 path: path.to_string(),
-                holder: format!("{} (pid {} on {}, owner {})", h.purpose, h.pid, h.host, h.owner),
+                holder: format!(
+                    "{} (pid {} on {}, owner {})",
+                    h.purpose, h.pid, h.host, h.owner
+                ),
                 expires: render_time(h.expires_unix_ms),
             },
-            None => StoreError::Locked { path: path.to_string(), holder: "another process".into(), expires: "soon".into() },
+            None => StoreError::Locked {
+                path: path.to_string(),
+                holder: "another process".into(),
+                expires: "soon".into(),
+            },
         }
     }
 }
@@ -102,6 +117,9 @@ mod tests {
     #[test]
     fn rfc3339_rendering() {
         assert_eq!(super::render_time(0), "1970-01-01T00:00:00Z");
-        assert_eq!(super::render_time(1_000_000_000_000), "2001-09-09T01:46:40Z");
+        assert_eq!(
+            super::render_time(1_000_000_000_000),
+            "2001-09-09T01:46:40Z"
+        );
     }
 }

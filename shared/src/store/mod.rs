@@ -30,7 +30,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use bytes::Bytes;
 use futures::TryStreamExt;
 use object_store::path::Path;
-use object_store::{ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart};
+use object_store::{
+    ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart,
+};
 
 pub use backend::{OpenMode, S3Settings};
 pub use catalog::{Catalog, StepState, StepStatus};
@@ -109,13 +111,19 @@ pub struct Store {
 
 impl std::fmt::Debug for Store {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Store").field("url", &self.url).finish_non_exhaustive()
+        f.debug_struct("Store")
+            .field("url", &self.url)
+            .finish_non_exhaustive()
     }
 }
 
 impl Store {
     /// Opens the store at `url` and checks that it answers.
-    pub async fn open(url: &str, mode: OpenMode, options: StoreOptions) -> Result<Self, StoreError> {
+    pub async fn open(
+        url: &str,
+        mode: OpenMode,
+        options: StoreOptions,
+    ) -> Result<Self, StoreError> {
         let backend = backend::open(url, mode, &options.s3, options.retries)?;
         let mut store = Self::with_objects(backend.objects, url, options).await?;
         store.local_root = backend.local_root;
@@ -123,17 +131,33 @@ impl Store {
     }
 
     /// Wraps an already built `object_store` (tests, embedders).
-    pub async fn with_objects(objects: Arc<dyn ObjectStore>, url: &str, options: StoreOptions) -> Result<Self, StoreError> {
+    pub async fn with_objects(
+        objects: Arc<dyn ObjectStore>,
+        url: &str,
+        options: StoreOptions,
+    ) -> Result<Self, StoreError> {
         let probe = Path::from(layout::RUNS);
-        objects.list_with_delimiter(Some(&probe)).await.map_err(|source| match source {
-            // S3 servers answer a missing bucket with a 404 `NoSuchBucket`, which object_store
-            // passes on as a generic error.
-            object_store::Error::NotFound { .. } => StoreError::InvalidUrl { url: url.to_string(), reason: "the bucket or directory does not exist".into() },
-            source if source.to_string().contains("NoSuchBucket") => {
-                StoreError::InvalidUrl { url: url.to_string(), reason: "the bucket does not exist; create it, or check the URL and endpoint".into() }
-            }
-            source => StoreError::Backend { operation: "list", path: format!("{url} (reachability check)"), cause: source },
-        })?;
+        objects
+            .list_with_delimiter(Some(&probe))
+            .await
+            .map_err(|source| match source {
+                // S3 servers answer a missing bucket with a 404 `NoSuchBucket`, which object_store
+                // passes on as a generic error.
+                object_store::Error::NotFound { .. } => StoreError::InvalidUrl {
+                    url: url.to_string(),
+                    reason: "the bucket or directory does not exist".into(),
+                },
+                source if source.to_string().contains("NoSuchBucket") => StoreError::InvalidUrl {
+                    url: url.to_string(),
+                    reason: "the bucket does not exist; create it, or check the URL and endpoint"
+                        .into(),
+                },
+                source => StoreError::Backend {
+                    operation: "list",
+                    path: format!("{url} (reachability check)"),
+                    cause: source,
+                },
+            })?;
         let index = match &options.index_path {
             None => None,
             // The index is only an accelerator: if another process holds it, work without it.
@@ -145,7 +169,13 @@ impl Store {
                 }
             },
         };
-        Ok(Self { objects, url: url.to_string(), options: Arc::new(options), index, local_root: None })
+        Ok(Self {
+            objects,
+            url: url.to_string(),
+            options: Arc::new(options),
+            index,
+            local_root: None,
+        })
     }
 
     pub fn url(&self) -> &str {
@@ -161,21 +191,34 @@ impl Store {
     }
 
     pub fn run(&self, run: &RunId) -> RunStore {
-        RunStore { store: self.clone(), run: run.clone() }
+        RunStore {
+            store: self.clone(),
+            run: run.clone(),
+        }
     }
 
     /// Every run that has a `run.json`, sorted.
     pub async fn runs(&self) -> Result<Vec<RunId>, StoreError> {
         let prefix = Path::from(layout::RUNS);
-        let listing = self.objects.list_with_delimiter(Some(&prefix)).await.map_err(|e| StoreError::backend("list", &prefix, e))?;
-        let mut runs: Vec<RunId> = listing.common_prefixes.iter().filter_map(|p| p.filename()?.parse().ok()).collect();
+        let listing = self
+            .objects
+            .list_with_delimiter(Some(&prefix))
+            .await
+            .map_err(|e| StoreError::backend("list", &prefix, e))?;
+        let mut runs: Vec<RunId> = listing
+            .common_prefixes
+            .iter()
+            .filter_map(|p| p.filename()?.parse().ok())
+            .collect();
         runs.sort();
         Ok(runs)
     }
 
     /// Recreates the local index from storage alone.
     pub async fn rebuild_index(&self, progress: &dyn Progress) -> Result<IndexStats, StoreError> {
-        let index = self.index.as_ref().ok_or_else(|| StoreError::BadRequest { reason: "no local index is configured".into() })?;
+        let index = self.index.as_ref().ok_or_else(|| StoreError::BadRequest {
+            reason: "no local index is configured".into(),
+        })?;
         index.clear()?;
         for run in self.runs().await? {
             self.run(&run).index_into(index, progress).await?;
@@ -185,15 +228,36 @@ impl Store {
     }
 
     pub(crate) async fn get(&self, path: &Path) -> Result<Bytes, StoreError> {
-        let result = self.objects.get(path).await.map_err(|e| StoreError::backend("get", path, e))?;
-        result.bytes().await.map_err(|e| StoreError::backend("get", path, e))
+        let result = self
+            .objects
+            .get(path)
+            .await
+            .map_err(|e| StoreError::backend("get", path, e))?;
+        result
+            .bytes()
+            .await
+            .map_err(|e| StoreError::backend("get", path, e))
     }
 
-    pub(crate) async fn get_prefix(&self, path: &Path, len: u64) -> Result<(Bytes, u64), StoreError> {
-        let options = object_store::GetOptions { range: Some((0..len).into()), ..Default::default() };
-        let result = self.objects.get_opts(path, options).await.map_err(|e| StoreError::backend("get", path, e))?;
+    pub(crate) async fn get_prefix(
+        &self,
+        path: &Path,
+        len: u64,
+    ) -> Result<(Bytes, u64), StoreError> {
+        let options = object_store::GetOptions {
+            range: Some((0..len).into()),
+            ..Default::default()
+        };
+        let result = self
+            .objects
+            .get_opts(path, options)
+            .await
+            .map_err(|e| StoreError::backend("get", path, e))?;
         let size = result.meta.size;
-        let bytes = result.bytes().await.map_err(|e| StoreError::backend("get", path, e))?;
+        let bytes = result
+            .bytes()
+            .await
+            .map_err(|e| StoreError::backend("get", path, e))?;
         Ok((bytes, size))
     }
 
@@ -207,17 +271,41 @@ impl Store {
 
     /// Puts `bytes` at `path`. With `create_only`, fails with `AlreadyExists` mapped to `Ok(false)`
     /// if something is there. Returns once the backend reports the object durable.
-    pub(crate) async fn put(&self, path: &Path, bytes: Bytes, create_only: bool) -> Result<bool, StoreError> {
+    pub(crate) async fn put(
+        &self,
+        path: &Path,
+        bytes: Bytes,
+        create_only: bool,
+    ) -> Result<bool, StoreError> {
         if !create_only && bytes.len() > self.options.multipart_threshold_bytes {
-            let upload = self.objects.put_multipart(path).await.map_err(|e| StoreError::backend("put", path, e))?;
-            let mut writer = WriteMultipart::new_with_chunk_size(upload, self.options.multipart_part_bytes);
+            let upload = self
+                .objects
+                .put_multipart(path)
+                .await
+                .map_err(|e| StoreError::backend("put", path, e))?;
+            let mut writer =
+                WriteMultipart::new_with_chunk_size(upload, self.options.multipart_part_bytes);
             writer.put(bytes);
-            writer.finish().await.map_err(|e| StoreError::backend("multipart put", path, e))?;
+            writer
+                .finish()
+                .await
+                .map_err(|e| StoreError::backend("multipart put", path, e))?;
             return Ok(true);
         }
-        let mode = if create_only { PutMode::Create } else { PutMode::Overwrite };
-        let options = PutOptions { mode, ..Default::default() };
-        match self.objects.put_opts(path, PutPayload::from_bytes(bytes), options).await {
+        let mode = if create_only {
+            PutMode::Create
+        } else {
+            PutMode::Overwrite
+        };
+        let options = PutOptions {
+            mode,
+            ..Default::default()
+        };
+        match self
+            .objects
+            .put_opts(path, PutPayload::from_bytes(bytes), options)
+            .await
+        {
             Ok(_) => Ok(true),
             Err(object_store::Error::AlreadyExists { .. }) if create_only => Ok(false),
             Err(e) => Err(StoreError::backend("put", path, e)),
@@ -232,7 +320,11 @@ impl Store {
     }
 
     pub(crate) async fn list(&self, prefix: &Path) -> Result<Vec<ObjectMeta>, StoreError> {
-        self.objects.list(Some(prefix)).try_collect().await.map_err(|e| StoreError::backend("list", prefix, e))
+        self.objects
+            .list(Some(prefix))
+            .try_collect()
+            .await
+            .map_err(|e| StoreError::backend("list", prefix, e))
     }
 }
 
@@ -244,7 +336,10 @@ pub struct RunStore {
 }
 
 pub(crate) fn now_unix_ms() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 impl RunStore {
@@ -278,12 +373,20 @@ impl RunStore {
         let path = layout::run_json(&self.run);
         match self.store.get(&path).await {
             Ok(bytes) => Ok(self.open_object::<RunInfo>(&bytes, &path, "-", "-")?.0),
-            Err(StoreError::NotFound { .. }) => Err(StoreError::NoSuchRun { run: self.run.clone() }),
+            Err(StoreError::NotFound { .. }) => Err(StoreError::NoSuchRun {
+                run: self.run.clone(),
+            }),
             Err(e) => Err(e),
         }
     }
 
-    pub(crate) fn open_object<T: Object>(&self, bytes: &[u8], path: &Path, step: &str, rank: &str) -> Result<(T, crate::ChunkHash), StoreError> {
+    pub(crate) fn open_object<T: Object>(
+        &self,
+        bytes: &[u8],
+        path: &Path,
+        step: &str,
+        rank: &str,
+    ) -> Result<(T, crate::ChunkHash), StoreError> {
         format::open(bytes).map_err(|cause| StoreError::Format {
             run: self.run.clone(),
             step: step.to_string(),

@@ -45,12 +45,24 @@ impl RunStore {
         let commit = self.load_commit(step).await?;
         let mut manifests = Vec::with_capacity(commit.shards.len());
         for shard in &commit.shards {
-            manifests.push(self.load_pinned_manifest(step, shard.rank, shard.manifest_blake3).await?);
+            manifests.push(
+                self.load_pinned_manifest(step, shard.rank, shard.manifest_blake3)
+                    .await?,
+            );
         }
-        Ok(Checkpoint { run: self.clone(), commit, manifests })
+        Ok(Checkpoint {
+            run: self.clone(),
+            commit,
+            manifests,
+        })
     }
 
-    pub(crate) async fn load_pinned_manifest(&self, step: StepKey, rank: Rank, pinned: ChunkHash) -> Result<ShardManifest, StoreError> {
+    pub(crate) async fn load_pinned_manifest(
+        &self,
+        step: StepKey,
+        rank: Rank,
+        pinned: ChunkHash,
+    ) -> Result<ShardManifest, StoreError> {
         let path = layout::shard(&self.run, step, rank);
         let bytes = match self.store.get(&path).await {
             Ok(bytes) => bytes,
@@ -60,35 +72,68 @@ impl RunStore {
                     step: step.to_string(),
                     rank: rank.to_string(),
                     path: path.clone(),
-                    cause: crate::format::FormatError::Invalid { what: "shard manifest".into(), reason: "committed, but missing from storage".into() },
+                    cause: crate::format::FormatError::Invalid {
+                        what: "shard manifest".into(),
+                        reason: "committed, but missing from storage".into(),
+                    },
                 })
             }
             Err(e) => return Err(e),
         };
-        let (manifest, hash): (ShardManifest, _) = self.open_object(&bytes, &path, &step.to_string(), &rank.to_string())?;
+        let (manifest, hash): (ShardManifest, _) =
+            self.open_object(&bytes, &path, &step.to_string(), &rank.to_string())?;
         if hash != pinned {
-            return Err(StoreError::ManifestMismatch { run: self.run.clone(), step, rank, path: path.to_string(), expected: pinned, found: hash });
+            return Err(StoreError::ManifestMismatch {
+                run: self.run.clone(),
+                step,
+                rank,
+                path: path.to_string(),
+                expected: pinned,
+                found: hash,
+            });
         }
         if manifest.step != step || manifest.rank != rank || manifest.run != self.run {
-            return Err(StoreError::ManifestMismatch { run: self.run.clone(), step, rank, path: path.to_string(), expected: pinned, found: hash });
+            return Err(StoreError::ManifestMismatch {
+                run: self.run.clone(),
+                step,
+                rank,
+                path: path.to_string(),
+                expected: pinned,
+                found: hash,
+            });
         }
         Ok(manifest)
     }
 
     /// Downloads and verifies one chunk, following its delta chain. Returns the raw bytes.
-    pub(crate) async fn fetch_chunk(&self, hash: ChunkHash, context: &ChunkContext) -> Result<Vec<u8>, StoreError> {
+    pub(crate) async fn fetch_chunk(
+        &self,
+        hash: ChunkHash,
+        context: &ChunkContext,
+    ) -> Result<Vec<u8>, StoreError> {
         Ok(self.fetch_chain(hash, context).await?.0)
     }
 
     /// Downloads and verifies one chunk and its delta chain. Returns the raw bytes and every
     /// stored object of the chain (the chunk first), each verified by decoding.
-    pub(crate) async fn fetch_chain(&self, hash: ChunkHash, context: &ChunkContext) -> Result<(Vec<u8>, Vec<(ChunkHash, bytes::Bytes)>), StoreError> {
+    pub(crate) async fn fetch_chain(
+        &self,
+        hash: ChunkHash,
+        context: &ChunkContext,
+    ) -> Result<(Vec<u8>, Vec<(ChunkHash, bytes::Bytes)>), StoreError> {
         let mut chain = Vec::new();
         let mut next = Some(hash);
         // Fetch down the chain to a chunk stored whole, then decode back up.
         while let Some(current) = next {
             if chain.len() > usize::from(codec::DELTA_DEPTH_MAX) {
-                return Err(self.corrupt(current, context, CodecError::BadDelta { depth: chain.len() as u8, codec: codec::Codec::XorShuffle4Zstd }));
+                return Err(self.corrupt(
+                    current,
+                    context,
+                    CodecError::BadDelta {
+                        depth: chain.len() as u8,
+                        codec: codec::Codec::XorShuffle4Zstd,
+                    },
+                ));
             }
             let path = layout::chunk(&self.run, &current);
             let bytes = match self.store.get(&path).await {
@@ -105,18 +150,23 @@ impl RunStore {
                 }
                 Err(e) => return Err(e),
             };
-            let header = codec::ChunkHeader::parse(&bytes).map_err(|e| self.corrupt(current, context, e))?;
+            let header =
+                codec::ChunkHeader::parse(&bytes).map_err(|e| self.corrupt(current, context, e))?;
             next = header.base;
             chain.push((current, bytes));
         }
         let mut raw: Option<Vec<u8>> = None;
         for (current, bytes) in chain.iter().rev().cloned() {
-            let decoded = tokio::task::spawn_blocking(move || codec::decode(&bytes, current, raw.as_deref()))
-                .await
-                .expect("decoding does not panic");
+            let decoded =
+                tokio::task::spawn_blocking(move || codec::decode(&bytes, current, raw.as_deref()))
+                    .await
+                    .expect("decoding does not panic");
             raw = Some(decoded.map_err(|e| self.corrupt(current, context, e))?);
         }
-        Ok((raw.expect("the chain holds at least the requested chunk"), chain))
+        Ok((
+            raw.expect("the chain holds at least the requested chunk"),
+            chain,
+        ))
     }
 
     fn corrupt(&self, chunk: ChunkHash, context: &ChunkContext, cause: CodecError) -> StoreError {
@@ -132,11 +182,23 @@ impl RunStore {
     }
 
     /// Downloads and verifies `chunks` in parallel, returning their raw bytes in order.
-    pub(crate) async fn fetch_chunks(&self, chunks: &[ChunkRef], context: &ChunkContext, progress: &dyn Progress) -> Result<Vec<Vec<u8>>, StoreError> {
+    pub(crate) async fn fetch_chunks(
+        &self,
+        chunks: &[ChunkRef],
+        context: &ChunkContext,
+        progress: &dyn Progress,
+    ) -> Result<Vec<Vec<u8>>, StoreError> {
         stream::iter(chunks.iter().map(|chunk| async move {
             let raw = self.fetch_chunk(chunk.hash, context).await?;
             if raw.len() as u64 != chunk.raw_len {
-                return Err(self.corrupt(chunk.hash, context, CodecError::LengthMismatch { expected: chunk.raw_len, found: raw.len() as u64 }));
+                return Err(self.corrupt(
+                    chunk.hash,
+                    context,
+                    CodecError::LengthMismatch {
+                        expected: chunk.raw_len,
+                        found: raw.len() as u64,
+                    },
+                ));
             }
             progress.advance(chunk.raw_len);
             Ok(raw)
@@ -160,7 +222,11 @@ impl Checkpoint {
     pub fn tensors(&self) -> Vec<TensorInfo> {
         let mut seen: HashMap<&str, TensorInfo> = HashMap::new();
         for entry in self.manifests.iter().flat_map(|m| &m.tensors) {
-            seen.entry(&entry.name).or_insert_with(|| TensorInfo { name: entry.name.clone(), dtype: entry.dtype, global_shape: entry.global_shape.clone() });
+            seen.entry(&entry.name).or_insert_with(|| TensorInfo {
+                name: entry.name.clone(),
+                dtype: entry.dtype,
+                global_shape: entry.global_shape.clone(),
+            });
         }
         let mut tensors: Vec<TensorInfo> = seen.into_values().collect();
         tensors.sort_by(|a, b| a.name.cmp(&b.name));
@@ -185,21 +251,47 @@ impl Checkpoint {
     }
 
     /// The whole global tensor, row-major.
-    pub async fn read_tensor(&self, name: &str, progress: &dyn Progress) -> Result<Vec<u8>, StoreError> {
-        let info = self.tensor_info(name).ok_or_else(|| self.no_such(None, name))?;
-        let region: Vec<DimRange> = info.global_shape.iter().map(|len| DimRange { start: 0, len: *len }).collect();
+    pub async fn read_tensor(
+        &self,
+        name: &str,
+        progress: &dyn Progress,
+    ) -> Result<Vec<u8>, StoreError> {
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| self.no_such(None, name))?;
+        let region: Vec<DimRange> = info
+            .global_shape
+            .iter()
+            .map(|len| DimRange {
+                start: 0,
+                len: *len,
+            })
+            .collect();
         self.read_region(name, &region, progress).await
     }
 
     /// Any hyper-rectangle of tensor `name`, row-major: what a rank of a different layout
     /// needs. Only the chunks that overlap the region are fetched.
-    pub async fn read_region(&self, name: &str, region: &[DimRange], progress: &dyn Progress) -> Result<Vec<u8>, StoreError> {
-        let info = self.tensor_info(name).ok_or_else(|| self.no_such(None, name))?;
-        let bad = |reason: String| StoreError::BadRequest { reason: format!("tensor {name:?} {:?}: {reason}", info.global_shape) };
+    pub async fn read_region(
+        &self,
+        name: &str,
+        region: &[DimRange],
+        progress: &dyn Progress,
+    ) -> Result<Vec<u8>, StoreError> {
+        let info = self
+            .tensor_info(name)
+            .ok_or_else(|| self.no_such(None, name))?;
+        let bad = |reason: String| StoreError::BadRequest {
+            reason: format!("tensor {name:?} {:?}: {reason}", info.global_shape),
+        };
         if region.len() != info.global_shape.len() {
             return Err(bad(format!("region has {} dimensions", region.len())));
         }
-        if region.iter().zip(&info.global_shape).any(|(r, dim)| r.start.checked_add(r.len).is_none_or(|end| end > *dim)) {
+        if region
+            .iter()
+            .zip(&info.global_shape)
+            .any(|(r, dim)| r.start.checked_add(r.len).is_none_or(|end| end > *dim))
+        {
             return Err(bad("region lies outside the tensor".into()));
         }
         let element = info.dtype.element_bytes() as u64;
@@ -207,12 +299,28 @@ impl Checkpoint {
         let mut out = vec![0u8; (volume * element) as usize];
         let mut covered = 0u64;
         for (rank, piece) in self.pieces(name) {
-            let Some(overlap) = intersect(region, &piece.slice) else { continue };
+            let Some(overlap) = intersect(region, &piece.slice) else {
+                continue;
+            };
             covered += overlap.iter().map(|r| r.len).product::<u64>();
             // Byte range of the overlap inside the piece's own row-major layout.
-            let piece_strides = strides(&piece.slice.iter().map(|r| r.len).collect::<Vec<_>>(), element);
-            let first: u64 = overlap.iter().zip(&piece.slice).zip(&piece_strides).map(|((o, p), s)| (o.start - p.start) * s).sum();
-            let last: u64 = overlap.iter().zip(&piece.slice).zip(&piece_strides).map(|((o, p), s)| (o.start + o.len - 1 - p.start) * s).sum::<u64>() + element;
+            let piece_strides = strides(
+                &piece.slice.iter().map(|r| r.len).collect::<Vec<_>>(),
+                element,
+            );
+            let first: u64 = overlap
+                .iter()
+                .zip(&piece.slice)
+                .zip(&piece_strides)
+                .map(|((o, p), s)| (o.start - p.start) * s)
+                .sum();
+            let last: u64 = overlap
+                .iter()
+                .zip(&piece.slice)
+                .zip(&piece_strides)
+                .map(|((o, p), s)| (o.start + o.len - 1 - p.start) * s)
+                .sum::<u64>()
+                + element;
             // The chunks covering [first, last).
             let mut chunk_start = 0u64;
             let mut needed = Vec::new();
@@ -226,42 +334,103 @@ impl Checkpoint {
                 chunk_start = chunk_end;
             }
             let base = needed_from.unwrap_or(0);
-            let context = ChunkContext { step: self.step(), rank, item: "tensor", name: name.to_string() };
-            let bytes: Vec<u8> = self.run.fetch_chunks(&needed, &context, progress).await?.concat();
+            let context = ChunkContext {
+                step: self.step(),
+                rank,
+                item: "tensor",
+                name: name.to_string(),
+            };
+            let bytes: Vec<u8> = self
+                .run
+                .fetch_chunks(&needed, &context, progress)
+                .await?
+                .concat();
             let out_strides = strides(&region.iter().map(|r| r.len).collect::<Vec<_>>(), element);
             let row_bytes = (overlap.last().map_or(1, |r| r.len) * element) as usize;
             for_each_row(&overlap, |index| {
-                let source: u64 = index.iter().zip(&piece.slice).zip(&piece_strides).map(|((i, p), s)| (i - p.start) * s).sum::<u64>() - base;
-                let target: u64 = index.iter().zip(region).zip(&out_strides).map(|((i, r), s)| (i - r.start) * s).sum();
-                out[target as usize..target as usize + row_bytes].copy_from_slice(&bytes[source as usize..source as usize + row_bytes]);
+                let source: u64 = index
+                    .iter()
+                    .zip(&piece.slice)
+                    .zip(&piece_strides)
+                    .map(|((i, p), s)| (i - p.start) * s)
+                    .sum::<u64>()
+                    - base;
+                let target: u64 = index
+                    .iter()
+                    .zip(region)
+                    .zip(&out_strides)
+                    .map(|((i, r), s)| (i - r.start) * s)
+                    .sum();
+                out[target as usize..target as usize + row_bytes]
+                    .copy_from_slice(&bytes[source as usize..source as usize + row_bytes]);
             });
         }
         if covered != volume {
-            return Err(bad(format!("the checkpoint's ranks hold {covered} of the {volume} elements asked for")));
+            return Err(bad(format!(
+                "the checkpoint's ranks hold {covered} of the {volume} elements asked for"
+            )));
         }
         Ok(out)
     }
 
     /// The bytes of tensor `name` exactly as `rank` stored them (its own slice).
-    pub async fn read_shard_tensor(&self, rank: Rank, name: &str, progress: &dyn Progress) -> Result<Vec<u8>, StoreError> {
-        let entry = self.manifest(rank)?.tensor(name).ok_or_else(|| self.no_such(Some(rank), name))?;
-        let context = ChunkContext { step: self.step(), rank, item: "tensor", name: name.to_string() };
-        Ok(self.run.fetch_chunks(&entry.chunks, &context, progress).await?.concat())
+    pub async fn read_shard_tensor(
+        &self,
+        rank: Rank,
+        name: &str,
+        progress: &dyn Progress,
+    ) -> Result<Vec<u8>, StoreError> {
+        let entry = self
+            .manifest(rank)?
+            .tensor(name)
+            .ok_or_else(|| self.no_such(Some(rank), name))?;
+        let context = ChunkContext {
+            step: self.step(),
+            rank,
+            item: "tensor",
+            name: name.to_string(),
+        };
+        Ok(self
+            .run
+            .fetch_chunks(&entry.chunks, &context, progress)
+            .await?
+            .concat())
     }
 
     /// A state blob of `rank`.
     pub async fn read_blob(&self, rank: Rank, name: &str) -> Result<Vec<u8>, StoreError> {
-        let entry = self.manifest(rank)?.blob(name).ok_or_else(|| self.no_such(Some(rank), name))?;
-        let context = ChunkContext { step: self.step(), rank, item: "blob", name: name.to_string() };
-        Ok(self.run.fetch_chunks(&entry.chunks, &context, &()).await?.concat())
+        let entry = self
+            .manifest(rank)?
+            .blob(name)
+            .ok_or_else(|| self.no_such(Some(rank), name))?;
+        let context = ChunkContext {
+            step: self.step(),
+            rank,
+            item: "blob",
+            name: name.to_string(),
+        };
+        Ok(self
+            .run
+            .fetch_chunks(&entry.chunks, &context, &())
+            .await?
+            .concat())
     }
 
     pub fn manifest(&self, rank: Rank) -> Result<&ShardManifest, StoreError> {
-        self.manifests.get(rank as usize).ok_or_else(|| StoreError::BadRequest { reason: format!("step {} has no rank {rank}", self.step()) })
+        self.manifests
+            .get(rank as usize)
+            .ok_or_else(|| StoreError::BadRequest {
+                reason: format!("step {} has no rank {rank}", self.step()),
+            })
     }
 
     fn no_such(&self, rank: Option<Rank>, name: &str) -> StoreError {
-        StoreError::NoSuchTensor { run: self.run.run.clone(), step: self.step(), rank, name: name.to_string() }
+        StoreError::NoSuchTensor {
+            run: self.run.run.clone(),
+            step: self.step(),
+            rank,
+            name: name.to_string(),
+        }
     }
 }
 
@@ -271,7 +440,10 @@ fn intersect(a: &[DimRange], b: &[DimRange]) -> Option<Vec<DimRange>> {
         .map(|(x, y)| {
             let start = x.start.max(y.start);
             let end = (x.start + x.len).min(y.start + y.len);
-            (end > start).then_some(DimRange { start, len: end - start })
+            (end > start).then_some(DimRange {
+                start,
+                len: end - start,
+            })
         })
         .collect()
 }
@@ -316,10 +488,24 @@ mod tests {
 
     #[test]
     fn rows_of_a_region_are_visited_in_order() {
-        let region = [DimRange { start: 1, len: 2 }, DimRange { start: 0, len: 3 }, DimRange { start: 5, len: 4 }];
+        let region = [
+            DimRange { start: 1, len: 2 },
+            DimRange { start: 0, len: 3 },
+            DimRange { start: 5, len: 4 },
+        ];
         let mut rows = Vec::new();
         for_each_row(&region, |index| rows.push(index.to_vec()));
-        assert_eq!(rows, vec![vec![1, 0, 5], vec![1, 1, 5], vec![1, 2, 5], vec![2, 0, 5], vec![2, 1, 5], vec![2, 2, 5]]);
+        assert_eq!(
+            rows,
+            vec![
+                vec![1, 0, 5],
+                vec![1, 1, 5],
+                vec![1, 2, 5],
+                vec![2, 0, 5],
+                vec![2, 1, 5],
+                vec![2, 2, 5]
+            ]
+        );
         let mut scalar = 0;
         for_each_row(&[], |_| scalar += 1);
         assert_eq!(scalar, 1);

@@ -16,23 +16,47 @@ use crate::ids::StepKey;
 
 impl RunStore {
     /// Copies committed `step` into `target` (same run id), verifying everything on the way.
-    pub async fn copy_step_to(&self, target: &RunStore, step: StepKey, progress: &dyn Progress) -> Result<(), StoreError> {
+    pub async fn copy_step_to(
+        &self,
+        target: &RunStore,
+        step: StepKey,
+        progress: &dyn Progress,
+    ) -> Result<(), StoreError> {
         if target.run != self.run {
-            return Err(StoreError::BadRequest { reason: "copy_step_to keeps the run id".into() });
+            return Err(StoreError::BadRequest {
+                reason: "copy_step_to keeps the run id".into(),
+            });
         }
         let checkpoint = self.open_checkpoint(step).await?;
         let run_json = layout::run_json(&self.run);
         let run_bytes = self.store.get(&run_json).await?;
-        if !target.store.put(&run_json, run_bytes.clone(), true).await? && target.store.get(&run_json).await? != run_bytes {
-            return Err(StoreError::BadRequest { reason: format!("the target already holds a different run {}", self.run) });
+        if !target.store.put(&run_json, run_bytes.clone(), true).await?
+            && target.store.get(&run_json).await? != run_bytes
+        {
+            return Err(StoreError::BadRequest {
+                reason: format!("the target already holds a different run {}", self.run),
+            });
         }
         let mut uses: Vec<(ChunkHash, ChunkContext, u64)> = Vec::new();
         let mut seen = HashSet::new();
         for manifest in &checkpoint.manifests {
-            let items = manifest.tensors.iter().map(|t| ("tensor", &t.name, &t.chunks)).chain(manifest.blobs.iter().map(|b| ("blob", &b.name, &b.chunks)));
+            let items = manifest
+                .tensors
+                .iter()
+                .map(|t| ("tensor", &t.name, &t.chunks))
+                .chain(manifest.blobs.iter().map(|b| ("blob", &b.name, &b.chunks)));
             for (item, name, chunks) in items {
                 for chunk in chunks.iter().filter(|c| seen.insert(c.hash)) {
-                    uses.push((chunk.hash, ChunkContext { step, rank: manifest.rank, item, name: name.clone() }, chunk.raw_len));
+                    uses.push((
+                        chunk.hash,
+                        ChunkContext {
+                            step,
+                            rank: manifest.rank,
+                            item,
+                            name: name.clone(),
+                        },
+                        chunk.raw_len,
+                    ));
                 }
             }
         }
@@ -41,7 +65,10 @@ impl RunStore {
             .map(|(hash, context, raw_len)| async move {
                 let (_, chain) = self.fetch_chain(hash, &context).await?;
                 for (object_hash, bytes) in chain {
-                    target.store.put(&layout::chunk(&self.run, &object_hash), bytes, false).await?;
+                    target
+                        .store
+                        .put(&layout::chunk(&self.run, &object_hash), bytes, false)
+                        .await?;
                 }
                 progress.advance(raw_len);
                 Ok::<_, StoreError>(())
@@ -51,12 +78,20 @@ impl RunStore {
             .await?;
         for shard in &checkpoint.commit.shards {
             let path = layout::shard(&self.run, step, shard.rank);
-            target.store.put(&path, self.store.get(&path).await?, false).await?;
+            target
+                .store
+                .put(&path, self.store.get(&path).await?, false)
+                .await?;
         }
         let commit = layout::commit(&self.run, step);
         let bytes = self.store.get(&commit).await?;
-        if !target.store.put(&commit, bytes.clone(), true).await? && target.store.get(&commit).await? != bytes {
-            return Err(StoreError::StepAlreadyCommitted { run: self.run.clone(), step });
+        if !target.store.put(&commit, bytes.clone(), true).await?
+            && target.store.get(&commit).await? != bytes
+        {
+            return Err(StoreError::StepAlreadyCommitted {
+                run: self.run.clone(),
+                step,
+            });
         }
         Ok(())
     }

@@ -51,13 +51,22 @@ struct ChunkUse {
 }
 
 fn in_sample(hash: &ChunkHash, percent: f64) -> bool {
-    let position = u64::from_le_bytes(hash.0[..8].try_into().expect("8 bytes")) as f64 / u64::MAX as f64;
+    let position =
+        u64::from_le_bytes(hash.0[..8].try_into().expect("8 bytes")) as f64 / u64::MAX as f64;
     position * 100.0 < percent
 }
 
 impl RunStore {
-    pub async fn verify(&self, steps: &[StepKey], options: &VerifyOptions, progress: &dyn Progress) -> Result<VerifyReport, StoreError> {
-        let mut report = VerifyReport { steps: steps.to_vec(), ..Default::default() };
+    pub async fn verify(
+        &self,
+        steps: &[StepKey],
+        options: &VerifyOptions,
+        progress: &dyn Progress,
+    ) -> Result<VerifyReport, StoreError> {
+        let mut report = VerifyReport {
+            steps: steps.to_vec(),
+            ..Default::default()
+        };
         // Chunk -> (first step that uses it, how).
         let mut uses: HashMap<ChunkHash, (StepKey, ChunkUse)> = HashMap::new();
         for &step in steps {
@@ -79,7 +88,10 @@ impl RunStore {
                 Err(error) => return Err(error),
             };
             for shard in &commit.shards {
-                let manifest = match self.load_pinned_manifest(step, shard.rank, shard.manifest_blake3).await {
+                let manifest = match self
+                    .load_pinned_manifest(step, shard.rank, shard.manifest_blake3)
+                    .await
+                {
                     Ok(manifest) => manifest,
                     Err(error) if error.is_integrity() => {
                         report.problems.push(problem(Some(shard.rank), &error));
@@ -88,12 +100,28 @@ impl RunStore {
                     Err(error) => return Err(error),
                 };
                 report.manifests_checked += 1;
-                let items = manifest.tensors.iter().map(|t| ("tensor", &t.name, &t.chunks)).chain(manifest.blobs.iter().map(|b| ("blob", &b.name, &b.chunks)));
+                let items = manifest
+                    .tensors
+                    .iter()
+                    .map(|t| ("tensor", &t.name, &t.chunks))
+                    .chain(manifest.blobs.iter().map(|b| ("blob", &b.name, &b.chunks)));
                 for (item, name, chunks) in items {
                     for chunk in chunks {
                         uses.entry(chunk.hash).or_insert_with(|| {
-                            let context = ChunkContext { step, rank: shard.rank, item, name: name.clone() };
-                            (step, ChunkUse { context, raw_len: chunk.raw_len, bases: chunk.bases.clone() })
+                            let context = ChunkContext {
+                                step,
+                                rank: shard.rank,
+                                item,
+                                name: name.clone(),
+                            };
+                            (
+                                step,
+                                ChunkUse {
+                                    context,
+                                    raw_len: chunk.raw_len,
+                                    bases: chunk.bases.clone(),
+                                },
+                            )
                         });
                     }
                 }
@@ -101,19 +129,31 @@ impl RunStore {
         }
         let selected: Vec<(ChunkHash, &ChunkUse)> = uses
             .iter()
-            .filter(|(hash, _)| !options.read_data || options.sample_percent.is_none_or(|p| in_sample(hash, p)))
+            .filter(|(hash, _)| {
+                !options.read_data || options.sample_percent.is_none_or(|p| in_sample(hash, p))
+            })
             .map(|(hash, (_, chunk_use))| (*hash, chunk_use))
             .collect();
-        progress.set_total(if options.read_data { selected.iter().map(|(_, u)| u.raw_len).sum() } else { selected.len() as u64 });
+        progress.set_total(if options.read_data {
+            selected.iter().map(|(_, u)| u.raw_len).sum()
+        } else {
+            selected.len() as u64
+        });
         let concurrency = self.store.options.download_concurrency.max(1);
         let results: Vec<(ChunkHash, &ChunkUse, Result<u64, StoreError>)> = stream::iter(selected)
             .map(|(hash, chunk_use)| async move {
                 let outcome = if options.read_data {
-                    self.fetch_chunk(hash, &chunk_use.context).await.map(|raw| raw.len() as u64)
+                    self.fetch_chunk(hash, &chunk_use.context)
+                        .await
+                        .map(|raw| raw.len() as u64)
                 } else {
                     self.check_present(hash, chunk_use).await.map(|()| 0)
                 };
-                progress.advance(if options.read_data { chunk_use.raw_len } else { 1 });
+                progress.advance(if options.read_data {
+                    chunk_use.raw_len
+                } else {
+                    1
+                });
                 (hash, chunk_use, outcome)
             })
             .buffer_unordered(concurrency)
@@ -135,13 +175,20 @@ impl RunStore {
                 Err(error) => return Err(error),
             }
         }
-        report.problems.sort_by(|a, b| (a.step, a.rank, &a.name).cmp(&(b.step, b.rank, &b.name)));
+        report
+            .problems
+            .sort_by(|a, b| (a.step, a.rank, &a.name).cmp(&(b.step, b.rank, &b.name)));
         Ok(report)
     }
 
     async fn check_present(&self, hash: ChunkHash, chunk_use: &ChunkUse) -> Result<(), StoreError> {
         for current in std::iter::once(hash).chain(chunk_use.bases.iter().copied()) {
-            if self.store.head(&layout::chunk(&self.run, &current)).await?.is_none() {
+            if self
+                .store
+                .head(&layout::chunk(&self.run, &current))
+                .await?
+                .is_none()
+            {
                 let context = &chunk_use.context;
                 return Err(StoreError::ChunkMissing {
                     run: self.run.clone(),

@@ -20,7 +20,9 @@ use futures::stream::{self, StreamExt, TryStreamExt};
 use super::{layout, now_unix_ms, ChunkInfo, Progress, RunStore};
 use crate::codec::{self, ChunkHeader, CodecPolicy, DeltaBase, HEADER_BYTES};
 use crate::error::StoreError;
-use crate::format::{self, BlobEntry, ChunkRef, CommitRecord, DType, DimRange, ShardManifest, ShardRef, TensorEntry};
+use crate::format::{
+    self, BlobEntry, ChunkRef, CommitRecord, DType, DimRange, ShardManifest, ShardRef, TensorEntry,
+};
 use crate::hash::ChunkHash;
 use crate::ids::{Rank, StepKey};
 
@@ -37,8 +39,20 @@ pub struct TensorData {
 impl TensorData {
     /// A tensor this rank holds whole.
     pub fn whole(name: impl Into<String>, dtype: DType, shape: Vec<u64>, data: Bytes) -> Self {
-        let slice = shape.iter().map(|len| DimRange { start: 0, len: *len }).collect();
-        Self { name: name.into(), dtype, global_shape: shape, slice, data }
+        let slice = shape
+            .iter()
+            .map(|len| DimRange {
+                start: 0,
+                len: *len,
+            })
+            .collect();
+        Self {
+            name: name.into(),
+            dtype,
+            global_shape: shape,
+            slice,
+            data,
+        }
     }
 }
 
@@ -69,10 +83,17 @@ impl DeltaBases {
         self.tensors.is_empty()
     }
 
-    fn base_for(&self, name: &str, chunk_index: usize, offset: usize, len: usize) -> Option<(Bytes, ChunkRef)> {
+    fn base_for(
+        &self,
+        name: &str,
+        chunk_index: usize,
+        offset: usize,
+        len: usize,
+    ) -> Option<(Bytes, ChunkRef)> {
         let (raw, chunks) = self.tensors.get(name)?;
         let chunk = chunks.get(chunk_index)?;
-        (chunk.raw_len as usize == len && offset + len <= raw.len()).then(|| (raw.slice(offset..offset + len), chunk.clone()))
+        (chunk.raw_len as usize == len && offset + len <= raw.len())
+            .then(|| (raw.slice(offset..offset + len), chunk.clone()))
     }
 }
 
@@ -92,13 +113,31 @@ struct ChunkDone {
 impl RunStore {
     /// Stores one rank's shard of `input.step`: its chunks, then its manifest. The step is not
     /// committed until [`RunStore::commit`] runs after every rank's shard is written.
-    pub async fn write_shard(&self, input: ShardInput, bases: Option<&DeltaBases>, progress: &dyn Progress) -> Result<ShardManifest, StoreError> {
+    pub async fn write_shard(
+        &self,
+        input: ShardInput,
+        bases: Option<&DeltaBases>,
+        progress: &dyn Progress,
+    ) -> Result<ShardManifest, StoreError> {
         let info = self.info().await?;
-        if self.store.head(&layout::commit(&self.run, input.step)).await?.is_some() {
-            return Err(StoreError::StepAlreadyCommitted { run: self.run.clone(), step: input.step });
+        if self
+            .store
+            .head(&layout::commit(&self.run, input.step))
+            .await?
+            .is_some()
+        {
+            return Err(StoreError::StepAlreadyCommitted {
+                run: self.run.clone(),
+                step: input.step,
+            });
         }
         if input.world_size == 0 || input.rank >= input.world_size {
-            return Err(StoreError::BadRequest { reason: format!("rank {} is outside world size {}", input.rank, input.world_size) });
+            return Err(StoreError::BadRequest {
+                reason: format!(
+                    "rank {} is outside world size {}",
+                    input.rank, input.world_size
+                ),
+            });
         }
         let chunk_bytes = info.chunk_bytes as usize;
         let mut tensors = Vec::with_capacity(input.tensors.len());
@@ -114,12 +153,21 @@ impl RunStore {
                 raw_bytes: tensor.data.len() as u64,
                 chunks: Vec::new(),
             };
-            entry.validate_layout().map_err(|error| StoreError::BadRequest { reason: error.to_string() })?;
+            entry
+                .validate_layout()
+                .map_err(|error| StoreError::BadRequest {
+                    reason: error.to_string(),
+                })?;
             let item = tensors.len();
             for (index, offset) in (0..tensor.data.len()).step_by(chunk_bytes).enumerate() {
                 let len = chunk_bytes.min(tensor.data.len() - offset);
                 let base = bases.and_then(|b| b.base_for(&tensor.name, index, offset, len));
-                jobs.push(ChunkJob { item, raw: tensor.data.slice(offset..offset + len), element_bytes: tensor.dtype.element_bytes(), base });
+                jobs.push(ChunkJob {
+                    item,
+                    raw: tensor.data.slice(offset..offset + len),
+                    element_bytes: tensor.dtype.element_bytes(),
+                    base,
+                });
             }
             total_bytes += tensor.data.len() as u64;
             tensors.push(entry);
@@ -128,26 +176,40 @@ impl RunStore {
             let item = tensors.len() + blobs.len();
             for offset in (0..data.len()).step_by(chunk_bytes) {
                 let len = chunk_bytes.min(data.len() - offset);
-                jobs.push(ChunkJob { item, raw: data.slice(offset..offset + len), element_bytes: 1, base: None });
+                jobs.push(ChunkJob {
+                    item,
+                    raw: data.slice(offset..offset + len),
+                    element_bytes: 1,
+                    base: None,
+                });
             }
             total_bytes += data.len() as u64;
-            blobs.push(BlobEntry { name: name.clone(), raw_bytes: data.len() as u64, chunks: Vec::new() });
+            blobs.push(BlobEntry {
+                name: name.clone(),
+                raw_bytes: data.len() as u64,
+                chunks: Vec::new(),
+            });
         }
         progress.set_total(total_bytes);
 
         let concurrency = self.store.options.upload_concurrency.max(1);
-        let done: Vec<ChunkDone> = stream::iter(jobs.iter().map(|job| self.store_chunk(job, progress)))
-            .buffered(concurrency)
-            .try_collect()
-            .await?;
+        let done: Vec<ChunkDone> =
+            stream::iter(jobs.iter().map(|job| self.store_chunk(job, progress)))
+                .buffered(concurrency)
+                .try_collect()
+                .await?;
         let mut uploaded_bytes = 0;
         let mut raw_by_hash: HashMap<ChunkHash, Bytes> = HashMap::new();
         for (job, chunk) in jobs.iter().zip(done) {
             uploaded_bytes += chunk.uploaded_bytes;
-            raw_by_hash.entry(chunk.reference.hash).or_insert_with(|| job.raw.clone());
+            raw_by_hash
+                .entry(chunk.reference.hash)
+                .or_insert_with(|| job.raw.clone());
             match tensors.get_mut(chunk.item) {
                 Some(tensor) => tensor.chunks.push(chunk.reference),
-                None => blobs[chunk.item - tensors.len()].chunks.push(chunk.reference),
+                None => blobs[chunk.item - tensors.len()]
+                    .chunks
+                    .push(chunk.reference),
             }
         }
         let mut manifest = ShardManifest {
@@ -175,19 +237,41 @@ impl RunStore {
 
     async fn put_manifest(&self, manifest: &ShardManifest) -> Result<(), StoreError> {
         let (bytes, _) = format::seal(manifest);
-        self.store.put(&layout::shard(&self.run, manifest.step, manifest.rank), bytes.into(), false).await?;
+        self.store
+            .put(
+                &layout::shard(&self.run, manifest.step, manifest.rank),
+                bytes.into(),
+                false,
+            )
+            .await?;
         Ok(())
     }
 
     /// Hashes one chunk, and uploads it unless storage already has it.
-    async fn store_chunk(&self, job: &ChunkJob, progress: &dyn Progress) -> Result<ChunkDone, StoreError> {
+    async fn store_chunk(
+        &self,
+        job: &ChunkJob,
+        progress: &dyn Progress,
+    ) -> Result<ChunkDone, StoreError> {
         let raw = job.raw.clone();
-        let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&raw)).await.expect("hashing does not panic");
+        let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&raw))
+            .await
+            .expect("hashing does not panic");
         let raw_len = job.raw.len() as u64;
         if let Some(existing) = self.known_chunk(hash).await? {
             progress.advance(raw_len);
-            let reference = ChunkRef { hash, raw_len, stored_len: existing.stored_len, codec: existing.codec, bases: existing.bases };
-            return Ok(ChunkDone { item: job.item, reference, uploaded_bytes: 0 });
+            let reference = ChunkRef {
+                hash,
+                raw_len,
+                stored_len: existing.stored_len,
+                codec: existing.codec,
+                bases: existing.bases,
+            };
+            return Ok(ChunkDone {
+                item: job.item,
+                reference,
+                uploaded_bytes: 0,
+            });
         }
         let raw = job.raw.clone();
         let base = job.base.clone();
@@ -197,7 +281,11 @@ impl RunStore {
             delta_depth_max: self.store.options.delta_depth_max,
         };
         let (encoded, base_ref) = tokio::task::spawn_blocking(move || {
-            let delta = base.as_ref().map(|(raw, chunk)| DeltaBase { hash: chunk.hash, depth: chunk.bases.len() as u8, raw });
+            let delta = base.as_ref().map(|(raw, chunk)| DeltaBase {
+                hash: chunk.hash,
+                depth: chunk.bases.len() as u8,
+                raw,
+            });
             let encoded = codec::encode_best(&raw, hash, delta, policy);
             (encoded, base.map(|(_, chunk)| chunk))
         })
@@ -209,22 +297,51 @@ impl RunStore {
         };
         let stored_len = encoded.bytes.len() as u64;
         let codec = encoded.header.codec;
-        self.store.put(&layout::chunk(&self.run, &hash), encoded.bytes.into(), false).await?;
-        let info = ChunkInfo { stored_len, codec, bases };
+        self.store
+            .put(
+                &layout::chunk(&self.run, &hash),
+                encoded.bytes.into(),
+                false,
+            )
+            .await?;
+        let info = ChunkInfo {
+            stored_len,
+            codec,
+            bases,
+        };
         if let Some(index) = self.store.index() {
             index.put_chunk(&self.run, &hash, &info)?;
         }
         progress.advance(raw_len);
-        Ok(ChunkDone { item: job.item, reference: ChunkRef { hash, raw_len, stored_len, codec, bases: info.bases }, uploaded_bytes: stored_len })
+        Ok(ChunkDone {
+            item: job.item,
+            reference: ChunkRef {
+                hash,
+                raw_len,
+                stored_len,
+                codec,
+                bases: info.bases,
+            },
+            uploaded_bytes: stored_len,
+        })
     }
 
     /// What storage holds under `hash`, from the local index or the chunk's header (and its
     /// bases' headers, for a delta chain). `None` if the chunk is not stored.
-    pub(crate) async fn known_chunk(&self, hash: ChunkHash) -> Result<Option<ChunkInfo>, StoreError> {
-        if let Some(info) = self.store.index().and_then(|index| index.chunk(&self.run, &hash)) {
+    pub(crate) async fn known_chunk(
+        &self,
+        hash: ChunkHash,
+    ) -> Result<Option<ChunkInfo>, StoreError> {
+        if let Some(info) = self
+            .store
+            .index()
+            .and_then(|index| index.chunk(&self.run, &hash))
+        {
             return Ok(Some(info));
         }
-        let Some(header) = self.chunk_header(hash).await? else { return Ok(None) };
+        let Some(header) = self.chunk_header(hash).await? else {
+            return Ok(None);
+        };
         let (header, stored_len) = header;
         let mut bases = Vec::new();
         let mut next = header.base;
@@ -241,7 +358,11 @@ impl RunStore {
                 None => return Ok(None),
             }
         }
-        let info = ChunkInfo { stored_len, codec: header.codec, bases };
+        let info = ChunkInfo {
+            stored_len,
+            codec: header.codec,
+            bases,
+        };
         if let Some(index) = self.store.index() {
             index.put_chunk(&self.run, &hash, &info)?;
         }
@@ -249,17 +370,27 @@ impl RunStore {
     }
 
     /// The parsed header and stored size of a chunk; `None` if absent or unreadable.
-    async fn chunk_header(&self, hash: ChunkHash) -> Result<Option<(ChunkHeader, u64)>, StoreError> {
+    async fn chunk_header(
+        &self,
+        hash: ChunkHash,
+    ) -> Result<Option<(ChunkHeader, u64)>, StoreError> {
         let path = layout::chunk(&self.run, &hash);
         match self.store.get_prefix(&path, HEADER_BYTES as u64).await {
-            Ok((bytes, size)) => Ok(ChunkHeader::parse(&bytes).ok().filter(|h| h.raw_hash == hash).map(|h| (h, size))),
+            Ok((bytes, size)) => Ok(ChunkHeader::parse(&bytes)
+                .ok()
+                .filter(|h| h.raw_hash == hash)
+                .map(|h| (h, size))),
             Err(StoreError::NotFound { .. }) => Ok(None),
             Err(e) => Err(e),
         }
     }
 
     /// Step 3 of the write path. Returns how many chunks had to be stored again.
-    async fn recheck_chunks(&self, manifest: &mut ShardManifest, raw_by_hash: &HashMap<ChunkHash, Bytes>) -> Result<usize, StoreError> {
+    async fn recheck_chunks(
+        &self,
+        manifest: &mut ShardManifest,
+        raw_by_hash: &HashMap<ChunkHash, Bytes>,
+    ) -> Result<usize, StoreError> {
         self.wait_for_gc().await?;
         let mut needed: HashSet<ChunkHash> = HashSet::new();
         for chunk in manifest.chunk_refs() {
@@ -268,7 +399,15 @@ impl RunStore {
         }
         let concurrency = self.store.options.upload_concurrency.max(1) * 4;
         let missing: HashSet<ChunkHash> = stream::iter(needed)
-            .map(|hash| async move { Ok::<_, StoreError>((hash, self.store.head(&layout::chunk(&self.run, &hash)).await?.is_none())) })
+            .map(|hash| async move {
+                Ok::<_, StoreError>((
+                    hash,
+                    self.store
+                        .head(&layout::chunk(&self.run, &hash))
+                        .await?
+                        .is_none(),
+                ))
+            })
             .buffer_unordered(concurrency)
             .try_filter_map(|(hash, missing)| async move { Ok(missing.then_some(hash)) })
             .try_collect()
@@ -277,22 +416,41 @@ impl RunStore {
             return Ok(0);
         }
         let mut repaired = HashMap::new();
-        let refs = manifest.tensors.iter_mut().flat_map(|t| t.chunks.iter_mut()).chain(manifest.blobs.iter_mut().flat_map(|b| b.chunks.iter_mut()));
+        let refs = manifest
+            .tensors
+            .iter_mut()
+            .flat_map(|t| t.chunks.iter_mut())
+            .chain(manifest.blobs.iter_mut().flat_map(|b| b.chunks.iter_mut()));
         for chunk in refs {
             if !missing.contains(&chunk.hash) && !chunk.bases.iter().any(|b| missing.contains(b)) {
                 continue;
             }
             if !repaired.contains_key(&chunk.hash) {
                 // Store it whole (no delta), so it depends on nothing that may be gone.
-                let raw = raw_by_hash.get(&chunk.hash).expect("every referenced chunk came from this write").clone();
+                let raw = raw_by_hash
+                    .get(&chunk.hash)
+                    .expect("every referenced chunk came from this write")
+                    .clone();
                 let hash = chunk.hash;
                 let level = self.store.options.zstd_level;
-                let encoded = tokio::task::spawn_blocking(move || codec::encode_with(&raw, hash, codec::Codec::Zstd, None, level))
-                    .await
-                    .expect("encoding does not panic");
+                let encoded = tokio::task::spawn_blocking(move || {
+                    codec::encode_with(&raw, hash, codec::Codec::Zstd, None, level)
+                })
+                .await
+                .expect("encoding does not panic");
                 let stored_len = encoded.bytes.len() as u64;
-                self.store.put(&layout::chunk(&self.run, &hash), encoded.bytes.into(), false).await?;
-                let info = ChunkInfo { stored_len, codec: codec::Codec::Zstd, bases: Vec::new() };
+                self.store
+                    .put(
+                        &layout::chunk(&self.run, &hash),
+                        encoded.bytes.into(),
+                        false,
+                    )
+                    .await?;
+                let info = ChunkInfo {
+                    stored_len,
+                    codec: codec::Codec::Zstd,
+                    bases: Vec::new(),
+                };
                 if let Some(index) = self.store.index() {
                     index.put_chunk(&self.run, &hash, &info)?;
                 }
@@ -310,7 +468,8 @@ impl RunStore {
     /// Waits while a gc holds the run's lock (bounded by the lock's own expiry).
     async fn wait_for_gc(&self) -> Result<(), StoreError> {
         let path = layout::lock(&self.run, super::gc::GC_LOCK);
-        let deadline = std::time::Instant::now() + Duration::from_millis(self.store.options.lock_ttl_ms + 5_000);
+        let deadline = std::time::Instant::now()
+            + Duration::from_millis(self.store.options.lock_ttl_ms + 5_000);
         while let Some(lock) = self.read_lock(&path).await? {
             if lock.expires_unix_ms <= now_unix_ms() || std::time::Instant::now() > deadline {
                 break;
@@ -325,7 +484,12 @@ impl RunStore {
     pub async fn commit(&self, step: StepKey, world_size: u32) -> Result<CommitRecord, StoreError> {
         let current = self.current_timeline().await?;
         if step.timeline < current && self.rollbacks().await?.iter().any(|r| r.hides(step)) {
-            return Err(StoreError::RolledBack { run: self.run.clone(), step, step_timeline: step.timeline, current });
+            return Err(StoreError::RolledBack {
+                run: self.run.clone(),
+                step,
+                step_timeline: step.timeline,
+                current,
+            });
         }
         let mut shards = Vec::with_capacity(world_size as usize);
         let mut missing = Vec::new();
@@ -339,10 +503,18 @@ impl RunStore {
                 }
                 Err(e) => return Err(e),
             };
-            let (manifest, hash): (ShardManifest, _) = self.open_object(&bytes, &path, &step.to_string(), &rank.to_string())?;
-            if manifest.run != self.run || manifest.step != step || manifest.rank != rank || manifest.world_size != world_size {
+            let (manifest, hash): (ShardManifest, _) =
+                self.open_object(&bytes, &path, &step.to_string(), &rank.to_string())?;
+            if manifest.run != self.run
+                || manifest.step != step
+                || manifest.rank != rank
+                || manifest.world_size != world_size
+            {
                 return Err(StoreError::BadRequest {
-                    reason: format!("{path} belongs to run {} step {} rank {} of {}, not to this commit", manifest.run, manifest.step, manifest.rank, manifest.world_size),
+                    reason: format!(
+                        "{path} belongs to run {} step {} rank {} of {}, not to this commit",
+                        manifest.run, manifest.step, manifest.rank, manifest.world_size
+                    ),
                 });
             }
             shards.push(ShardRef {
@@ -354,9 +526,19 @@ impl RunStore {
             });
         }
         if !missing.is_empty() {
-            return Err(StoreError::IncompleteStep { run: self.run.clone(), step, missing });
+            return Err(StoreError::IncompleteStep {
+                run: self.run.clone(),
+                step,
+                missing,
+            });
         }
-        let record = CommitRecord { run: self.run.clone(), step, world_size, created_unix_ms: now_unix_ms(), shards };
+        let record = CommitRecord {
+            run: self.run.clone(),
+            step,
+            world_size,
+            created_unix_ms: now_unix_ms(),
+            shards,
+        };
         let (bytes, _) = format::seal(&record);
         let path = layout::commit(&self.run, step);
         if self.store.put(&path, bytes.into(), true).await? {
@@ -367,7 +549,10 @@ impl RunStore {
         if existing.shards == record.shards {
             Ok(existing)
         } else {
-            Err(StoreError::StepAlreadyCommitted { run: self.run.clone(), step })
+            Err(StoreError::StepAlreadyCommitted {
+                run: self.run.clone(),
+                step,
+            })
         }
     }
 }
