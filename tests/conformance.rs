@@ -304,6 +304,7 @@ async fn conformance(
                 keep_last: 1,
                 keep_every: None,
                 grace_ms: 0,
+                staging_grace_ms: 600_000,
                 dry_run: false,
             },
             &(),

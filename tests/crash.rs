@@ -134,7 +134,19 @@ fn sigkilled_imports_never_leave_a_false_commit() {
         referenced.is_subset(&before),
         "a referenced chunk is missing before gc"
     );
-    ctl.expect(0, &["gc", "r", "--keep-last", "1000", "--grace", "0s"]);
+    ctl.expect(
+        0,
+        &[
+            "gc",
+            "r",
+            "--keep-last",
+            "1000",
+            "--grace",
+            "0s",
+            "--staging-grace",
+            "0s",
+        ],
+    );
     let after = chunk_files();
     println!(
         "gc removed {} orphaned chunk(s), kept {}",

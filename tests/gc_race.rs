@@ -51,6 +51,7 @@ async fn gc_racing_a_writer_never_deletes_what_a_new_commit_references() {
                 keep_last: 1,
                 keep_every: None,
                 grace_ms: 0,
+                staging_grace_ms: 600_000,
                 dry_run: false,
             };
             while !stop.load(Ordering::Relaxed) {

@@ -261,6 +261,12 @@ impl ShardManifest {
             .chain(self.blobs.iter().flat_map(|b| &b.chunks))
     }
 
+    /// Every tensor and blob as (`"tensor"` or `"blob"`, name, chunks).
+    pub fn items(&self) -> impl Iterator<Item = (&'static str, &String, &Vec<ChunkRef>)> {
+        let tensors = self.tensors.iter().map(|t| ("tensor", &t.name, &t.chunks));
+        tensors.chain(self.blobs.iter().map(|b| ("blob", &b.name, &b.chunks)))
+    }
+
     pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
         self.tensors.iter().find(|t| t.name == name)
     }

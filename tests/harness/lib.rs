@@ -9,6 +9,8 @@ use std::time::{Duration, Instant};
 pub mod toy;
 
 use lazarus_shared::format::DType;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 /// A binary of this workspace, built by `cargo build --workspace --bins` in the same profile
 /// as the running test.
@@ -188,17 +190,11 @@ impl Drop for S3Server {
     }
 }
 
-/// Deterministic pseudo-random f32 values (xorshift), as little-endian bytes.
+/// Deterministic pseudo-random f32 values in [-0.5, 0.5), as little-endian bytes.
 pub fn random_f32_bytes(count: usize, seed: u64) -> Vec<u8> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = StdRng::seed_from_u64(seed);
     (0..count)
-        .flat_map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let value = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-            value.to_le_bytes()
-        })
+        .flat_map(|_| rng.random_range(-0.5f32..0.5).to_le_bytes())
         .collect()
 }
 

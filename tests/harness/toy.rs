@@ -6,6 +6,8 @@
 use bytes::Bytes;
 use lazarus_shared::format::DType;
 use lazarus_shared::store::TensorData;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
 
 const VOCAB: usize = 256;
 
@@ -22,14 +24,9 @@ pub struct Toy {
 }
 
 fn init(count: usize, seed: u64, scale: f32) -> Vec<f32> {
-    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut rng = StdRng::seed_from_u64(seed);
     (0..count)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            ((state >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 2.0 * scale
-        })
+        .map(|_| rng.random_range(-scale..scale))
         .collect()
 }
 

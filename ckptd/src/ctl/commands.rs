@@ -59,12 +59,14 @@ pub async fn run(cli: Cli) -> Result<()> {
             keep_last,
             keep_every,
             grace,
+            staging_grace,
             dry_run,
         } => {
             let policy = GcPolicy {
                 keep_last: *keep_last,
                 keep_every: *keep_every,
                 grace_ms: grace.as_millis() as u64,
+                staging_grace_ms: staging_grace.as_millis() as u64,
                 dry_run: *dry_run,
             };
             gc(&cli, run, &policy, bars).await
@@ -714,25 +716,50 @@ async fn delta_bases(run: &RunStore) -> Result<Option<DeltaBases>> {
     Ok(Some(bases))
 }
 
-/// Writes a file next to its final name, fsyncs, then renames: a failed export leaves no file
-/// that looks complete.
-fn write_atomically(
-    path: &Path,
-    write: impl FnOnce(&mut std::fs::File) -> Result<()>,
-) -> Result<()> {
-    let partial = path.with_extension("partial");
-    let mut file = std::fs::File::create(&partial)
-        .with_context(|| format!("creating {}", partial.display()))?;
-    let result = write(&mut file).and_then(|()| {
-        file.sync_all()
-            .with_context(|| format!("syncing {}", partial.display()))
-    });
-    if let Err(error) = result {
-        let _ = std::fs::remove_file(&partial);
-        return Err(error);
+/// An output file written under a `.partial` name, fsynced and renamed into place by
+/// [`PartialFile::finish`]. Dropped unfinished (an error on the way), it is removed, so a failed
+/// export leaves no file that looks complete.
+struct PartialFile {
+    partial: PathBuf,
+    path: PathBuf,
+    file: std::fs::File,
+    finished: bool,
+}
+
+impl PartialFile {
+    fn create(path: PathBuf) -> Result<Self> {
+        let partial = path.with_extension("partial");
+        let file = std::fs::File::create(&partial)
+            .with_context(|| format!("creating {}", partial.display()))?;
+        Ok(Self {
+            partial,
+            path,
+            file,
+            finished: false,
+        })
     }
-    std::fs::rename(&partial, path).with_context(|| format!("renaming {}", partial.display()))?;
-    Ok(())
+
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
+        self.file.write_all(bytes)
+    }
+
+    fn finish(mut self) -> Result<PathBuf> {
+        self.file
+            .sync_all()
+            .with_context(|| format!("syncing {}", self.partial.display()))?;
+        std::fs::rename(&self.partial, &self.path)
+            .with_context(|| format!("renaming {}", self.partial.display()))?;
+        self.finished = true;
+        Ok(self.path.clone())
+    }
+}
+
+impl Drop for PartialFile {
+    fn drop(&mut self) {
+        if !self.finished {
+            let _ = std::fs::remove_file(&self.partial);
+        }
+    }
 }
 
 async fn export(
@@ -773,17 +800,19 @@ async fn export(
             tensors.push((info.name, info.dtype, info.global_shape, data));
         }
         let bytes = safetensors_io::serialize(&tensors)?;
-        let path = out.join("model.safetensors");
-        write_atomically(&path, |file| Ok(file.write_all(&bytes)?))?;
-        written.push(path);
+        let mut file = PartialFile::create(out.join("model.safetensors"))?;
+        file.write(&bytes)?;
+        written.push(file.finish()?);
     }
     for blob in header_blobs {
         let file_name = &blob[HEADER_BLOB_PREFIX.len()..];
         safetensors_io::check_file_name(file_name)?;
         let header = checkpoint.read_blob(0, &blob).await?;
         let layout = safetensors_io::header_layout(file_name, &header)?;
-        // Read and verify everything before the file appears.
-        let mut parts = Vec::with_capacity(layout.len());
+        // Each chunk is verified before it is written; the file only takes its name at the end.
+        let mut file = PartialFile::create(out.join(file_name))?;
+        file.write(&safetensors_io::length_prefix(&header))?;
+        file.write(&header)?;
         for (name, dtype, shape) in &layout {
             let info = checkpoint.tensor_info(name).ok_or_else(|| {
                 anyhow::anyhow!(
@@ -793,18 +822,11 @@ async fn export(
             if info.dtype != *dtype || &info.global_shape != shape {
                 bail!("{file_name}: tensor {name:?} is {:?} {:?} in the checkpoint but {dtype:?} {shape:?} in the file header", info.dtype, info.global_shape);
             }
-            parts.push(checkpoint.read_tensor(name, &bar).await?);
+            checkpoint
+                .stream_tensor(name, &mut |bytes| file.write(bytes), &bar)
+                .await?;
         }
-        let path = out.join(file_name);
-        write_atomically(&path, |file| {
-            file.write_all(&safetensors_io::length_prefix(&header))?;
-            file.write_all(&header)?;
-            for part in &parts {
-                file.write_all(part)?;
-            }
-            Ok(())
-        })?;
-        written.push(path);
+        written.push(file.finish()?);
     }
     bar.finish();
     if cli.json {

@@ -132,6 +132,10 @@ pub enum Command {
         /// Leave unreferenced data younger than this (e.g. 30m, 1h).
         #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
         grace: std::time::Duration,
+        /// Leave staging files of interrupted local writes younger than this (0s only when no
+        /// writer is running).
+        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        staging_grace: std::time::Duration,
         #[arg(long)]
         dry_run: bool,
     },

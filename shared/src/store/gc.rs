@@ -34,6 +34,10 @@ pub struct GcPolicy {
     pub keep_every: Option<u64>,
     /// Never delete a chunk or an uncommitted manifest younger than this.
     pub grace_ms: u64,
+    /// Never delete a staging file (`file://` stores) younger than this. A live writer's
+    /// staging files are in flight, and nothing else protects them: keep this well above the
+    /// longest single upload unless no writer is running.
+    pub staging_grace_ms: u64,
     pub dry_run: bool,
 }
 
@@ -193,7 +197,7 @@ impl RunStore {
 
     /// `object_store` writes a local file as `name#N` and renames it into place; a writer
     /// killed in between leaves the staging file, which listings never show. Removes those
-    /// older than the grace period under this run's directory.
+    /// older than the staging grace period under this run's directory.
     fn sweep_staging_files(&self, policy: &GcPolicy, now: u64) -> Result<u64, StoreError> {
         let Some(root) = &self.store.local_root else {
             return Ok(0);
@@ -228,7 +232,7 @@ impl RunStore {
                     .ok()
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
                     .map(|d| d.as_millis() as u64);
-                if staging && modified_ms.is_some_and(|t| t + policy.grace_ms <= now) {
+                if staging && modified_ms.is_some_and(|t| t + policy.staging_grace_ms <= now) {
                     if !policy.dry_run {
                         std::fs::remove_file(&path).map_err(|e| io(&path, e))?;
                     }

@@ -138,16 +138,7 @@ impl RunStore {
             let path = layout::chunk(&self.run, &current);
             let bytes = match self.store.get(&path).await {
                 Ok(bytes) => bytes,
-                Err(StoreError::NotFound { .. }) => {
-                    return Err(StoreError::ChunkMissing {
-                        run: self.run.clone(),
-                        step: context.step,
-                        rank: context.rank,
-                        item: context.item,
-                        name: context.name.clone(),
-                        chunk: current,
-                    })
-                }
+                Err(StoreError::NotFound { .. }) => return Err(self.missing(current, context)),
                 Err(e) => return Err(e),
             };
             let header =
@@ -169,6 +160,17 @@ impl RunStore {
         ))
     }
 
+    pub(crate) fn missing(&self, chunk: ChunkHash, context: &ChunkContext) -> StoreError {
+        StoreError::ChunkMissing {
+            run: self.run.clone(),
+            step: context.step,
+            rank: context.rank,
+            item: context.item,
+            name: context.name.clone(),
+            chunk,
+        }
+    }
+
     fn corrupt(&self, chunk: ChunkHash, context: &ChunkContext, cause: CodecError) -> StoreError {
         StoreError::ChunkCorrupt {
             run: self.run.clone(),
@@ -181,6 +183,29 @@ impl RunStore {
         }
     }
 
+    /// Downloads and verifies one referenced chunk, checking its length too.
+    async fn fetch_ref(
+        &self,
+        chunk: &ChunkRef,
+        context: &ChunkContext,
+        progress: &dyn Progress,
+    ) -> Result<Vec<u8>, StoreError> {
+        let raw = self.fetch_chunk(chunk.hash, context).await?;
+        if raw.len() as u64 != chunk.raw_len {
+            let found = raw.len() as u64;
+            return Err(self.corrupt(
+                chunk.hash,
+                context,
+                CodecError::LengthMismatch {
+                    expected: chunk.raw_len,
+                    found,
+                },
+            ));
+        }
+        progress.advance(chunk.raw_len);
+        Ok(raw)
+    }
+
     /// Downloads and verifies `chunks` in parallel, returning their raw bytes in order.
     pub(crate) async fn fetch_chunks(
         &self,
@@ -188,21 +213,11 @@ impl RunStore {
         context: &ChunkContext,
         progress: &dyn Progress,
     ) -> Result<Vec<Vec<u8>>, StoreError> {
-        stream::iter(chunks.iter().map(|chunk| async move {
-            let raw = self.fetch_chunk(chunk.hash, context).await?;
-            if raw.len() as u64 != chunk.raw_len {
-                return Err(self.corrupt(
-                    chunk.hash,
-                    context,
-                    CodecError::LengthMismatch {
-                        expected: chunk.raw_len,
-                        found: raw.len() as u64,
-                    },
-                ));
-            }
-            progress.advance(chunk.raw_len);
-            Ok(raw)
-        }))
+        stream::iter(
+            chunks
+                .iter()
+                .map(|chunk| self.fetch_ref(chunk, context, progress)),
+        )
         .buffered(self.store.options.download_concurrency.max(1))
         .try_collect()
         .await
@@ -296,7 +311,7 @@ impl Checkpoint {
         }
         let element = info.dtype.element_bytes() as u64;
         let volume: u64 = region.iter().map(|r| r.len).product();
-        let mut out = vec![0u8; (volume * element) as usize];
+        let mut out = Vec::new();
         let mut covered = 0u64;
         for (rank, piece) in self.pieces(name) {
             let Some(overlap) = intersect(region, &piece.slice) else {
@@ -345,6 +360,13 @@ impl Checkpoint {
                 .fetch_chunks(&needed, &context, progress)
                 .await?
                 .concat();
+            if overlap.as_slice() == region && overlap == piece.slice {
+                // One piece holds exactly what was asked for: its bytes are the answer.
+                return Ok(bytes);
+            }
+            if out.is_empty() {
+                out = vec![0u8; (volume * element) as usize];
+            }
             let out_strides = strides(&region.iter().map(|r| r.len).collect::<Vec<_>>(), element);
             let row_bytes = (overlap.last().map_or(1, |r| r.len) * element) as usize;
             for_each_row(&overlap, |index| {
@@ -371,6 +393,46 @@ impl Checkpoint {
             )));
         }
         Ok(out)
+    }
+
+    /// Streams the whole tensor `name` into `sink`, in order, each chunk verified before it is
+    /// passed on. When one rank holds the tensor whole, at most `download_concurrency` chunks
+    /// are in memory at once; otherwise the tensor is assembled first.
+    pub async fn stream_tensor(
+        &self,
+        name: &str,
+        sink: &mut (dyn FnMut(&[u8]) -> std::io::Result<()> + Send),
+        progress: &dyn Progress,
+    ) -> Result<(), StoreError> {
+        let io = |cause| StoreError::Io {
+            path: format!("output of tensor {name:?}"),
+            cause,
+        };
+        let Some((rank, entry)) = self
+            .pieces(name)
+            .into_iter()
+            .find(|(_, piece)| piece.is_whole())
+        else {
+            let bytes = self.read_tensor(name, progress).await?;
+            return sink(&bytes).map_err(io);
+        };
+        let context = ChunkContext {
+            step: self.step(),
+            rank,
+            item: "tensor",
+            name: name.to_string(),
+        };
+        let mut chunks = stream::iter(
+            entry
+                .chunks
+                .iter()
+                .map(|chunk| self.run.fetch_ref(chunk, &context, progress)),
+        )
+        .buffered(self.run.store.options.download_concurrency.max(1));
+        while let Some(raw) = chunks.try_next().await? {
+            sink(&raw).map_err(io)?;
+        }
+        Ok(())
     }
 
     /// The bytes of tensor `name` exactly as `rank` stored them (its own slice).

@@ -40,12 +40,7 @@ impl RunStore {
         let mut uses: Vec<(ChunkHash, ChunkContext, u64)> = Vec::new();
         let mut seen = HashSet::new();
         for manifest in &checkpoint.manifests {
-            let items = manifest
-                .tensors
-                .iter()
-                .map(|t| ("tensor", &t.name, &t.chunks))
-                .chain(manifest.blobs.iter().map(|b| ("blob", &b.name, &b.chunks)));
-            for (item, name, chunks) in items {
+            for (item, name, chunks) in manifest.items() {
                 for chunk in chunks.iter().filter(|c| seen.insert(c.hash)) {
                     uses.push((
                         chunk.hash,

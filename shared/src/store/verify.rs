@@ -100,12 +100,7 @@ impl RunStore {
                     Err(error) => return Err(error),
                 };
                 report.manifests_checked += 1;
-                let items = manifest
-                    .tensors
-                    .iter()
-                    .map(|t| ("tensor", &t.name, &t.chunks))
-                    .chain(manifest.blobs.iter().map(|b| ("blob", &b.name, &b.chunks)));
-                for (item, name, chunks) in items {
+                for (item, name, chunks) in manifest.items() {
                     for chunk in chunks {
                         uses.entry(chunk.hash).or_insert_with(|| {
                             let context = ChunkContext {
@@ -189,15 +184,7 @@ impl RunStore {
                 .await?
                 .is_none()
             {
-                let context = &chunk_use.context;
-                return Err(StoreError::ChunkMissing {
-                    run: self.run.clone(),
-                    step: context.step,
-                    rank: context.rank,
-                    item: context.item,
-                    name: context.name.clone(),
-                    chunk: current,
-                });
+                return Err(self.missing(current, &chunk_use.context));
             }
         }
         Ok(())

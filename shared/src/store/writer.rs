@@ -295,23 +295,9 @@ impl RunStore {
             (Some(_), Some(base)) => std::iter::once(base.hash).chain(base.bases).collect(),
             _ => Vec::new(),
         };
-        let stored_len = encoded.bytes.len() as u64;
-        let codec = encoded.header.codec;
-        self.store
-            .put(
-                &layout::chunk(&self.run, &hash),
-                encoded.bytes.into(),
-                false,
-            )
-            .await?;
-        let info = ChunkInfo {
-            stored_len,
-            codec,
-            bases,
-        };
-        if let Some(index) = self.store.index() {
-            index.put_chunk(&self.run, &hash, &info)?;
-        }
+        let info = self.put_chunk(hash, encoded, bases).await?;
+        let stored_len = info.stored_len;
+        let codec = info.codec;
         progress.advance(raw_len);
         Ok(ChunkDone {
             item: job.item,
@@ -324,6 +310,31 @@ impl RunStore {
             },
             uploaded_bytes: stored_len,
         })
+    }
+
+    /// Puts an encoded chunk (durable on return) and notes it in the local index.
+    async fn put_chunk(
+        &self,
+        hash: ChunkHash,
+        encoded: codec::EncodedChunk,
+        bases: Vec<ChunkHash>,
+    ) -> Result<ChunkInfo, StoreError> {
+        let info = ChunkInfo {
+            stored_len: encoded.bytes.len() as u64,
+            codec: encoded.header.codec,
+            bases,
+        };
+        self.store
+            .put(
+                &layout::chunk(&self.run, &hash),
+                encoded.bytes.into(),
+                false,
+            )
+            .await?;
+        if let Some(index) = self.store.index() {
+            index.put_chunk(&self.run, &hash, &info)?;
+        }
+        Ok(info)
     }
 
     /// What storage holds under `hash`, from the local index or the chunk's header (and its
@@ -438,22 +449,7 @@ impl RunStore {
                 })
                 .await
                 .expect("encoding does not panic");
-                let stored_len = encoded.bytes.len() as u64;
-                self.store
-                    .put(
-                        &layout::chunk(&self.run, &hash),
-                        encoded.bytes.into(),
-                        false,
-                    )
-                    .await?;
-                let info = ChunkInfo {
-                    stored_len,
-                    codec: codec::Codec::Zstd,
-                    bases: Vec::new(),
-                };
-                if let Some(index) = self.store.index() {
-                    index.put_chunk(&self.run, &hash, &info)?;
-                }
+                let info = self.put_chunk(hash, encoded, Vec::new()).await?;
                 repaired.insert(hash, info);
             }
             let info = &repaired[&chunk.hash];
