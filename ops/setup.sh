@@ -6,14 +6,14 @@ set -euo pipefail
 what="${1:-test}"
 export PATH="$HOME/.cargo/bin:$PATH"
 
+sudo_cmd=""
+[ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
 need_apt=()
 for package in libclang-dev mpich libmpich-dev pkg-config; do
   dpkg -s "$package" >/dev/null 2>&1 || need_apt+=("$package")
 done
 if [ "${#need_apt[@]}" -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
-  sudo_cmd=""
-  [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
@@ -27,6 +27,8 @@ fi
 
 if ! python3 -c "import safetensors.numpy, numpy" >/dev/null 2>&1; then
   echo "setup: installing Python's safetensors and numpy for the interop tests"
-  python3 -m pip install --quiet --disable-pip-version-check safetensors numpy \
-    || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages safetensors numpy
+  command -v python3 >/dev/null || $sudo_cmd apt-get install -y -qq python3 python3-pip >/dev/null || true
+  python3 -m pip install --quiet --disable-pip-version-check safetensors numpy 2>/dev/null \
+    || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages safetensors numpy \
+    || echo "setup: could not install them; the Python interop test will say it skipped"
 fi
