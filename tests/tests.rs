@@ -7,3 +7,4 @@ mod cli;
 mod conformance;
 mod crash;
 mod gc_race;
+mod trainer;

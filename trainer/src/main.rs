@@ -1,1 +1,7 @@
-fn main() {}
+//! `trainer`: prepare data and train MoE language models.
+
+use clap::Parser;
+
+fn main() -> std::process::ExitCode {
+    lazarus_trainer::cli::main(lazarus_trainer::cli::Cli::parse())
+}

@@ -1,0 +1,368 @@
+//! Training configuration: a TOML file or a shipped preset (`tiny`, `small`), overridden by
+//! `--set section.key=value`, then checked as a whole. Unknown keys, wrong types and
+//! impossible shapes are errors that say what to change; nothing is silently defaulted.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// Presets shipped in the binary, by name.
+pub const PRESETS: [(&str, &str); 2] = [
+    ("tiny", include_str!("../presets/tiny.toml")),
+    ("small", include_str!("../presets/small.toml")),
+];
+
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    #[error("{source_name}: {message}")]
+    Parse {
+        source_name: String,
+        message: String,
+    },
+    #[error("cannot read config {path}: {cause}")]
+    Read { path: String, cause: std::io::Error },
+    #[error("--set {assignment:?}: {reason}")]
+    BadOverride { assignment: String, reason: String },
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub run: RunConfig,
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+    pub data: DataConfig,
+    pub checkpoint: CheckpointConfig,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RunConfig {
+    pub id: String,
+    pub seed: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub d_model: usize,
+    pub layers: usize,
+    pub heads: usize,
+    /// 1 gives the dense variant (one expert, top-1).
+    pub experts: usize,
+    pub top_k: usize,
+    pub expert_ffn: usize,
+    pub seq_len: usize,
+    pub rope_theta: f64,
+    pub norm_eps: f64,
+    pub router_aux_coef: f64,
+    pub router_z_coef: f64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    pub micro_batch: usize,
+    pub steps: u64,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    pub weight_decay: f64,
+    pub grad_clip: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub log_every: u64,
+    pub val_every: u64,
+    pub val_batches: usize,
+    /// CPU threads for the math; 0 means one per physical core.
+    pub threads: usize,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// A directory written by `trainer prepare`.
+    pub path: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Store URL: file:///path, s3://bucket/prefix (relative file:// paths are resolved
+    /// against the working directory).
+    pub store: String,
+    /// Steps between checkpoints.
+    pub every: u64,
+    /// `auto`: continue from the run's latest committed step if there is one; `never`.
+    pub resume: String,
+}
+
+impl Config {
+    /// Loads a preset by name, or a TOML file by path, and applies `--set` overrides.
+    pub fn load(source: &str, overrides: &[String]) -> Result<Self, ConfigError> {
+        let (name, text) = match PRESETS.iter().find(|(name, _)| *name == source) {
+            Some((name, text)) => (format!("preset {name}"), text.to_string()),
+            None => {
+                let text = std::fs::read_to_string(Path::new(source)).map_err(|cause| {
+                    ConfigError::Read {
+                        path: source.to_string(),
+                        cause,
+                    }
+                })?;
+                (source.to_string(), text)
+            }
+        };
+        let parse_error = |message: String| ConfigError::Parse {
+            source_name: name.clone(),
+            message,
+        };
+        let mut table: toml::Table = text
+            .parse()
+            .map_err(|e: toml::de::Error| parse_error(e.to_string()))?;
+        for assignment in overrides {
+            apply_override(&mut table, assignment)?;
+        }
+        let config: Config = toml::Value::Table(table)
+            .try_into()
+            .map_err(|e: toml::de::Error| parse_error(e.to_string()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Checks that the numbers describe a model and a run that can exist.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let m = &self.model;
+        let t = &self.train;
+        let mut problems = Vec::new();
+        let mut require = |ok: bool, problem: String| {
+            if !ok {
+                problems.push(problem);
+            }
+        };
+        require(
+            self.run.id.parse::<lazarus_shared::RunId>().is_ok(),
+            format!("run.id {:?} must be 1-128 of [A-Za-z0-9._-]", self.run.id),
+        );
+        require(
+            m.vocab_size >= 50257,
+            format!(
+                "model.vocab_size {} is smaller than the GPT-2 vocabulary (50257)",
+                m.vocab_size
+            ),
+        );
+        require(
+            m.d_model > 0 && m.heads > 0 && m.d_model % m.heads == 0,
+            format!(
+                "model.d_model {} must be a positive multiple of model.heads {}",
+                m.d_model, m.heads
+            ),
+        );
+        require(
+            m.heads > 0 && (m.d_model / m.heads.max(1)) % 2 == 0,
+            format!(
+                "the head size d_model/heads = {} must be even for RoPE",
+                m.d_model / m.heads.max(1)
+            ),
+        );
+        require(m.layers > 0, "model.layers must be at least 1".into());
+        require(
+            m.experts > 0,
+            "model.experts must be at least 1 (1 is the dense variant)".into(),
+        );
+        require(
+            m.top_k > 0 && m.top_k <= m.experts,
+            format!(
+                "model.top_k {} must be between 1 and model.experts {}",
+                m.top_k, m.experts
+            ),
+        );
+        require(
+            m.expert_ffn > 0 && m.seq_len > 1,
+            "model.expert_ffn and model.seq_len must be positive (seq_len at least 2)".into(),
+        );
+        require(
+            m.rope_theta > 0.0 && m.norm_eps > 0.0,
+            "model.rope_theta and model.norm_eps must be positive".into(),
+        );
+        require(
+            m.router_aux_coef >= 0.0 && m.router_z_coef >= 0.0,
+            "router loss coefficients cannot be negative".into(),
+        );
+        require(
+            t.micro_batch > 0 && t.steps > 0,
+            "train.micro_batch and train.steps must be positive".into(),
+        );
+        require(
+            t.lr > 0.0 && t.min_lr >= 0.0 && t.min_lr <= t.lr,
+            format!(
+                "need 0 <= train.min_lr ({}) <= train.lr ({}), lr > 0",
+                t.min_lr, t.lr
+            ),
+        );
+        require(
+            (0.0..1.0).contains(&t.beta1) && (0.0..1.0).contains(&t.beta2) && t.eps > 0.0,
+            "train.beta1/beta2 must be in [0, 1) and train.eps positive".into(),
+        );
+        require(
+            t.grad_clip > 0.0 && t.weight_decay >= 0.0,
+            "train.grad_clip must be positive and train.weight_decay not negative".into(),
+        );
+        require(
+            t.log_every > 0 && t.val_every > 0 && t.val_batches > 0,
+            "train.log_every, val_every and val_batches must be positive".into(),
+        );
+        require(
+            self.checkpoint.every > 0,
+            "checkpoint.every must be positive".into(),
+        );
+        require(
+            matches!(self.checkpoint.resume.as_str(), "auto" | "never"),
+            format!(
+                "checkpoint.resume {:?} must be \"auto\" or \"never\"",
+                self.checkpoint.resume
+            ),
+        );
+        if problems.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(problems.join("; ")))
+        }
+    }
+}
+
+/// Applies `section.key=value`. The key must already exist (presets and files name every
+/// key), so a typo is an error rather than a silently ignored setting.
+fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<(), ConfigError> {
+    let bad = |reason: String| ConfigError::BadOverride {
+        assignment: assignment.to_string(),
+        reason,
+    };
+    let (key, raw) = assignment
+        .split_once('=')
+        .ok_or_else(|| bad("expected section.key=value".into()))?;
+    let path: Vec<&str> = key.trim().split('.').collect();
+    let (last, sections) = path.split_last().expect("split yields at least one part");
+    let mut current = table;
+    for section in sections {
+        current = current
+            .get_mut(*section)
+            .and_then(toml::Value::as_table_mut)
+            .ok_or_else(|| bad(format!("unknown section {section:?}")))?;
+    }
+    let existing = current.get(*last).ok_or_else(|| {
+        let known: Vec<&String> = current.keys().collect();
+        bad(format!("unknown key {last:?}; known keys here: {known:?}"))
+    })?;
+    // Parse the value as TOML; a bare word for a string key is taken as the string.
+    let wrong_type = || {
+        bad(format!(
+            "{key} takes a value of type {}; {:?} is not one",
+            existing.type_str(),
+            raw.trim()
+        ))
+    };
+    let parsed: toml::Value = match format!("value = {}", raw.trim()).parse::<toml::Table>() {
+        Ok(mut wrapper) => wrapper.remove("value").expect("the wrapper has the key"),
+        Err(_) if existing.is_str() => toml::Value::String(raw.trim().to_string()),
+        Err(_) => return Err(wrong_type()),
+    };
+    let parsed = match (existing, parsed) {
+        // Let `lr=1` set a float key.
+        (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+        (_, parsed) => parsed,
+    };
+    if existing.type_str() != parsed.type_str() {
+        return Err(wrong_type());
+    }
+    current.insert(last.to_string(), parsed);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_load_and_describe_the_tiny_model() {
+        let tiny = Config::load("tiny", &[]).unwrap();
+        let m = &tiny.model;
+        assert_eq!(
+            (
+                m.d_model,
+                m.layers,
+                m.heads,
+                m.experts,
+                m.top_k,
+                m.expert_ffn,
+                m.seq_len,
+                m.vocab_size
+            ),
+            (256, 4, 4, 8, 2, 512, 256, 50304)
+        );
+        assert_eq!(tiny.train.micro_batch, 8);
+        Config::load("small", &[]).unwrap();
+    }
+
+    #[test]
+    fn overrides_apply_and_typos_are_refused() {
+        let dense = Config::load(
+            "tiny",
+            &[
+                "model.experts=1".into(),
+                "model.top_k=1".into(),
+                "train.lr=1".into(),
+                "checkpoint.store=file:///x".into(),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            (dense.model.experts, dense.model.top_k, dense.train.lr),
+            (1, 1, 1.0)
+        );
+        assert_eq!(dense.checkpoint.store, "file:///x");
+        for (bad, says) in [
+            ("model.expert=4", "unknown key \"expert\""),
+            ("modle.experts=4", "unknown section \"modle\""),
+            (
+                "model.experts=four",
+                "model.experts takes a value of type integer; \"four\" is not one",
+            ),
+            ("train.lr=\"high\"", "train.lr takes a value of type float"),
+            ("model.experts", "expected section.key=value"),
+        ] {
+            let error = Config::load("tiny", &[bad.into()]).unwrap_err().to_string();
+            assert!(error.contains(says), "{bad}: {error}");
+        }
+    }
+
+    #[test]
+    fn impossible_shapes_are_refused_with_the_reason() {
+        for (bad, says) in [
+            ("model.heads=3", "multiple of model.heads"),
+            (
+                "model.top_k=9",
+                "model.top_k 9 must be between 1 and model.experts 8",
+            ),
+            ("model.vocab_size=1000", "smaller than the GPT-2 vocabulary"),
+            (
+                "checkpoint.resume=sometimes",
+                "must be \"auto\" or \"never\"",
+            ),
+        ] {
+            let error = Config::load("tiny", &[bad.into()]).unwrap_err().to_string();
+            assert!(error.contains(says), "{bad}: {error}");
+        }
+        let error = Config::load("/no/such/config.toml", &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("cannot read config /no/such/config.toml"),
+            "{error}"
+        );
+    }
+}

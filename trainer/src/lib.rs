@@ -1,0 +1,7 @@
+//! The trainer: data preparation, configuration and (being built) OLMoE-style MoE pretraining
+//! with checkpoints through the store library. `main.rs` is thin; everything lives here so
+//! tests can call it.
+
+pub mod cli;
+pub mod config;
+pub mod data;
