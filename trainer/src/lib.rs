@@ -5,3 +5,4 @@
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod model;
