@@ -97,3 +97,157 @@ fn bad_configs_and_missing_data_exit_2_with_the_reason() {
     assert_eq!(code, 2, "{said}");
     assert!(said.contains("bad.toml"), "{said}");
 }
+
+/// A small model (the GPT-2 vocabulary still sets the head's width) for fast loop tests.
+const SMALL: [&str; 16] = [
+    "--set",
+    "model.d_model=32",
+    "--set",
+    "model.layers=2",
+    "--set",
+    "model.heads=2",
+    "--set",
+    "model.expert_ffn=32",
+    "--set",
+    "model.seq_len=32",
+    "--set",
+    "train.micro_batch=2",
+    "--set",
+    "train.log_every=1",
+    "--set",
+    "train.val_every=1000",
+];
+
+/// Per-step losses from a run's metrics.jsonl, as exact bit patterns.
+fn losses(metrics_dir: &std::path::Path, run: &str) -> Vec<(u64, u64)> {
+    let text = std::fs::read_to_string(metrics_dir.join(run).join("metrics.jsonl")).unwrap();
+    text.lines()
+        .map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).unwrap();
+            (
+                value["step"].as_u64().unwrap(),
+                value["loss"].as_f64().unwrap().to_bits(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn training_is_deterministic_and_resume_is_bit_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let input = shared_data("tinyshakespeare.txt");
+    assert_eq!(
+        trainer(&[
+            "prepare",
+            "--input",
+            input.to_str().unwrap(),
+            "--out",
+            data.to_str().unwrap()
+        ])
+        .0,
+        0
+    );
+    let store = format!("file://{}", dir.path().join("store").display());
+    let metrics = dir.path().join("metrics");
+    let run = |id: &str, steps: u64| {
+        let mut args: Vec<String> = [
+            "train",
+            "--config",
+            "tiny",
+            "--metrics-dir",
+            metrics.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(SMALL.map(String::from));
+        for set in [
+            format!("run.id={id}"),
+            format!("train.steps={steps}"),
+            "checkpoint.every=100".into(),
+            format!("checkpoint.store={store}"),
+            format!("data.path={}", data.display()),
+        ] {
+            args.push("--set".into());
+            args.push(set);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let (code, said) = trainer(&args);
+        assert_eq!(code, 0, "{said}");
+        said
+    };
+    run("straight", 8);
+    run("again", 8);
+    let straight = losses(&metrics, "straight");
+    assert_eq!(straight.len(), 8);
+    assert_eq!(
+        losses(&metrics, "again"),
+        straight,
+        "two runs with the same seed differ"
+    );
+    assert!(straight.last().unwrap().1 != straight[0].1);
+
+    // 4 steps, stop (a checkpoint at the end), then resume to 8.
+    run("resumed", 4);
+    let said = run("resumed", 8);
+    assert!(said.contains("resumed from step 4"), "{said}");
+    assert_eq!(
+        losses(&metrics, "resumed"),
+        straight,
+        "resume is not bit-identical"
+    );
+
+    // The final weights and Adam moments are bit-identical too: same chunk hashes.
+    let ctl = lazarus_tests::Ctl::new(store, &dir.path().join("index"));
+    let hashes = |run: &str| -> Vec<(String, serde_json::Value)> {
+        let shown = ctl.json(&["show", run, "8"]);
+        let mut tensors: Vec<(String, serde_json::Value)> = shown["manifests"][0]["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| {
+                (
+                    t["name"].as_str().unwrap().to_string(),
+                    t["chunks"]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|c| c["hash"].clone())
+                        .collect(),
+                )
+            })
+            .collect();
+        tensors.sort_by(|a, b| a.0.cmp(&b.0));
+        tensors
+    };
+    let straight_state = hashes("straight");
+    assert!(
+        straight_state
+            .iter()
+            .any(|(name, _)| name == "layers.0.expert_gate.exp_avg_sq"),
+        "moments are checkpointed"
+    );
+    assert_eq!(hashes("resumed"), straight_state);
+    ctl.expect(0, &["verify", "resumed", "--all", "--read-data"]);
+
+    // A run with checkpoints is never overwritten by a fresh start.
+    let mut args: Vec<String> = ["train", "--config", "tiny", "--resume", "never"]
+        .map(String::from)
+        .to_vec();
+    args.extend(SMALL.map(String::from));
+    for set in [
+        "run.id=straight".to_string(),
+        format!(
+            "checkpoint.store=file://{}",
+            dir.path().join("store").display()
+        ),
+        format!("data.path={}", data.display()),
+    ] {
+        args.push("--set".into());
+        args.push(set);
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (code, said) = trainer(&args);
+    assert_eq!(code, 2, "{said}");
+    assert!(said.contains("refusing to overwrite"), "{said}");
+}

@@ -7,6 +7,9 @@ use std::time::Instant;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
 use crate::config::{Config, ConfigError};
 use crate::data::{self, DataError, PrepareProgress};
 
@@ -42,6 +45,13 @@ pub enum Command {
         /// Override a setting: --set section.key=value (repeatable).
         #[arg(long = "set")]
         overrides: Vec<String>,
+        /// `auto` continues from the run's latest committed step; `never` refuses to touch a
+        /// run that has checkpoints. Overrides checkpoint.resume.
+        #[arg(long)]
+        resume: Option<String>,
+        /// Where `<run id>/metrics.jsonl` is written.
+        #[arg(long, default_value = "lazarus-runs")]
+        metrics_dir: PathBuf,
     },
 }
 
@@ -60,7 +70,9 @@ impl PrepareProgress for Bar {
 /// The exit code an error chain deserves.
 fn exit_code(error: &anyhow::Error) -> u8 {
     let bad_input = error.chain().any(|cause| {
-        cause.is::<ConfigError>() || matches!(cause.downcast_ref::<DataError>(), Some(e) if !matches!(e, DataError::Io { .. }))
+        cause.is::<ConfigError>()
+            || cause.is::<crate::train::RefusedRun>()
+            || matches!(cause.downcast_ref::<DataError>(), Some(e) if !matches!(e, DataError::Io { .. }))
             || matches!(cause.downcast_ref::<DataError>(), Some(DataError::Io { cause, .. }) if cause.kind() == std::io::ErrorKind::NotFound)
     });
     if bad_input {
@@ -114,20 +126,82 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::Train { config, overrides } => {
+        Command::Train {
+            config,
+            mut overrides,
+            resume,
+            metrics_dir,
+        } => {
+            if let Some(resume) = resume {
+                overrides.push(format!("checkpoint.resume={resume}"));
+            }
             let config = Config::load(&config, &overrides)?;
-            let dataset = data::Dataset::open(std::path::Path::new(&config.data.path))?;
-            anyhow::ensure!(
-                dataset.train.len() > config.model.seq_len,
-                "{}: the training split has {} tokens, fewer than one sequence of {}",
-                config.data.path,
-                dataset.train.len(),
-                config.model.seq_len
-            );
-            anyhow::bail!(
-                "config and data are valid ({} train tokens), but the training loop is not built yet",
-                dataset.train.len()
-            )
+            if config.train.threads > 0 {
+                // candle's matmul and element-wise pools read this when they first start.
+                std::env::set_var("RAYON_NUM_THREADS", config.train.threads.to_string());
+            }
+            let stop = Arc::new(AtomicBool::new(false));
+            watch_signals(stop.clone());
+            let summary = crate::train::train(&config, stop, &metrics_dir, &mut std::io::stdout())?;
+            print_summary(&summary);
+            Ok(())
         }
+    }
+}
+
+/// Raises `stop` on SIGTERM or SIGINT; the loop then checkpoints and returns.
+fn watch_signals(stop: Arc<AtomicBool>) {
+    std::thread::spawn(move || {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        runtime.block_on(async {
+            let Ok(mut terminate) =
+                tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            else {
+                return;
+            };
+            tokio::select! {
+                _ = terminate.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+            eprintln!("trainer: stop requested; checkpointing and exiting");
+            stop.store(true, Ordering::Relaxed);
+        });
+    });
+}
+
+fn print_summary(summary: &crate::train::Summary) {
+    let losses = &summary.losses;
+    if let (Some(first), Some(last)) = (losses.first(), losses.last()) {
+        let best = losses.iter().map(|(_, l)| *l).fold(f64::INFINITY, f64::min);
+        let marks: Vec<String> = (0..=4)
+            .map(|i| losses[(losses.len() - 1) * i / 4])
+            .map(|(s, l)| format!("{s}:{l:.3}"))
+            .collect();
+        println!(
+            "loss: step {} {:.4} -> step {} {:.4} (best {best:.4}); curve {}",
+            first.0,
+            first.1,
+            last.0,
+            last.1,
+            marks.join("  ")
+        );
+    }
+    if summary.stopped_by_signal {
+        println!("stopped by signal at step {}", summary.last_step);
+    }
+    if let Some(step) = summary.last_checkpoint {
+        println!(
+            "last checkpoint: step {step} of run {} in {}",
+            summary.run, summary.store
+        );
+        println!(
+            "inspect it: ckptctl --store {} list {}",
+            summary.store, summary.run
+        );
     }
 }

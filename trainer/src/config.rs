@@ -71,7 +71,10 @@ pub struct TrainConfig {
     pub lr: f64,
     pub min_lr: f64,
     pub warmup_steps: u64,
+    /// Weight decay of matrices and embeddings.
     pub weight_decay: f64,
+    /// Weight decay of norm weights (excluded by default).
+    pub norm_weight_decay: f64,
     pub grad_clip: f64,
     pub beta1: f64,
     pub beta2: f64,

@@ -6,3 +6,5 @@ pub mod cli;
 pub mod config;
 pub mod data;
 pub mod model;
+pub mod optim;
+pub mod train;

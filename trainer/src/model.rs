@@ -365,7 +365,7 @@ impl Model {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     pub(crate) fn small_config(experts: usize, top_k: usize) -> ModelConfig {

@@ -1,0 +1,414 @@
+//! The single-process training loop: sample, forward, backward, clip, AdamW, log, validate,
+//! checkpoint through the store library, and resume from the latest committed step.
+//!
+//! A checkpoint of step `s` holds, per parameter, the fp32 master weight and both Adam
+//! moments, plus the blob `trainer.json` (step, samples consumed, optimizer step). Restoring it
+//! gives a bit-identical continuation: the data order is a pure function of (seed, sample
+//! index) and nothing else is random after initialisation.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use candle_core::DType;
+use lazarus_shared::format::DType as StoredDType;
+use lazarus_shared::store::{
+    DeltaBases, OpenMode, RunStore, ShardInput, Store, StoreOptions, TensorData,
+};
+use lazarus_shared::{RunId, StepKey};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+use crate::data::{Dataset, Sampler};
+use crate::model::Model;
+use crate::optim::{learning_rate, AdamW};
+
+/// Bad configuration or a run that must not be touched (exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct RefusedRun(pub String);
+
+/// Progress state stored with every checkpoint.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct TrainerState {
+    step: u64,
+    samples_seen: u64,
+    optimizer_step: u64,
+}
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub cross_entropy: f64,
+    pub load_balancing: f64,
+    pub router_z: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens_per_second: f64,
+    /// Most-loaded expert's share over the mean share, averaged over layers (1.0 = balanced).
+    pub expert_imbalance: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+}
+
+/// What a finished (or stopped) run reports.
+#[derive(Clone, Debug, Serialize)]
+pub struct Summary {
+    pub run: String,
+    /// The store URL, resolved to an absolute path for file://.
+    pub store: String,
+    pub first_step: u64,
+    pub last_step: u64,
+    pub resumed_from: Option<u64>,
+    pub losses: Vec<(u64, f64)>,
+    pub last_checkpoint: Option<u64>,
+    pub parameters: usize,
+    pub optimizer_bytes: u64,
+    pub stopped_by_signal: bool,
+}
+
+/// `file://relative/path` is taken relative to the working directory.
+fn resolve_store_url(url: &str) -> Result<String> {
+    match url.strip_prefix("file://") {
+        Some(path) if !path.starts_with('/') => {
+            let absolute = std::env::current_dir()?.join(path.trim_start_matches("./"));
+            Ok(format!("file://{}", absolute.display()))
+        }
+        _ => Ok(url.to_string()),
+    }
+}
+
+fn floats_to_bytes(values: &[f32]) -> Bytes {
+    Bytes::from(
+        values
+            .iter()
+            .flat_map(|v| v.to_le_bytes())
+            .collect::<Vec<u8>>(),
+    )
+}
+
+fn bytes_to_floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+/// The checkpoint tensors: per parameter its weight and both moments.
+fn checkpoint_tensors(optim: &AdamW) -> Vec<TensorData> {
+    let mut tensors = Vec::with_capacity(3 * optim.slots.len());
+    for slot in &optim.slots {
+        let range = slot.offset..slot.offset + slot.len;
+        let shape: Vec<u64> = slot.shape.iter().map(|d| *d as u64).collect();
+        for (suffix, buffer) in [
+            ("", &optim.params),
+            (".exp_avg", &optim.exp_avg),
+            (".exp_avg_sq", &optim.exp_avg_sq),
+        ] {
+            tensors.push(TensorData::whole(
+                format!("{}{suffix}", slot.name),
+                StoredDType::F32,
+                shape.clone(),
+                floats_to_bytes(&buffer[range.clone()]),
+            ));
+        }
+    }
+    tensors
+}
+
+/// Holds the training state and the things it reads and writes.
+struct Session {
+    config: Config,
+    model: Model,
+    optim: AdamW,
+    run: RunStore,
+    runtime: tokio::runtime::Runtime,
+    bases: Option<DeltaBases>,
+    state: TrainerState,
+}
+
+impl Session {
+    fn checkpoint(&mut self) -> Result<u64> {
+        let timeline = self.runtime.block_on(self.run.current_timeline())?;
+        let key = StepKey::new(self.state.step, timeline);
+        let tensors = checkpoint_tensors(&self.optim);
+        let blob = Bytes::from(serde_json::to_vec(&self.state)?);
+        let input = ShardInput {
+            step: key,
+            rank: 0,
+            world_size: 1,
+            tensors: tensors.clone(),
+            blobs: vec![("trainer.json".into(), blob)],
+        };
+        let manifest =
+            self.runtime
+                .block_on(self.run.write_shard(input, self.bases.as_ref(), &()))?;
+        self.runtime.block_on(self.run.commit(key, 1))?;
+        let mut bases = DeltaBases::default();
+        for (tensor, entry) in tensors.into_iter().zip(&manifest.tensors) {
+            bases.insert(tensor.name, tensor.data, entry.chunks.clone());
+        }
+        self.bases = Some(bases);
+        Ok(self.state.step)
+    }
+
+    /// Loads the latest committed step into the model and optimizer, if the run has one.
+    fn resume(&mut self) -> Result<Option<u64>> {
+        let Some(latest) = self.runtime.block_on(self.run.latest())? else {
+            return Ok(None);
+        };
+        let checkpoint = self.runtime.block_on(self.run.open_checkpoint(latest))?;
+        let state: TrainerState = serde_json::from_slice(
+            &self
+                .runtime
+                .block_on(checkpoint.read_blob(0, "trainer.json"))?,
+        )
+        .context("trainer.json in the checkpoint")?;
+        let mut bases = DeltaBases::default();
+        let manifest = checkpoint.manifest(0)?.clone();
+        for slot in self.optim.slots.clone() {
+            let range = slot.offset..slot.offset + slot.len;
+            for (suffix, target) in [("", 0), (".exp_avg", 1), (".exp_avg_sq", 2)] {
+                let name = format!("{}{suffix}", slot.name);
+                let bytes = self
+                    .runtime
+                    .block_on(checkpoint.read_shard_tensor(0, &name, &()))?;
+                let values = bytes_to_floats(&bytes);
+                if values.len() != slot.len {
+                    bail!(RefusedRun(format!(
+                        "checkpoint tensor {name} has {} values, the model needs {}",
+                        values.len(),
+                        slot.len
+                    )));
+                }
+                let buffer = match target {
+                    0 => &mut self.optim.params,
+                    1 => &mut self.optim.exp_avg,
+                    _ => &mut self.optim.exp_avg_sq,
+                };
+                buffer[range.clone()].copy_from_slice(&values);
+                if let Some(entry) = manifest.tensor(&name) {
+                    bases.insert(name, Bytes::from(bytes), entry.chunks.clone());
+                }
+            }
+        }
+        self.optim.step = state.optimizer_step;
+        self.optim.write_to(&self.model)?;
+        self.bases = Some(bases);
+        self.state = state;
+        Ok(Some(latest.step))
+    }
+
+    fn validate(&self, dataset: &Dataset) -> Result<Option<f64>> {
+        let c = &self.config;
+        let Some(mut sampler) = Sampler::new(&dataset.val, c.model.seq_len, c.run.seed) else {
+            return Ok(None);
+        };
+        let mut total = 0.0;
+        for batch in 0..c.train.val_batches {
+            let tokens: Vec<u32> = (0..c.train.micro_batch)
+                .flat_map(|i| {
+                    sampler.sample(&dataset.val, (batch * c.train.micro_batch + i) as u64)
+                })
+                .collect();
+            total += self
+                .model
+                .forward(&tokens, c.train.micro_batch)?
+                .cross_entropy;
+        }
+        Ok(Some(total / c.train.val_batches as f64))
+    }
+}
+
+/// Trains until `config.train.steps` or until `stop` is raised (then checkpoints and returns).
+pub fn train(
+    config: &Config,
+    stop: Arc<AtomicBool>,
+    metrics_dir: &Path,
+    log: &mut dyn Write,
+) -> Result<Summary> {
+    let dataset = Dataset::open(Path::new(&config.data.path))?;
+    let seq = config.model.seq_len;
+    let mut sampler = Sampler::new(&dataset.train, seq, config.run.seed).ok_or_else(|| {
+        RefusedRun(format!(
+            "{}: the training split holds {} tokens, fewer than one sequence of {seq}",
+            config.data.path,
+            dataset.train.len()
+        ))
+    })?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let url = resolve_store_url(&config.checkpoint.store)?;
+    let store = runtime
+        .block_on(Store::open(
+            &url,
+            OpenMode::CreateIfMissing,
+            StoreOptions::default(),
+        ))
+        .with_context(|| format!("opening checkpoint store {url}"))?;
+    let run_id: RunId = config
+        .run
+        .id
+        .parse()
+        .map_err(|e| RefusedRun(format!("{e}")))?;
+    let run = store.run(&run_id);
+    let description = serde_json::json!({ "model": config.model, "source": "trainer" });
+    let existing = match runtime.block_on(run.info()) {
+        Ok(_) => runtime.block_on(run.latest())?,
+        Err(lazarus_shared::StoreError::NoSuchRun { .. }) => None,
+        Err(error) => return Err(error.into()),
+    };
+    if existing.is_some() && config.checkpoint.resume == "never" {
+        bail!(RefusedRun(format!("run {run_id} already has checkpoints in {url}; refusing to overwrite them (use checkpoint.resume=auto, or another run.id)")));
+    }
+    let info = runtime.block_on(run.create(description.clone()))?;
+    if info.description.get("model") != description.get("model") {
+        bail!(RefusedRun(format!(
+            "run {run_id} in {url} was created for a different model; choose another run.id"
+        )));
+    }
+    let model = Model::new(&config.model, config.run.seed, DType::F32)?;
+    let optim = AdamW::new(&model, &config.train)?;
+    let parameters = optim.params.len();
+    let optimizer_bytes = optim.state_bytes();
+    let mut session = Session {
+        config: config.clone(),
+        model,
+        optim,
+        run,
+        runtime,
+        bases: None,
+        state: TrainerState {
+            step: 0,
+            samples_seen: 0,
+            optimizer_step: 0,
+        },
+    };
+    let resumed_from = if config.checkpoint.resume == "auto" {
+        session.resume()?
+    } else {
+        None
+    };
+    writeln!(
+        log,
+        "run {run_id}: {parameters} parameters, {} MB of optimizer state, {} train tokens{}",
+        optimizer_bytes / 1_000_000,
+        dataset.train.len(),
+        resumed_from
+            .map(|s| format!(", resumed from step {s}"))
+            .unwrap_or_default()
+    )?;
+    let metrics_path = metrics_dir.join(run_id.as_str()).join("metrics.jsonl");
+    std::fs::create_dir_all(metrics_path.parent().expect("has a parent"))
+        .with_context(|| format!("creating {}", metrics_path.display()))?;
+    let mut metrics = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&metrics_path)
+        .with_context(|| format!("opening {}", metrics_path.display()))?;
+    let batch = config.train.micro_batch;
+    let first_step = session.state.step + 1;
+    let mut losses = Vec::new();
+    let mut last_checkpoint = resumed_from;
+    let mut stopped_by_signal = false;
+    let mut window_start = Instant::now();
+    let mut window_tokens = 0usize;
+    while session.state.step < config.train.steps {
+        if stop.load(Ordering::Relaxed) {
+            stopped_by_signal = true;
+            break;
+        }
+        let step = session.state.step + 1;
+        let tokens: Vec<u32> = (0..batch)
+            .flat_map(|i| sampler.sample(&dataset.train, session.state.samples_seen + i as u64))
+            .collect();
+        let forward = session.model.forward(&tokens, batch)?;
+        let grads = forward.loss.backward()?;
+        let lr = learning_rate(&config.train, step);
+        let update = session.optim.update(&session.model, &grads, lr)?;
+        let loss = forward.loss.to_scalar::<f32>()? as f64;
+        session.state = TrainerState {
+            step,
+            samples_seen: session.state.samples_seen + batch as u64,
+            optimizer_step: session.optim.step,
+        };
+        losses.push((step, loss));
+        window_tokens += batch * seq;
+        if !loss.is_finite() {
+            bail!("the loss became {loss} at step {step}; lower train.lr or check the data");
+        }
+        let val_loss = if step % config.train.val_every == 0 {
+            session.validate(&dataset)?
+        } else {
+            None
+        };
+        if step % config.train.log_every == 0 || val_loss.is_some() || step == config.train.steps {
+            let seconds = window_start.elapsed().as_secs_f64();
+            let imbalance = forward
+                .expert_load
+                .iter()
+                .map(|load| {
+                    let mean = load.iter().sum::<u64>() as f64 / load.len() as f64;
+                    *load.iter().max().expect("at least one expert") as f64 / mean.max(1e-9)
+                })
+                .sum::<f64>()
+                / forward.expert_load.len() as f64;
+            let line = StepMetrics {
+                step,
+                loss,
+                cross_entropy: forward.cross_entropy,
+                load_balancing: forward.load_balancing,
+                router_z: forward.router_z,
+                grad_norm: update.grad_norm,
+                lr,
+                tokens_per_second: window_tokens as f64 / seconds.max(1e-9),
+                expert_imbalance: imbalance,
+                val_loss,
+            };
+            writeln!(metrics, "{}", serde_json::to_string(&line)?)?;
+            writeln!(
+                log,
+                "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s  experts max/mean {imbalance:.2}{}",
+                line.cross_entropy,
+                line.load_balancing,
+                line.router_z,
+                line.grad_norm,
+                line.tokens_per_second,
+                val_loss.map(|v| format!("  val {v:.4}")).unwrap_or_default()
+            )?;
+            window_start = Instant::now();
+            window_tokens = 0;
+        }
+        if step % config.checkpoint.every == 0 {
+            last_checkpoint = Some(session.checkpoint()?);
+        }
+    }
+    if last_checkpoint != Some(session.state.step) && session.state.step > 0 {
+        last_checkpoint = Some(session.checkpoint()?);
+    }
+    Ok(Summary {
+        run: run_id.to_string(),
+        store: url,
+        first_step,
+        last_step: session.state.step,
+        resumed_from,
+        losses,
+        last_checkpoint,
+        parameters,
+        optimizer_bytes,
+        stopped_by_signal,
+    })
+}
+
+/// Where `metrics.jsonl` goes: `<dir>/<run id>/metrics.jsonl`.
+pub fn default_metrics_dir() -> PathBuf {
+    PathBuf::from("lazarus-runs")
+}
