@@ -5,6 +5,7 @@
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod loss;
 pub mod model;
 pub mod optim;
 pub mod train;

@@ -12,6 +12,7 @@ use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 
 use crate::config::ModelConfig;
+use crate::loss::LinearCrossEntropy;
 
 /// Standard deviation of the initial weights (OLMoE's `initializer_range`).
 const INIT_STD: f64 = 0.02;
@@ -247,7 +248,7 @@ impl Model {
             .collect();
         let tokens_n = batch * seq;
         let inputs = Tensor::from_vec(inputs, tokens_n, &self.device)?;
-        let targets = Tensor::from_vec(targets, (tokens_n, 1), &self.device)?;
+        let targets = Tensor::from_vec(targets, tokens_n, &self.device)?;
         let (cos, sin) = rope_tables(seq, head_dim, c.rope_theta, self.dtype, &self.device)?;
         let mask: Vec<f64> = (0..seq)
             .flat_map(|i| (0..seq).map(move |j| if j <= i { 0.0 } else { -1e9 }))
@@ -289,8 +290,10 @@ impl Model {
             expert_load.push(moe.load);
         }
         let x = rms_norm(&x, &self.final_norm, c.norm_eps)?;
-        let logits = x.matmul(&self.lm_head)?;
-        let cross_entropy = (log_sum_exp(&logits)? - logits.gather(&targets, 1)?)?.mean_all()?;
+        // Fused head + loss: the [tokens, vocab] logits never exist whole.
+        let cross_entropy = x
+            .apply_op3(&self.lm_head, &targets, LinearCrossEntropy)?
+            .mean_all()?;
         let layers = self.layers.len() as f64;
         let load_balancing = (Tensor::stack(&load_balancing, 0)?.sum_all()? / layers)?;
         let router_z = (Tensor::stack(&router_z, 0)?.sum_all()? / layers)?;

@@ -53,6 +53,10 @@ pub struct StepMetrics {
     pub tokens_per_second: f64,
     /// Most-loaded expert's share over the mean share, averaged over layers (1.0 = balanced).
     pub expert_imbalance: f64,
+    /// Mean milliseconds per step since the last log line, by phase.
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    pub optimizer_ms: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f64>,
 }
@@ -321,6 +325,8 @@ pub fn train(
     let mut stopped_by_signal = false;
     let mut window_start = Instant::now();
     let mut window_tokens = 0usize;
+    let mut window_steps = 0u32;
+    let mut phase_seconds = [0f64; 3];
     while session.state.step < config.train.steps {
         if stop.load(Ordering::Relaxed) {
             stopped_by_signal = true;
@@ -330,10 +336,17 @@ pub fn train(
         let tokens: Vec<u32> = (0..batch)
             .flat_map(|i| sampler.sample(&dataset.train, session.state.samples_seen + i as u64))
             .collect();
+        let timer = Instant::now();
         let forward = session.model.forward(&tokens, batch)?;
+        phase_seconds[0] += timer.elapsed().as_secs_f64();
+        let timer = Instant::now();
         let grads = forward.loss.backward()?;
+        phase_seconds[1] += timer.elapsed().as_secs_f64();
+        let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
         let update = session.optim.update(&session.model, &grads, lr)?;
+        phase_seconds[2] += timer.elapsed().as_secs_f64();
+        window_steps += 1;
         let loss = forward.loss.to_scalar::<f32>()? as f64;
         session.state = TrainerState {
             step,
@@ -371,21 +384,29 @@ pub fn train(
                 lr,
                 tokens_per_second: window_tokens as f64 / seconds.max(1e-9),
                 expert_imbalance: imbalance,
+                forward_ms: phase_seconds[0] * 1000.0 / f64::from(window_steps),
+                backward_ms: phase_seconds[1] * 1000.0 / f64::from(window_steps),
+                optimizer_ms: phase_seconds[2] * 1000.0 / f64::from(window_steps),
                 val_loss,
             };
             writeln!(metrics, "{}", serde_json::to_string(&line)?)?;
             writeln!(
                 log,
-                "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s  experts max/mean {imbalance:.2}{}",
+                "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s  experts max/mean {imbalance:.2}  ms fwd/bwd/opt {:.0}/{:.0}/{:.0}{}",
                 line.cross_entropy,
                 line.load_balancing,
                 line.router_z,
                 line.grad_norm,
                 line.tokens_per_second,
+                line.forward_ms,
+                line.backward_ms,
+                line.optimizer_ms,
                 val_loss.map(|v| format!("  val {v:.4}")).unwrap_or_default()
             )?;
             window_start = Instant::now();
             window_tokens = 0;
+            window_steps = 0;
+            phase_seconds = [0.0; 3];
         }
         if step % config.checkpoint.every == 0 {
             last_checkpoint = Some(session.checkpoint()?);
