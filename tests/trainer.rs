@@ -176,8 +176,30 @@ fn training_is_deterministic_and_resume_is_bit_identical() {
         assert_eq!(code, 0, "{said}");
         said
     };
+    // A measured matmul peak makes the logs report CPU-MFU.
+    let (code, said) = trainer(&[
+        "bench-peak",
+        "--size",
+        "256",
+        "--out-dir",
+        metrics.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("GFLOP/s"), "{said}");
     run("straight", 8);
     run("again", 8);
+    let text = std::fs::read_to_string(metrics.join("straight").join("metrics.jsonl")).unwrap();
+    for line in text.lines() {
+        let value: serde_json::Value = serde_json::from_str(line).unwrap();
+        let mfu = value["mfu"]
+            .as_f64()
+            .unwrap_or_else(|| panic!("no mfu in {line}"));
+        assert!(mfu > 0.0 && mfu < 2.0, "implausible MFU {mfu}");
+        assert!(
+            value["forward_ms"].as_f64().unwrap() > 0.0
+                && value["backward_ms"].as_f64().unwrap() > 0.0
+        );
+    }
     let straight = losses(&metrics, "straight");
     assert_eq!(straight.len(), 8);
     assert_eq!(

@@ -38,6 +38,18 @@ pub enum Command {
         #[arg(long, default_value_t = 0.01)]
         val_fraction: f64,
     },
+    /// Measure this machine's f32 matmul peak (GFLOP/s), which training divides by for CPU-MFU.
+    BenchPeak {
+        /// Square matrix size.
+        #[arg(long, default_value_t = 2048)]
+        size: usize,
+        /// CPU threads (0: one per physical core).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Where the result is saved (`peak.json`); training reads it from its --metrics-dir.
+        #[arg(long, default_value = "lazarus-runs")]
+        out_dir: PathBuf,
+    },
     /// Train a model: --config is a preset name (tiny, small) or a TOML file.
     Train {
         #[arg(long)]
@@ -124,6 +136,23 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 index.tokenizer,
                 out.display()
             );
+            Ok(())
+        }
+        Command::BenchPeak {
+            size,
+            threads,
+            out_dir,
+        } => {
+            if threads > 0 {
+                std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+            }
+            let peak = crate::train::bench_peak(size)?;
+            std::fs::create_dir_all(&out_dir)?;
+            let path = out_dir.join("peak.json");
+            let threads = candle_core::utils::get_num_threads();
+            let record = serde_json::json!({ "gflops": peak, "size": size, "threads": threads });
+            std::fs::write(&path, serde_json::to_vec_pretty(&record)?)?;
+            println!("f32 matmul peak: {peak:.1} GFLOP/s ({size}x{size}, {threads} threads); saved to {}", path.display());
             Ok(())
         }
         Command::Train {

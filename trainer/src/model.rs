@@ -151,6 +151,16 @@ fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
 }
 
+/// Training FLOPs per token (forward + backward = 3x forward): 6 per active weight (attention
+/// projections, router, the top-k experts' SwiGLU, LM head) plus the attention scores and mix
+/// (`12 * layers * seq * d_model`). The embedding lookup does no arithmetic.
+pub fn training_flops_per_token(config: &ModelConfig) -> f64 {
+    let (h, f) = (config.d_model as f64, config.expert_ffn as f64);
+    let per_layer = 4.0 * h * h + h * config.experts as f64 + config.top_k as f64 * 3.0 * h * f;
+    let weights = config.layers as f64 * per_layer + h * config.vocab_size as f64;
+    6.0 * weights + 12.0 * config.layers as f64 * config.seq_len as f64 * h
+}
+
 impl Model {
     /// A freshly initialised model. Every parameter has its own seed derived from `seed`, so
     /// initialisation does not depend on construction order.

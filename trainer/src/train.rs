@@ -7,14 +7,14 @@
 //! index) and nothing else is random after initialisation.
 
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
-use candle_core::DType;
+use candle_core::{DType, Tensor};
 use lazarus_shared::format::DType as StoredDType;
 use lazarus_shared::store::{
     DeltaBases, OpenMode, RunStore, ShardInput, Store, StoreOptions, TensorData,
@@ -53,6 +53,9 @@ pub struct StepMetrics {
     pub tokens_per_second: f64,
     /// Most-loaded expert's share over the mean share, averaged over layers (1.0 = balanced).
     pub expert_imbalance: f64,
+    /// Model FLOPs per second over the matmul peak `trainer bench-peak` measured (if it ran).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
     /// Mean milliseconds per step since the last log line, by phase.
     pub forward_ms: f64,
     pub backward_ms: f64,
@@ -326,6 +329,11 @@ pub fn train(
     let mut window_start = Instant::now();
     let mut window_tokens = 0usize;
     let mut window_steps = 0u32;
+    let flops_per_token = crate::model::training_flops_per_token(&config.model);
+    let peak_gflops = saved_peak(metrics_dir);
+    if peak_gflops.is_none() {
+        writeln!(log, "no matmul peak measured yet: run `trainer bench-peak --out-dir {}` to get CPU-MFU in the logs", metrics_dir.display())?;
+    }
     let mut phase_seconds = [0f64; 3];
     while session.state.step < config.train.steps {
         if stop.load(Ordering::Relaxed) {
@@ -384,6 +392,9 @@ pub fn train(
                 lr,
                 tokens_per_second: window_tokens as f64 / seconds.max(1e-9),
                 expert_imbalance: imbalance,
+                mfu: peak_gflops.map(|peak| {
+                    window_tokens as f64 / seconds.max(1e-9) * flops_per_token / 1e9 / peak
+                }),
                 forward_ms: phase_seconds[0] * 1000.0 / f64::from(window_steps),
                 backward_ms: phase_seconds[1] * 1000.0 / f64::from(window_steps),
                 optimizer_ms: phase_seconds[2] * 1000.0 / f64::from(window_steps),
@@ -392,12 +403,13 @@ pub fn train(
             writeln!(metrics, "{}", serde_json::to_string(&line)?)?;
             writeln!(
                 log,
-                "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s  experts max/mean {imbalance:.2}  ms fwd/bwd/opt {:.0}/{:.0}/{:.0}{}",
+                "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s{}  experts max/mean {imbalance:.2}  ms fwd/bwd/opt {:.0}/{:.0}/{:.0}{}",
                 line.cross_entropy,
                 line.load_balancing,
                 line.router_z,
                 line.grad_norm,
                 line.tokens_per_second,
+                line.mfu.map(|m| format!("  MFU {:.1}%", m * 100.0)).unwrap_or_default(),
                 line.forward_ms,
                 line.backward_ms,
                 line.optimizer_ms,
@@ -429,7 +441,22 @@ pub fn train(
     })
 }
 
-/// Where `metrics.jsonl` goes: `<dir>/<run id>/metrics.jsonl`.
-pub fn default_metrics_dir() -> PathBuf {
-    PathBuf::from("lazarus-runs")
+/// The best of several timed `size`x`size` f32 matmuls, after a warm-up, in GFLOP/s.
+pub fn bench_peak(size: usize) -> Result<f64> {
+    let a = Tensor::ones((size, size), DType::F32, &candle_core::Device::Cpu)?;
+    let b = Tensor::ones((size, size), DType::F32, &candle_core::Device::Cpu)?;
+    a.matmul(&b)?;
+    let mut best = f64::INFINITY;
+    for _ in 0..5 {
+        let timer = Instant::now();
+        a.matmul(&b)?;
+        best = best.min(timer.elapsed().as_secs_f64());
+    }
+    Ok(2.0 * (size as f64).powi(3) / best / 1e9)
+}
+
+/// The peak `trainer bench-peak` saved in `dir`, if any.
+fn saved_peak(dir: &Path) -> Option<f64> {
+    let text = std::fs::read(dir.join("peak.json")).ok()?;
+    serde_json::from_slice::<serde_json::Value>(&text).ok()?["gflops"].as_f64()
 }
