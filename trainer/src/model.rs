@@ -104,7 +104,7 @@ fn softmax_last(x: &Tensor) -> Result<Tensor> {
 }
 
 /// log-sum-exp over the last dimension, keeping it.
-fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
+pub(crate) fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
     let max = x.max_keepdim(D::Minus1)?.detach();
     x.broadcast_sub(&max)?
         .exp()?

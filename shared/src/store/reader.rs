@@ -446,17 +446,8 @@ impl Checkpoint {
             .manifest(rank)?
             .tensor(name)
             .ok_or_else(|| self.no_such(Some(rank), name))?;
-        let context = ChunkContext {
-            step: self.step(),
-            rank,
-            item: "tensor",
-            name: name.to_string(),
-        };
-        Ok(self
-            .run
-            .fetch_chunks(&entry.chunks, &context, progress)
-            .await?
-            .concat())
+        self.read_item(rank, "tensor", name, &entry.chunks, progress)
+            .await
     }
 
     /// A state blob of `rank`.
@@ -465,15 +456,26 @@ impl Checkpoint {
             .manifest(rank)?
             .blob(name)
             .ok_or_else(|| self.no_such(Some(rank), name))?;
+        self.read_item(rank, "blob", name, &entry.chunks, &()).await
+    }
+
+    async fn read_item(
+        &self,
+        rank: Rank,
+        item: &'static str,
+        name: &str,
+        chunks: &[ChunkRef],
+        progress: &dyn Progress,
+    ) -> Result<Vec<u8>, StoreError> {
         let context = ChunkContext {
             step: self.step(),
             rank,
-            item: "blob",
+            item,
             name: name.to_string(),
         };
         Ok(self
             .run
-            .fetch_chunks(&entry.chunks, &context, &())
+            .fetch_chunks(chunks, &context, progress)
             .await?
             .concat())
     }
