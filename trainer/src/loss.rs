@@ -7,6 +7,7 @@
 //! buffers (a 2048-token batch at vocabulary 50304 is 412 MB per buffer).
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use rayon::prelude::*;
 
 /// Rows of logits alive at once.
 const CHUNK_ROWS: usize = 128;
@@ -74,10 +75,12 @@ impl CustomOp3 for LinearCrossEntropy {
         );
         let mut losses = vec![0f64; x.dim(0)?];
         for_each_chunk(&x, &weight, |first, _, logits| {
-            for (offset, row) in logits.iter().enumerate() {
-                let target = targets[first + offset] as usize;
-                losses[first + offset] = log_sum_exp(row) - row[target];
-            }
+            let chunk_losses: Vec<f64> = logits
+                .par_iter()
+                .enumerate()
+                .map(|(offset, row)| log_sum_exp(row) - row[targets[first + offset] as usize])
+                .collect();
+            losses[first..first + chunk_losses.len()].copy_from_slice(&chunk_losses);
             Ok(())
         })?;
         let rows = losses.len();
@@ -104,17 +107,20 @@ impl CustomOp3 for LinearCrossEntropy {
         let mut grad_x = Vec::new();
         let mut grad_weight = weight.zeros_like()?;
         for_each_chunk(&x, &weight, |first, chunk, logits| {
-            let mut dlogits = Vec::with_capacity(logits.len() * vocab);
-            for (offset, row) in logits.iter().enumerate() {
-                let lse = log_sum_exp(row);
-                let scale = upstream[first + offset];
-                let target = targets[first + offset] as usize;
-                dlogits.extend(
-                    row.iter().enumerate().map(|(j, v)| {
-                        scale * ((v - lse).exp() - if j == target { 1.0 } else { 0.0 })
-                    }),
-                );
-            }
+            // Rows are independent: softmax - one_hot, scaled by the upstream gradient, in parallel.
+            let mut dlogits = vec![0f64; logits.len() * vocab];
+            dlogits
+                .par_chunks_mut(vocab)
+                .zip(logits.par_iter())
+                .enumerate()
+                .for_each(|(offset, (out, row))| {
+                    let lse = log_sum_exp(row);
+                    let scale = upstream[first + offset];
+                    for (o, v) in out.iter_mut().zip(row) {
+                        *o = scale * (v - lse).exp();
+                    }
+                    out[targets[first + offset] as usize] -= scale;
+                });
             let dlogits = Tensor::from_vec(dlogits, (logits.len(), vocab), &Device::Cpu)?
                 .to_dtype(x.dtype())?;
             grad_x.push(dlogits.matmul(&weight_t)?);
