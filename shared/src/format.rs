@@ -211,10 +211,6 @@ impl TensorEntry {
             .zip(&self.global_shape)
             .all(|(range, dim)| range.start == 0 && range.len == *dim)
     }
-
-    pub fn global_bytes(&self) -> u64 {
-        self.global_shape.iter().product::<u64>() * self.dtype.element_bytes() as u64
-    }
 }
 
 /// An opaque byte string stored with a shard: data-loader position, RNG state, file headers.

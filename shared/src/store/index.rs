@@ -159,17 +159,6 @@ impl ChunkIndex {
         Ok(())
     }
 
-    /// How many manifests reference `hash`.
-    pub fn references(&self, run: &RunId, hash: &ChunkHash) -> u64 {
-        self.refs
-            .get(chunk_key(run, hash))
-            .ok()
-            .flatten()
-            .map_or(0, |v| {
-                i64::from_le_bytes(v.as_ref().try_into().unwrap_or([0; 8])).max(0) as u64
-            })
-    }
-
     pub fn stats(&self) -> Result<IndexStats, StoreError> {
         let mut references = 0u64;
         for entry in self.refs.iter() {

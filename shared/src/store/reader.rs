@@ -82,17 +82,12 @@ impl RunStore {
         };
         let (manifest, hash): (ShardManifest, _) =
             self.open_object(&bytes, &path, &step.to_string(), &rank.to_string())?;
-        if hash != pinned {
-            return Err(StoreError::ManifestMismatch {
-                run: self.run.clone(),
-                step,
-                rank,
-                path: path.to_string(),
-                expected: pinned,
-                found: hash,
-            });
-        }
-        if manifest.step != step || manifest.rank != rank || manifest.run != self.run {
+        // A manifest that is not the pinned one, or that names another step, rank or run.
+        if hash != pinned
+            || manifest.step != step
+            || manifest.rank != rank
+            || manifest.run != self.run
+        {
             return Err(StoreError::ManifestMismatch {
                 run: self.run.clone(),
                 step,

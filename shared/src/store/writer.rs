@@ -79,10 +79,6 @@ impl DeltaBases {
         self.tensors.insert(name, (raw, chunks));
     }
 
-    pub fn is_empty(&self) -> bool {
-        self.tensors.is_empty()
-    }
-
     fn base_for(
         &self,
         name: &str,
