@@ -2,10 +2,13 @@
 //! with checkpoints through the store library. `main.rs` is thin; everything lives here so
 //! tests can call it.
 
+pub mod attention;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod kernels;
 pub mod loss;
 pub mod model;
+pub mod norm;
 pub mod optim;
 pub mod train;

@@ -6,52 +6,228 @@
 //! `x` and `W` from it. Peak extra memory is one chunk of logits, not several logits-sized
 //! buffers (a 2048-token batch at vocabulary 50304 is 412 MB per buffer).
 
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
+use std::sync::{Arc, Mutex};
+
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-/// Rows of logits alive at once.
-const CHUNK_ROWS: usize = 128;
+use crate::kernels::{matmul, MatRef, SoftmaxRow};
 
-/// The op; apply it as `x.apply_op3(&weight, &targets, LinearCrossEntropy)`, with `x: [N, H]`,
-/// `weight: [H, V]` (f32 or f64) and `targets: [N]` (u32). Returns per-row losses `[N]`.
-#[derive(Clone, Copy, Debug)]
-pub struct LinearCrossEntropy;
+/// Rows of logits alive at once: 512 rows of a 50304 vocabulary is 103 MB in f32, a quarter
+/// of a 2048-token batch's logits.
+const CHUNK_ROWS: usize = 2048;
 
-fn to_tensor(storage: &CpuStorage, layout: &Layout) -> Result<Tensor> {
-    let (start, end) = layout.contiguous_offsets().ok_or_else(|| {
-        candle_core::Error::Msg("linear-cross-entropy needs contiguous inputs".into())
-    })?;
-    let shape = layout.shape();
-    match storage {
-        CpuStorage::F32(values) => Tensor::from_slice(&values[start..end], shape, &Device::Cpu),
-        CpuStorage::F64(values) => Tensor::from_slice(&values[start..end], shape, &Device::Cpu),
-        CpuStorage::U32(values) => Tensor::from_slice(&values[start..end], shape, &Device::Cpu),
-        _ => Err(candle_core::Error::Msg(
-            "linear-cross-entropy takes f32/f64 inputs and u32 targets".into(),
-        )),
+/// The op; apply it as `x.apply_op3(&weight, &targets, op)`, with `x: [N, H]`,
+/// `weight: [H, V]` (both f32 or both f64, contiguous) and `targets: [N]` (u32). Returns
+/// per-row losses `[N]`. Use a fresh op per application: the forward pass leaves state in it
+/// for the backward pass.
+///
+/// [`LinearCrossEntropy::training`] also computes the gradients during the forward pass, for
+/// a uniform upstream gradient (a mean or a sum of the losses, which is how training uses it):
+/// the logits are then computed once instead of twice. With any other upstream gradient, the
+/// backward pass recomputes them. [`LinearCrossEntropy::default`] only computes the loss.
+#[derive(Clone, Debug, Default)]
+pub struct LinearCrossEntropy {
+    gradients_in_forward: bool,
+    log_sum_exp: Arc<Mutex<Vec<f64>>>,
+    /// Gradients of `sum(loss)` with respect to `x` and `weight`, from a training forward pass.
+    unit_gradients: Arc<Mutex<Option<(Tensor, Tensor)>>>,
+}
+
+impl LinearCrossEntropy {
+    /// An op that computes the gradients in the forward pass.
+    pub fn training() -> Self {
+        Self {
+            gradients_in_forward: true,
+            ..Self::default()
+        }
     }
 }
 
-/// Calls `visit(first_row, logits)` for each chunk of rows, logits as f64 rows.
-fn for_each_chunk(
-    x: &Tensor,
-    weight: &Tensor,
-    mut visit: impl FnMut(usize, Tensor, Vec<Vec<f64>>) -> Result<()>,
-) -> Result<()> {
-    let rows = x.dim(0)?;
+fn error(message: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(format!("linear-cross-entropy: {}", message.into()))
+}
+
+/// The contiguous elements a layout selects.
+fn contiguous<'a, T>(values: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| error("inputs must be contiguous"))?;
+    Ok(&values[start..end])
+}
+
+/// `[N, H]`, `[H, V]`, `[N]` or an error naming what is wrong.
+fn dimensions(x: &Layout, weight: &Layout, targets: &Layout) -> Result<(usize, usize, usize)> {
+    let (rows, hidden) = x.shape().dims2()?;
+    let (weight_hidden, vocab) = weight.shape().dims2()?;
+    let target_rows = targets.shape().dims1()?;
+    if weight_hidden != hidden || target_rows != rows {
+        return Err(error(format!(
+            "shapes {:?}, {:?}, {:?} do not fit [N, H], [H, V], [N]",
+            x.shape(),
+            weight.shape(),
+            targets.shape()
+        )));
+    }
+    Ok((rows, hidden, vocab))
+}
+
+fn check_targets(targets: &[u32], vocab: usize) -> Result<()> {
+    match targets.iter().find(|t| **t as usize >= vocab) {
+        Some(bad) => Err(error(format!(
+            "target {bad} is outside the vocabulary of {vocab}"
+        ))),
+        None => Ok(()),
+    }
+}
+
+/// Gradients with respect to `x` and `weight`.
+type Gradients<T> = (Vec<T>, Vec<T>);
+
+/// Turns a row of logits into `scale * (softmax - one_hot(target))`, in place.
+fn logits_to_gradient<T: SoftmaxRow>(row: &mut [T], log_sum_exp: f64, target: u32, scale: f64) {
+    T::scaled_exp(row, log_sum_exp, scale);
+    let target = target as usize;
+    row[target] = T::from_f64(row[target].to_f64() - scale);
+}
+
+/// Per-row losses; fills `log_sum_exp` with each row's log-sum-exp. With `gradients`, also
+/// returns the gradients of `sum(loss)` with respect to `x` and `weight`.
+fn forward<T: SoftmaxRow>(
+    x: &[T],
+    weight: &[T],
+    targets: &[u32],
+    (rows, hidden, vocab): (usize, usize, usize),
+    log_sum_exp: &mut Vec<f64>,
+    gradients: bool,
+) -> (Vec<f64>, Option<Gradients<T>>) {
+    let mut losses = vec![0f64; rows];
+    log_sum_exp.clear();
+    log_sum_exp.resize(rows, 0.0);
+    let mut grads =
+        gradients.then(|| (vec![T::ZERO; rows * hidden], vec![T::ZERO; hidden * vocab]));
+    let mut logits = vec![T::ZERO; CHUNK_ROWS.min(rows) * vocab];
+    let weight = MatRef::row_major(weight, hidden, vocab);
     for first in (0..rows).step_by(CHUNK_ROWS) {
         let count = CHUNK_ROWS.min(rows - first);
-        let chunk = x.narrow(0, first, count)?;
-        let logits: Vec<Vec<f64>> = chunk.matmul(weight)?.to_dtype(DType::F64)?.to_vec2()?;
-        visit(first, chunk, logits)?;
+        let x_chunk =
+            MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
+        let chunk = &mut logits[..count * vocab];
+        matmul(chunk, x_chunk, weight, false);
+        chunk
+            .par_chunks_mut(vocab)
+            .zip(log_sum_exp[first..first + count].par_iter_mut())
+            .zip(losses[first..first + count].par_iter_mut())
+            .zip(targets[first..first + count].par_iter())
+            .for_each(|(((row, lse), loss), target)| {
+                *lse = T::log_sum_exp(row);
+                *loss = *lse - row[*target as usize].to_f64();
+                if gradients {
+                    logits_to_gradient(row, *lse, *target, 1.0);
+                }
+            });
+        if let Some((grad_x, grad_weight)) = &mut grads {
+            let dlogits = MatRef::row_major(&*chunk, count, vocab);
+            matmul(
+                &mut grad_x[first * hidden..(first + count) * hidden],
+                dlogits,
+                weight.t(),
+                false,
+            );
+            matmul(grad_weight, x_chunk.t(), dlogits, first > 0);
+        }
     }
-    Ok(())
+    (losses, grads)
 }
 
-/// log-sum-exp of one row, in f64.
-fn log_sum_exp(row: &[f64]) -> f64 {
-    let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln()
+/// Gradients of `sum(upstream[i] * loss[i])` with respect to `x` and `weight`.
+fn backward<T: SoftmaxRow>(
+    x: &[T],
+    weight: &[T],
+    targets: &[u32],
+    (rows, hidden, vocab): (usize, usize, usize),
+    saved_log_sum_exp: &[f64],
+    upstream: &[f64],
+) -> Gradients<T> {
+    let mut grad_x = vec![T::ZERO; rows * hidden];
+    let mut grad_weight = vec![T::ZERO; hidden * vocab];
+    let mut logits = vec![T::ZERO; CHUNK_ROWS.min(rows) * vocab];
+    let weight = MatRef::row_major(weight, hidden, vocab);
+    for first in (0..rows).step_by(CHUNK_ROWS) {
+        let count = CHUNK_ROWS.min(rows - first);
+        let x_chunk =
+            MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
+        let chunk = &mut logits[..count * vocab];
+        matmul(chunk, x_chunk, weight, false);
+        // Rows are independent: upstream * (softmax - one_hot), in place.
+        chunk
+            .par_chunks_mut(vocab)
+            .enumerate()
+            .for_each(|(offset, row)| {
+                let index = first + offset;
+                let lse = saved_log_sum_exp
+                    .get(index)
+                    .copied()
+                    .unwrap_or_else(|| T::log_sum_exp(row));
+                logits_to_gradient(row, lse, targets[index], upstream[index]);
+            });
+        let dlogits = MatRef::row_major(&*chunk, count, vocab);
+        matmul(
+            &mut grad_x[first * hidden..(first + count) * hidden],
+            dlogits,
+            weight.t(),
+            false,
+        );
+        matmul(&mut grad_weight, x_chunk.t(), dlogits, first > 0);
+    }
+    (grad_x, grad_weight)
+}
+
+/// The f32 or f64 slices of `x` and `weight`.
+enum Inputs<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F64(&'a [f64], &'a [f64]),
+}
+
+/// The slices of `x` and `weight`, and the targets, each checked to be contiguous.
+fn inputs<'a>(
+    (s1, l1): (&'a CpuStorage, &Layout),
+    (s2, l2): (&'a CpuStorage, &Layout),
+    (s3, l3): (&'a CpuStorage, &Layout),
+) -> Result<(Inputs<'a>, &'a [u32])> {
+    let targets = match s3 {
+        CpuStorage::U32(values) => contiguous(values, l3)?,
+        _ => return Err(error("targets must be u32")),
+    };
+    let values = match (s1, s2) {
+        (CpuStorage::F32(x), CpuStorage::F32(w)) => {
+            Inputs::F32(contiguous(x, l1)?, contiguous(w, l2)?)
+        }
+        (CpuStorage::F64(x), CpuStorage::F64(w)) => {
+            Inputs::F64(contiguous(x, l1)?, contiguous(w, l2)?)
+        }
+        _ => return Err(error("x and weight must both be f32 or both f64")),
+    };
+    Ok((values, targets))
+}
+
+fn gradient_tensors<T: candle_core::WithDType>(
+    grad_x: Vec<T>,
+    grad_weight: Vec<T>,
+    (rows, hidden, vocab): (usize, usize, usize),
+    device: &Device,
+) -> Result<(Tensor, Tensor)> {
+    Ok((
+        Tensor::from_vec(grad_x, (rows, hidden), device)?,
+        Tensor::from_vec(grad_weight, (hidden, vocab), device)?,
+    ))
+}
+
+fn cpu(storage: &Storage) -> Result<&CpuStorage> {
+    match storage {
+        Storage::Cpu(cpu) => Ok(cpu),
+        _ => Err(error("runs on the CPU only")),
+    }
 }
 
 impl CustomOp3 for LinearCrossEntropy {
@@ -68,27 +244,40 @@ impl CustomOp3 for LinearCrossEntropy {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        let (x, weight, targets) = (
-            to_tensor(s1, l1)?,
-            to_tensor(s2, l2)?,
-            to_tensor(s3, l3)?.to_vec1::<u32>()?,
-        );
-        let mut losses = vec![0f64; x.dim(0)?];
-        for_each_chunk(&x, &weight, |first, _, logits| {
-            let chunk_losses: Vec<f64> = logits
-                .par_iter()
-                .enumerate()
-                .map(|(offset, row)| log_sum_exp(row) - row[targets[first + offset] as usize])
-                .collect();
-            losses[first..first + chunk_losses.len()].copy_from_slice(&chunk_losses);
-            Ok(())
-        })?;
-        let rows = losses.len();
+        let dims = dimensions(l1, l2, l3)?;
+        let mut saved = self
+            .log_sum_exp
+            .lock()
+            .map_err(|_| error("a previous pass panicked"))?;
+        let (values, targets) = inputs((s1, l1), (s2, l2), (s3, l3))?;
+        check_targets(targets, dims.2)?;
+        let training = self.gradients_in_forward;
+        let device = Device::Cpu;
+        let (losses, grads) = match values {
+            Inputs::F32(x, w) => {
+                let (losses, grads) = forward(x, w, targets, dims, &mut saved, training);
+                (
+                    losses,
+                    grads.map(|(gx, gw)| gradient_tensors(gx, gw, dims, &device)),
+                )
+            }
+            Inputs::F64(x, w) => {
+                let (losses, grads) = forward(x, w, targets, dims, &mut saved, training);
+                (
+                    losses,
+                    grads.map(|(gx, gw)| gradient_tensors(gx, gw, dims, &device)),
+                )
+            }
+        };
+        *self
+            .unit_gradients
+            .lock()
+            .map_err(|_| error("a previous pass panicked"))? = grads.transpose()?;
         let storage = match s1 {
             CpuStorage::F64(_) => CpuStorage::F64(losses),
             _ => CpuStorage::F32(losses.into_iter().map(|v| v as f32).collect()),
         };
-        Ok((storage, Shape::from(rows)))
+        Ok((storage, Shape::from(dims.0)))
     }
 
     fn bwd(
@@ -99,35 +288,47 @@ impl CustomOp3 for LinearCrossEntropy {
         _result: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (x, weight) = (x.detach(), weight.detach());
-        let targets = targets.to_vec1::<u32>()?;
         let upstream: Vec<f64> = grad.to_dtype(DType::F64)?.to_vec1()?;
-        let vocab = weight.dim(1)?;
-        let weight_t = weight.t()?.contiguous()?;
-        let mut grad_x = Vec::new();
-        let mut grad_weight = weight.zeros_like()?;
-        for_each_chunk(&x, &weight, |first, chunk, logits| {
-            // Rows are independent: softmax - one_hot, scaled by the upstream gradient, in parallel.
-            let mut dlogits = vec![0f64; logits.len() * vocab];
-            dlogits
-                .par_chunks_mut(vocab)
-                .zip(logits.par_iter())
-                .enumerate()
-                .for_each(|(offset, (out, row))| {
-                    let lse = log_sum_exp(row);
-                    let scale = upstream[first + offset];
-                    for (o, v) in out.iter_mut().zip(row) {
-                        *o = scale * (v - lse).exp();
-                    }
-                    out[targets[first + offset] as usize] -= scale;
-                });
-            let dlogits = Tensor::from_vec(dlogits, (logits.len(), vocab), &Device::Cpu)?
-                .to_dtype(x.dtype())?;
-            grad_x.push(dlogits.matmul(&weight_t)?);
-            grad_weight = (&grad_weight + chunk.t()?.matmul(&dlogits)?)?;
-            Ok(())
-        })?;
-        Ok((Some(Tensor::cat(&grad_x, 0)?), Some(grad_weight), None))
+        let unit = self
+            .unit_gradients
+            .lock()
+            .map_err(|_| error("a previous pass panicked"))?
+            .take();
+        if let (Some((grad_x, grad_weight)), Some(first)) = (unit, upstream.first()) {
+            if upstream.iter().all(|u| u == first) {
+                return Ok((
+                    Some(grad_x.affine(*first, 0.0)?),
+                    Some(grad_weight.affine(*first, 0.0)?),
+                    None,
+                ));
+            }
+        }
+        let saved = self
+            .log_sum_exp
+            .lock()
+            .map_err(|_| error("a previous pass panicked"))?;
+        let dims = dimensions(x.layout(), weight.layout(), targets.layout())?;
+        let (xs, ws, ts) = (
+            x.storage_and_layout().0,
+            weight.storage_and_layout().0,
+            targets.storage_and_layout().0,
+        );
+        let (values, target_values) = inputs(
+            (cpu(&xs)?, x.layout()),
+            (cpu(&ws)?, weight.layout()),
+            (cpu(&ts)?, targets.layout()),
+        )?;
+        let (grad_x, grad_weight) = match values {
+            Inputs::F32(x, w) => {
+                let (gx, gw) = backward(x, w, target_values, dims, &saved, &upstream);
+                gradient_tensors(gx, gw, dims, &Device::Cpu)?
+            }
+            Inputs::F64(x, w) => {
+                let (gx, gw) = backward(x, w, target_values, dims, &saved, &upstream);
+                gradient_tensors(gx, gw, dims, &Device::Cpu)?
+            }
+        };
+        Ok((Some(grad_x), Some(grad_weight), None))
     }
 }
 
@@ -151,46 +352,123 @@ mod tests {
         let targets: Vec<u32> = (0..rows).map(|i| (i * 13 % vocab) as u32).collect();
         let target_tensor = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
 
-        let fused = x
-            .apply_op3(&weight, &target_tensor, LinearCrossEntropy)
-            .unwrap()
-            .mean_all()
-            .unwrap();
         let logits = x.matmul(&weight).unwrap();
         let lse = crate::model::log_sum_exp(&logits).unwrap();
         let picked = logits
             .gather(&target_tensor.unsqueeze(1).unwrap(), 1)
             .unwrap();
         let reference = (lse - picked).unwrap().mean_all().unwrap();
-        let (a, b) = (
-            fused.to_scalar::<f64>().unwrap(),
-            reference.to_scalar::<f64>().unwrap(),
-        );
-        assert!((a - b).abs() < 1e-12, "{a} vs {b}");
-
-        let (fused_grads, reference_grads) =
-            (fused.backward().unwrap(), reference.backward().unwrap());
-        for var in [&x, &weight] {
-            let got: Vec<f64> = fused_grads
-                .get(var)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let want: Vec<f64> = reference_grads
-                .get(var)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(g, w)| (g - w).abs())
-                .fold(0.0, f64::max);
-            assert!(worst < 1e-12, "gradient differs by {worst}");
+        let reference_grads = reference.backward().unwrap();
+        let reference = reference.to_scalar::<f64>().unwrap();
+        // Gradients in the forward pass (uniform upstream), recomputed in the backward pass
+        // (a non-uniform upstream forces that path), and a loss-only op.
+        let weights = Tensor::from_vec(
+            (0..rows)
+                .map(|i| 1.0 + (i % 3) as f64)
+                .collect::<Vec<f64>>(),
+            rows,
+            &Device::Cpu,
+        )
+        .unwrap();
+        for (op, weighted) in [
+            (LinearCrossEntropy::training(), false),
+            (LinearCrossEntropy::default(), false),
+            (LinearCrossEntropy::training(), true),
+        ] {
+            let losses = x.apply_op3(&weight, &target_tensor, op).unwrap();
+            let fused = losses.mean_all().unwrap().to_scalar::<f64>().unwrap();
+            assert!((fused - reference).abs() < 1e-12, "{fused} vs {reference}");
+            let (objective, scale) = if weighted {
+                (
+                    (&losses * &weights).unwrap().mean_all().unwrap(),
+                    Some(&weights),
+                )
+            } else {
+                (losses.mean_all().unwrap(), None)
+            };
+            let fused_grads = objective.backward().unwrap();
+            let want_x = match scale {
+                Some(w) => reference_grads
+                    .get(&x)
+                    .unwrap()
+                    .broadcast_mul(&w.unsqueeze(1).unwrap())
+                    .unwrap(),
+                None => reference_grads.get(&x).unwrap().clone(),
+            };
+            let max_diff = |a: &Tensor, b: &Tensor| -> f64 {
+                (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap()
+            };
+            let worst = max_diff(fused_grads.get(&x).unwrap(), &want_x);
+            assert!(
+                worst < 1e-12,
+                "x gradient differs by {worst} (weighted {weighted})"
+            );
+            if !weighted {
+                let worst = max_diff(
+                    fused_grads.get(&weight).unwrap(),
+                    reference_grads.get(&weight).unwrap(),
+                );
+                assert!(worst < 1e-12, "weight gradient differs by {worst}");
+            }
         }
+    }
+
+    #[test]
+    fn f32_matches_f64_closely() {
+        let (rows, hidden, vocab) = (70, 16, 1000);
+        let values = |count: usize, salt: usize| {
+            (0..count)
+                .map(|i| (((i * 7919 + salt) % 1000) as f64 / 100.0) - 5.0)
+                .collect::<Vec<f64>>()
+        };
+        let x64 = Tensor::from_vec(values(rows * hidden, 1), (rows, hidden), &Device::Cpu).unwrap();
+        let w64 =
+            Tensor::from_vec(values(hidden * vocab, 2), (hidden, vocab), &Device::Cpu).unwrap();
+        let targets: Vec<u32> = (0..rows).map(|i| (i * 13 % vocab) as u32).collect();
+        let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
+        let (x32, w32) = (
+            x64.to_dtype(DType::F32).unwrap(),
+            w64.to_dtype(DType::F32).unwrap(),
+        );
+        let loss64: Vec<f64> = x64
+            .apply_op3(&w64, &targets, LinearCrossEntropy::default())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        let loss32: Vec<f32> = x32
+            .apply_op3(&w32, &targets, LinearCrossEntropy::default())
+            .unwrap()
+            .to_vec1()
+            .unwrap();
+        for (a, b) in loss64.iter().zip(&loss32) {
+            assert!(
+                (a - *b as f64).abs() <= 1e-4 * a.abs().max(1.0),
+                "{a} vs {b}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_target_outside_the_vocabulary_is_an_error() {
+        let x = Tensor::zeros((2, 4), DType::F32, &Device::Cpu).unwrap();
+        let w = Tensor::zeros((4, 10), DType::F32, &Device::Cpu).unwrap();
+        let targets = Tensor::new(&[1u32, 10], &Device::Cpu).unwrap();
+        let error = x
+            .apply_op3(&w, &targets, LinearCrossEntropy::default())
+            .unwrap_err()
+            .to_string();
+        assert!(
+            error.contains("target 10 is outside the vocabulary of 10"),
+            "{error}"
+        );
     }
 }

@@ -3,16 +3,20 @@
 //! experts, top-k without renormalising the kept weights, SwiGLU experts stacked per layer),
 //! a final norm and an untied LM head. One expert with top-1 is the dense variant.
 //!
-//! Only candle ops that have a backward are used: candle-nn's fused RMSNorm, softmax and rope
-//! have none and would silently cut the gradient, so those are composed here from primitives.
+//! Only ops that have a backward are used: candle-nn's fused RMSNorm, softmax and rope have
+//! none and would silently cut the gradient. RMSNorm ([`crate::norm`]), attention with RoPE
+//! ([`crate::attention`]) and the LM head with its loss ([`crate::loss`]) are custom ops with
+//! their own backward; the router's softmax is composed of candle primitives.
 //! Matrices are stored `[in, out]` so a projection is `x.matmul(w)`.
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 
+use crate::attention::CausalAttention;
 use crate::config::ModelConfig;
 use crate::loss::LinearCrossEntropy;
+use crate::norm::RmsNorm;
 
 /// Standard deviation of the initial weights (OLMoE's `initializer_range`).
 const INIT_STD: f64 = 0.02;
@@ -89,10 +93,9 @@ fn parameter(
     Var::from_tensor(&Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?)
 }
 
-/// RMSNorm over the last dimension, composed of differentiable ops.
+/// RMSNorm over the last dimension (an op with its own backward).
 fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let scale = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    x.broadcast_mul(&scale)?.broadcast_mul(weight)
+    x.contiguous()?.apply_op2(weight, RmsNorm { eps })
 }
 
 /// Softmax over the last dimension, composed of differentiable ops. The max is detached:
@@ -111,44 +114,6 @@ pub(crate) fn log_sum_exp(x: &Tensor) -> Result<Tensor> {
         .sum_keepdim(D::Minus1)?
         .log()?
         .broadcast_add(&max)
-}
-
-/// cos and sin tables `[seq, head_dim]` for rotate-half RoPE.
-fn rope_tables(
-    seq: usize,
-    head_dim: usize,
-    theta: f64,
-    dtype: DType,
-    device: &Device,
-) -> Result<(Tensor, Tensor)> {
-    let half = head_dim / 2;
-    let mut cos = Vec::with_capacity(seq * head_dim);
-    let mut sin = Vec::with_capacity(seq * head_dim);
-    for position in 0..seq {
-        let angles: Vec<f64> = (0..half)
-            .map(|i| position as f64 / theta.powf(2.0 * i as f64 / head_dim as f64))
-            .collect();
-        for _copy in 0..2 {
-            cos.extend(angles.iter().map(|a| a.cos()));
-            sin.extend(angles.iter().map(|a| a.sin()));
-        }
-    }
-    let table =
-        |values: Vec<f64>| Tensor::from_vec(values, (seq, head_dim), device)?.to_dtype(dtype);
-    Ok((table(cos)?, table(sin)?))
-}
-
-/// Applies RoPE to `[batch, heads, seq, head_dim]`: `x * cos + rotate_half(x) * sin`.
-fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let half = x.dim(D::Minus1)? / 2;
-    let rotated = Tensor::cat(
-        &[
-            &x.narrow(D::Minus1, half, half)?.neg()?,
-            &x.narrow(D::Minus1, 0, half)?,
-        ],
-        D::Minus1,
-    )?;
-    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
 }
 
 /// Training FLOPs per token (forward + backward = 3x forward): 6 per active weight (attention
@@ -237,8 +202,19 @@ impl Model {
         named
     }
 
-    /// Runs `batch` sequences of `seq_len + 1` tokens (inputs and shifted targets).
+    /// The training forward pass over `batch` sequences of `seq_len + 1` tokens (inputs and
+    /// shifted targets). The LM head's gradients are computed here already (see
+    /// [`LinearCrossEntropy::training`]), so call `backward` on the returned loss.
     pub fn forward(&self, tokens: &[u32], batch: usize) -> Result<Forward> {
+        self.run(tokens, batch, true)
+    }
+
+    /// The loss alone, for validation: no gradient work.
+    pub fn evaluate(&self, tokens: &[u32], batch: usize) -> Result<Forward> {
+        self.run(tokens, batch, false)
+    }
+
+    fn run(&self, tokens: &[u32], batch: usize, training: bool) -> Result<Forward> {
         let c = &self.config;
         let seq = tokens.len() / batch - 1;
         assert_eq!(
@@ -259,13 +235,6 @@ impl Model {
         let tokens_n = batch * seq;
         let inputs = Tensor::from_vec(inputs, tokens_n, &self.device)?;
         let targets = Tensor::from_vec(targets, tokens_n, &self.device)?;
-        let (cos, sin) = rope_tables(seq, head_dim, c.rope_theta, self.dtype, &self.device)?;
-        let mask: Vec<f64> = (0..seq)
-            .flat_map(|i| (0..seq).map(move |j| if j <= i { 0.0 } else { -1e9 }))
-            .collect();
-        let mask = Tensor::from_vec(mask, (seq, seq), &self.device)?.to_dtype(self.dtype)?;
-        let attention_scale = 1.0 / (head_dim as f64).sqrt();
-
         let mut x = self.embed.index_select(&inputs, 0)?;
         let mut load_balancing = Vec::new();
         let mut router_z = Vec::new();
@@ -276,20 +245,11 @@ impl Model {
             let q = rms_norm(&normed.matmul(&layer.wq)?, &layer.q_norm, c.norm_eps)?;
             let k = rms_norm(&normed.matmul(&layer.wk)?, &layer.k_norm, c.norm_eps)?;
             let v = normed.matmul(&layer.wv)?;
-            let split = |t: Tensor| {
-                t.reshape((batch, seq, heads, head_dim))?
-                    .transpose(1, 2)?
-                    .contiguous()
-            };
-            let (q, k, v) = (split(q)?, split(k)?, split(v)?);
-            let (q, k) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
-            let scores = (q.matmul(&k.transpose(2, 3)?.contiguous()?)? * attention_scale)?
-                .broadcast_add(&mask)?;
-            let mixed = softmax_last(&scores)?.matmul(&v)?;
-            let mixed = mixed
-                .transpose(1, 2)?
-                .contiguous()?
-                .reshape((tokens_n, h))?;
+            let mixed = q.apply_op3(
+                &k,
+                &v,
+                CausalAttention::new(batch, seq, heads, head_dim, c.rope_theta),
+            )?;
             x = (x + mixed.matmul(&layer.wo)?)?;
             // Mixture of experts.
             let normed = rms_norm(&x, &layer.ffn_norm, c.norm_eps)?;
@@ -302,7 +262,15 @@ impl Model {
         let x = rms_norm(&x, &self.final_norm, c.norm_eps)?;
         // Fused head + loss: the [tokens, vocab] logits never exist whole.
         let cross_entropy = x
-            .apply_op3(&self.lm_head, &targets, LinearCrossEntropy)?
+            .apply_op3(
+                &self.lm_head,
+                &targets,
+                if training {
+                    LinearCrossEntropy::training()
+                } else {
+                    LinearCrossEntropy::default()
+                },
+            )?
             .mean_all()?;
         let layers = self.layers.len() as f64;
         let load_balancing = (Tensor::stack(&load_balancing, 0)?.sum_all()? / layers)?;

@@ -7,11 +7,15 @@
 
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor};
+use rayon::prelude::*;
 
 use crate::config::TrainConfig;
 use crate::model::Model;
 
 /// Where one parameter lives in the flat buffers.
+/// Elements per parallel work item of the update (and per partial sum of the norm).
+const BLOCK: usize = 1 << 16;
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Slot {
     pub name: String,
@@ -106,9 +110,17 @@ impl AdamW {
                 None => flat.extend(std::iter::repeat_n(0.0, slot.len)),
             }
         }
+        // Fixed-size blocks summed in order: the same norm whatever the thread count.
         let grad_norm = flat
+            .par_chunks(BLOCK)
+            .map(|block| {
+                block
+                    .iter()
+                    .map(|g| f64::from(*g) * f64::from(*g))
+                    .sum::<f64>()
+            })
+            .collect::<Vec<f64>>()
             .iter()
-            .map(|g| f64::from(*g) * f64::from(*g))
             .sum::<f64>()
             .sqrt();
         let scale = if grad_norm > self.grad_clip {
@@ -123,20 +135,24 @@ impl AdamW {
         for slot in &self.slots {
             let decay = 1.0 - lr * slot.weight_decay;
             let range = slot.offset..slot.offset + slot.len;
-            let parts = self.params[range.clone()]
-                .iter_mut()
-                .zip(&mut self.exp_avg[range.clone()])
-                .zip(&mut self.exp_avg_sq[range.clone()])
-                .zip(&flat[range]);
-            for (((p, m), v), g) in parts {
-                let g = f64::from(*g) * scale;
-                let m_new = self.beta1 * f64::from(*m) + (1.0 - self.beta1) * g;
-                let v_new = self.beta2 * f64::from(*v) + (1.0 - self.beta2) * g * g;
-                *m = m_new as f32;
-                *v = v_new as f32;
-                let denom = f64::from(*v).sqrt() / correction2_sqrt + self.eps;
-                *p = (f64::from(*p) * decay - step_size * f64::from(*m) / denom) as f32;
-            }
+            let (beta1, beta2, eps) = (self.beta1, self.beta2, self.eps);
+            self.params[range.clone()]
+                .par_chunks_mut(BLOCK)
+                .zip(self.exp_avg[range.clone()].par_chunks_mut(BLOCK))
+                .zip(self.exp_avg_sq[range.clone()].par_chunks_mut(BLOCK))
+                .zip(flat[range].par_chunks(BLOCK))
+                .for_each(|(((params, exp_avg), exp_avg_sq), grads)| {
+                    let parts = params.iter_mut().zip(exp_avg).zip(exp_avg_sq).zip(grads);
+                    for (((p, m), v), g) in parts {
+                        let g = f64::from(*g) * scale;
+                        let m_new = beta1 * f64::from(*m) + (1.0 - beta1) * g;
+                        let v_new = beta2 * f64::from(*v) + (1.0 - beta2) * g * g;
+                        *m = m_new as f32;
+                        *v = v_new as f32;
+                        let denom = f64::from(*v).sqrt() / correction2_sqrt + eps;
+                        *p = (f64::from(*p) * decay - step_size * f64::from(*m) / denom) as f32;
+                    }
+                });
         }
         self.write_to(model)?;
         Ok(UpdateStats {

@@ -226,7 +226,7 @@ impl Session {
                 .collect();
             total += self
                 .model
-                .forward(&tokens, c.train.micro_batch)?
+                .evaluate(&tokens, c.train.micro_batch)?
                 .cross_entropy;
         }
         Ok(Some(total / c.train.val_batches as f64))

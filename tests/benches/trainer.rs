@@ -1,0 +1,191 @@
+//! Trainer benchmark: prints figures, with ratios against baselines measured in the same run.
+//!
+//! 1. This machine's f32 matmul peak (`trainer bench-peak`'s measurement).
+//! 2. The `tiny` preset (or LAZARUS_BENCH_PRESET) on LAZARUS_BENCH_THREADS (default 2) threads,
+//!    fp32, on tinyshakespeare: tokens/s and CPU-MFU after warm-up steps, and where a step's
+//!    time goes (forward, backward, optimizer), with the fused LM head + loss timed on its own.
+//! 3. The same model in PyTorch (`ops/bench/olmoe_torch.py`: Hugging Face OlmoeForCausalLM,
+//!    AdamW, clipping 1.0, same threads and batch), and the ratio. Skipped with a message when
+//!    torch or transformers is missing; LAZARUS_PYTHON picks the interpreter.
+//!
+//! Run: cargo bench -p lazarus-tests --bench trainer
+
+use std::process::Command;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use lazarus_tests::shared_data;
+use lazarus_trainer::config::Config;
+use lazarus_trainer::data::{self, Dataset, Sampler};
+use lazarus_trainer::loss::LinearCrossEntropy;
+use lazarus_trainer::model::{training_flops_per_token, Model};
+use lazarus_trainer::optim::AdamW;
+use lazarus_trainer::train::bench_peak;
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+/// Mean milliseconds of forward, backward and optimizer per step, and tokens/s, over `steps`
+/// after `warmup` steps.
+fn time_training(config: &Config, dataset: &Dataset, warmup: usize, steps: usize) -> [f64; 4] {
+    let model = Model::new(&config.model, config.run.seed, DType::F32).expect("model");
+    let mut optim = AdamW::new(&model, &config.train).expect("optimizer");
+    let mut sampler =
+        Sampler::new(&dataset.train, config.model.seq_len, config.run.seed).expect("sampler");
+    let batch = config.train.micro_batch;
+    let mut phases = [0f64; 3];
+    let mut started = Instant::now();
+    for step in 0..warmup + steps {
+        if step == warmup {
+            phases = [0.0; 3];
+            started = Instant::now();
+        }
+        let tokens: Vec<u32> = (0..batch)
+            .flat_map(|i| sampler.sample(&dataset.train, (step * batch + i) as u64))
+            .collect();
+        let timer = Instant::now();
+        let forward = model.forward(&tokens, batch).expect("forward");
+        phases[0] += timer.elapsed().as_secs_f64();
+        let timer = Instant::now();
+        let grads = forward.loss.backward().expect("backward");
+        phases[1] += timer.elapsed().as_secs_f64();
+        let timer = Instant::now();
+        optim.update(&model, &grads, 1e-3).expect("update");
+        phases[2] += timer.elapsed().as_secs_f64();
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let tokens = (steps * batch * config.model.seq_len) as f64;
+    let per_step = |s: f64| 1000.0 * s / steps as f64;
+    [
+        per_step(phases[0]),
+        per_step(phases[1]),
+        per_step(phases[2]),
+        tokens / elapsed,
+    ]
+}
+
+/// Milliseconds of the fused LM head + cross-entropy alone (forward with gradients, and the
+/// backward that hands them out), at the preset's batch shape.
+fn time_loss(config: &Config, repeats: usize) -> f64 {
+    let rows = config.train.micro_batch * config.model.seq_len;
+    let (hidden, vocab) = (config.model.d_model, config.model.vocab_size);
+    let x = candle_core::Var::from_tensor(
+        &Tensor::randn(0f32, 1.0, (rows, hidden), &Device::Cpu).expect("x"),
+    )
+    .expect("var");
+    let weight = candle_core::Var::from_tensor(
+        &Tensor::randn(0f32, 0.02, (hidden, vocab), &Device::Cpu).expect("w"),
+    )
+    .expect("var");
+    let targets: Vec<u32> = (0..rows).map(|i| (i * 7919 % vocab) as u32).collect();
+    let targets = Tensor::new(targets.as_slice(), &Device::Cpu).expect("targets");
+    let mut best = f64::INFINITY;
+    for _ in 0..repeats + 1 {
+        let timer = Instant::now();
+        let loss = x
+            .apply_op3(&weight, &targets, LinearCrossEntropy::training())
+            .and_then(|l| l.mean_all())
+            .expect("loss");
+        loss.backward().expect("backward");
+        best = best.min(timer.elapsed().as_secs_f64());
+    }
+    best * 1000.0
+}
+
+fn main() {
+    let preset = env_or("LAZARUS_BENCH_PRESET", "tiny");
+    let threads: usize = env_or("LAZARUS_BENCH_THREADS", "2")
+        .parse()
+        .expect("threads");
+    let warmup: usize = env_or("LAZARUS_BENCH_WARMUP", "2").parse().expect("warmup");
+    let steps: usize = env_or("LAZARUS_BENCH_STEPS", "5").parse().expect("steps");
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global()
+        .expect("thread pool");
+    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data_dir = dir.path().join("data");
+    data::prepare(
+        &[shared_data("tinyshakespeare.txt")],
+        &data_dir,
+        "gpt2",
+        0.01,
+        &(),
+    )
+    .expect("prepare tinyshakespeare");
+    let dataset = Dataset::open(&data_dir).expect("dataset");
+    let config = Config::load(&preset, &[]).expect("preset");
+
+    println!("trainer benchmark: preset {preset}, {threads} threads, fp32, {warmup} warm-up + {steps} measured steps");
+    let peak = bench_peak(2048).expect("peak");
+    println!("  f32 matmul peak (2048^3): {peak:.1} GFLOP/s");
+    let [forward, backward, optimizer, tokens_per_second] =
+        time_training(&config, &dataset, warmup, steps);
+    let loss_ms = time_loss(&config, 3);
+    let flops = training_flops_per_token(&config.model) * tokens_per_second;
+    let step_ms = forward + backward + optimizer;
+    println!("lazarus (candle):");
+    println!(
+        "  tokens/s {tokens_per_second:.0}, model {:.1} GFLOP/s, CPU-MFU {:.1}%",
+        flops / 1e9,
+        100.0 * flops / (peak * 1e9)
+    );
+    println!("  step {step_ms:.0} ms = forward {forward:.0} + backward {backward:.0} + optimizer {optimizer:.0}");
+    println!("  of which the fused LM head + loss (forward computes its gradients): {loss_ms:.0} ms ({:.0}% of the step)", 100.0 * loss_ms / step_ms);
+
+    let model_json = dir.path().join("model.json");
+    std::fs::write(
+        &model_json,
+        serde_json::to_vec(&config.model).expect("json"),
+    )
+    .expect("write");
+    let python = env_or("LAZARUS_PYTHON", "python3");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../ops/bench/olmoe_torch.py");
+    let output = Command::new(&python)
+        .arg(script)
+        .arg("--model-json")
+        .arg(&model_json)
+        .args(["--micro-batch", &config.train.micro_batch.to_string()])
+        .args(["--threads", &threads.to_string()])
+        .args([
+            "--warmup",
+            &warmup.to_string(),
+            "--steps",
+            &steps.to_string(),
+        ])
+        .output();
+    match output {
+        Ok(out) if out.status.success() => {
+            let line = String::from_utf8_lossy(&out.stdout);
+            let figures: serde_json::Value =
+                serde_json::from_str(line.trim().lines().last().unwrap_or("")).expect("json");
+            let theirs = figures["tokens_per_second"].as_f64().expect("tokens/s");
+            println!(
+                "pytorch ({}):",
+                figures["implementation"].as_str().unwrap_or("?")
+            );
+            println!(
+                "  tokens/s {theirs:.0}; step {:.0} ms = forward {:.0} + backward {:.0} + optimizer {:.0}",
+                figures["step_ms"].as_f64().unwrap_or(f64::NAN),
+                figures["forward_ms"].as_f64().unwrap_or(f64::NAN),
+                figures["backward_ms"].as_f64().unwrap_or(f64::NAN),
+                figures["optimizer_ms"].as_f64().unwrap_or(f64::NAN),
+            );
+            println!(
+                "ratio lazarus/pytorch tokens/s: {:.2}x",
+                tokens_per_second / theirs
+            );
+        }
+        Ok(out) => {
+            let why = String::from_utf8_lossy(&out.stderr);
+            println!(
+                "pytorch: skipped ({})",
+                why.trim().lines().last().unwrap_or("failed")
+            );
+        }
+        Err(error) => println!("pytorch: skipped ({python}: {error})"),
+    }
+}

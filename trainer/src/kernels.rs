@@ -1,0 +1,376 @@
+//! Hot-path kernels the candle graph calls into: a bounds-checked matrix product on slices
+//! (the `gemm` crate that candle itself uses), and row-wise softmax pieces with an `exp` that
+//! vectorises.
+//!
+//! Determinism: every reduction here has a fixed shape (eight lanes, summed in a fixed order),
+//! and the arithmetic is plain IEEE multiply and add, never fused. The AVX2 and the portable
+//! paths therefore give bit-identical results; AVX2 only makes them faster.
+//!
+//! This is the one module of the trainer allowed `unsafe`: the raw-pointer `gemm` call behind
+//! a bounds-checked wrapper, and calls into AVX2 code after checking the CPU has it.
+#![allow(unsafe_code)]
+
+use gemm::Parallelism;
+
+/// A read-only matrix view: element `(r, c)` is `data[r * row_stride + c * col_stride]`.
+#[derive(Clone, Copy, Debug)]
+pub struct MatRef<'a, T> {
+    pub data: &'a [T],
+    pub rows: usize,
+    pub cols: usize,
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+impl<'a, T> MatRef<'a, T> {
+    /// A row-major `rows x cols` matrix.
+    pub fn row_major(data: &'a [T], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            rows,
+            cols,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose, without moving data.
+    pub fn t(self) -> Self {
+        Self {
+            data: self.data,
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+        }
+    }
+
+    fn check(&self, what: &str) {
+        if self.rows > 0 && self.cols > 0 {
+            let last = (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride;
+            assert!(
+                last < self.data.len(),
+                "{what}: a {}x{} view with strides ({}, {}) overruns {} elements",
+                self.rows,
+                self.cols,
+                self.row_stride,
+                self.col_stride,
+                self.data.len()
+            );
+        }
+    }
+}
+
+/// Element types the kernels take.
+pub trait Element:
+    Copy
+    + Send
+    + Sync
+    + 'static
+    + std::ops::Add<Output = Self>
+    + std::ops::Sub<Output = Self>
+    + std::ops::Mul<Output = Self>
+    + std::ops::AddAssign
+{
+    const ZERO: Self;
+    const ONE: Self;
+}
+
+impl Element for f32 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+}
+
+impl Element for f64 {
+    const ZERO: Self = 0.0;
+    const ONE: Self = 1.0;
+}
+
+/// `dst = a * b`, or `dst += a * b` when `accumulate`; `dst` is row-major `a.rows x b.cols`.
+/// Runs on the rayon pool's threads.
+pub fn matmul<T: Element>(dst: &mut [T], a: MatRef<'_, T>, b: MatRef<'_, T>, accumulate: bool) {
+    matmul_on(dst, a, b, accumulate, true)
+}
+
+/// [`matmul`] on the calling thread alone, for many small products run in parallel.
+pub fn matmul_serial<T: Element>(
+    dst: &mut [T],
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    accumulate: bool,
+) {
+    matmul_on(dst, a, b, accumulate, false)
+}
+
+fn matmul_on<T: Element>(
+    dst: &mut [T],
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    accumulate: bool,
+    parallel: bool,
+) {
+    assert_eq!(a.cols, b.rows, "inner dimensions differ");
+    assert_eq!(dst.len(), a.rows * b.cols, "destination size");
+    a.check("left operand");
+    b.check("right operand");
+    if dst.is_empty() {
+        return;
+    }
+    if a.cols == 0 {
+        if !accumulate {
+            dst.fill(T::ZERO);
+        }
+        return;
+    }
+    let threads = rayon::current_num_threads();
+    let parallelism = if parallel && threads > 1 {
+        Parallelism::Rayon(threads)
+    } else {
+        Parallelism::None
+    };
+    // SAFETY: the three views were bounds-checked above against their slices' lengths, `dst`
+    // is exclusively borrowed and row-major of exactly `a.rows x b.cols`, and the operands
+    // are shared borrows that cannot alias it.
+    unsafe {
+        gemm::gemm(
+            a.rows,
+            b.cols,
+            a.cols,
+            dst.as_mut_ptr(),
+            1,
+            b.cols as isize,
+            accumulate,
+            a.data.as_ptr(),
+            a.col_stride as isize,
+            a.row_stride as isize,
+            b.data.as_ptr(),
+            b.col_stride as isize,
+            b.row_stride as isize,
+            if accumulate { T::ONE } else { T::ZERO },
+            T::ONE,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+const LANES: usize = 8;
+
+/// `exp(x)` in f32 by range reduction and a degree-6 polynomial (Cephes' `expf`), within two
+/// ulps of the correctly rounded value on `[-87, 88]`. Inputs below -87 give about 1e-38
+/// rather than 0, which no softmax sum can notice. Branch-free, so a loop of it vectorises.
+#[inline(always)]
+pub fn exp_f32(x: f32) -> f32 {
+    const LOG2E: f32 = std::f32::consts::LOG2_E;
+    const LN2_HI: f32 = 0.693_359_4;
+    const LN2_LO: f32 = -2.121_944_4e-4;
+    // Adding 1.5 * 2^23 rounds to an integer held in the low mantissa bits.
+    const ROUND: f32 = 12_582_912.0;
+    let x = x.clamp(-87.0, 88.0);
+    let shifted = x * LOG2E + ROUND;
+    let n = shifted - ROUND;
+    let exponent = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
+    let r = x - n * LN2_HI - n * LN2_LO;
+    let mut p = 1.987_569_1e-4_f32;
+    p = p * r + 1.398_199_9e-3;
+    p = p * r + 8.333_452e-3;
+    p = p * r + 4.166_579_6e-2;
+    p = p * r + 1.666_666_5e-1;
+    p = p * r + 0.5;
+    let value = p * (r * r) + r + 1.0;
+    value * f32::from_bits(((exponent + 127) as u32) << 23)
+}
+
+/// The row's log-sum-exp, `max + log(sum(exp(row - max)))`, with the sum kept in f64.
+#[inline(always)]
+fn log_sum_exp_f32_body(row: &[f32]) -> f64 {
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let mut blocks = row.chunks_exact(LANES);
+    for block in &mut blocks {
+        for (lane, value) in lanes.iter_mut().zip(block) {
+            *lane = if *value > *lane { *value } else { *lane };
+        }
+    }
+    let mut max = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    for value in blocks.remainder() {
+        max = max.max(*value);
+    }
+    let mut sums = [0f64; LANES];
+    let mut blocks = row.chunks_exact(LANES);
+    for block in &mut blocks {
+        for (sum, value) in sums.iter_mut().zip(block) {
+            *sum += exp_f32(*value - max) as f64;
+        }
+    }
+    let mut sum: f64 = sums.iter().sum();
+    for value in blocks.remainder() {
+        sum += exp_f32(*value - max) as f64;
+    }
+    max as f64 + sum.ln()
+}
+
+/// `row[i] = scale * exp(row[i] - shift)`, in place.
+#[inline(always)]
+fn scaled_exp_f32_body(row: &mut [f32], shift: f32, scale: f32) {
+    for value in row.iter_mut() {
+        *value = scale * exp_f32(*value - shift);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn log_sum_exp_f32_avx2(row: &[f32]) -> f64 {
+    log_sum_exp_f32_body(row)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn scaled_exp_f32_avx2(row: &mut [f32], shift: f32, scale: f32) {
+    scaled_exp_f32_body(row, shift, scale)
+}
+
+fn has_avx2() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Row-wise softmax pieces for one element type.
+pub trait SoftmaxRow: Element {
+    /// The row's log-sum-exp, in f64.
+    fn log_sum_exp(row: &[Self]) -> f64;
+    /// `row[i] = scale * exp(row[i] - shift)`, in place.
+    fn scaled_exp(row: &mut [Self], shift: f64, scale: f64);
+    fn to_f64(self) -> f64;
+    fn from_f64(value: f64) -> Self;
+}
+
+impl SoftmaxRow for f32 {
+    fn log_sum_exp(row: &[f32]) -> f64 {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU was just checked to support AVX2.
+            return unsafe { log_sum_exp_f32_avx2(row) };
+        }
+        log_sum_exp_f32_body(row)
+    }
+
+    fn scaled_exp(row: &mut [f32], shift: f64, scale: f64) {
+        let (shift, scale) = (shift as f32, scale as f32);
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU was just checked to support AVX2.
+            return unsafe { scaled_exp_f32_avx2(row, shift, scale) };
+        }
+        scaled_exp_f32_body(row, shift, scale)
+    }
+
+    fn to_f64(self) -> f64 {
+        self as f64
+    }
+
+    fn from_f64(value: f64) -> Self {
+        value as f32
+    }
+}
+
+/// f64 is the reference precision of the gradient checks: plain, scalar and exact.
+impl SoftmaxRow for f64 {
+    fn log_sum_exp(row: &[f64]) -> f64 {
+        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln()
+    }
+
+    fn scaled_exp(row: &mut [f64], shift: f64, scale: f64) {
+        for value in row.iter_mut() {
+            *value = scale * (*value - shift).exp();
+        }
+    }
+
+    fn to_f64(self) -> f64 {
+        self
+    }
+
+    fn from_f64(value: f64) -> Self {
+        value
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exp_is_within_two_ulps_on_the_softmax_range() {
+        let mut worst = 0u32;
+        let mut x = -87.0f32;
+        while x < 88.0 {
+            let want = (x as f64).exp() as f32;
+            let got = exp_f32(x);
+            worst = worst.max((got.to_bits() as i64 - want.to_bits() as i64).unsigned_abs() as u32);
+            x += 0.0013;
+        }
+        assert!(worst <= 2, "worst error {worst} ulps");
+        assert!(exp_f32(-1e9) < 1e-37 && exp_f32(-1e9) >= 0.0);
+        assert_eq!(exp_f32(0.0), 1.0);
+    }
+
+    #[test]
+    fn both_paths_agree_bit_for_bit() {
+        let row: Vec<f32> = (0..1003)
+            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.3)
+            .collect();
+        let a = f32::log_sum_exp(&row);
+        let b = log_sum_exp_f32_body(&row);
+        assert_eq!(a.to_bits(), b.to_bits());
+        let reference = {
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+            max + row
+                .iter()
+                .map(|v| (*v as f64 - max).exp())
+                .sum::<f64>()
+                .ln()
+        };
+        assert!((a - reference).abs() < 1e-6, "{a} vs {reference}");
+        let (mut x, mut y) = (row.clone(), row.clone());
+        f32::scaled_exp(&mut x, a, 0.5);
+        scaled_exp_f32_body(&mut y, a as f32, 0.5);
+        assert_eq!(x, y);
+    }
+
+    #[test]
+    fn matmul_handles_strides_and_accumulation() {
+        // a: 2x3, b: 3x2 given as the transpose of a row-major 2x3.
+        let a = [1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let bt = [1.0f64, 0.0, -1.0, 2.0, 1.0, 0.5];
+        let mut dst = [0.0f64; 4];
+        let (a, b) = (
+            MatRef::row_major(&a, 2, 3),
+            MatRef::row_major(&bt, 2, 3).t(),
+        );
+        matmul(&mut dst, a, b, false);
+        assert_eq!(dst, [-2.0, 5.5, -2.0, 16.0]);
+        matmul(&mut dst, a, b, true);
+        assert_eq!(dst, [-4.0, 11.0, -4.0, 32.0]);
+    }
+
+    #[test]
+    #[should_panic(expected = "overruns")]
+    fn matmul_refuses_a_view_past_its_slice() {
+        let a = [1.0f32; 5];
+        let mut dst = [0.0f32; 4];
+        matmul(
+            &mut dst,
+            MatRef::row_major(&a, 2, 3),
+            MatRef::row_major(&a, 3, 2),
+            false,
+        );
+    }
+}
