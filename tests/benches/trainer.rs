@@ -93,6 +93,52 @@ fn time_loss(config: &Config, repeats: usize) -> f64 {
     best * 1000.0
 }
 
+/// Figures from the PyTorch reference, or why it was skipped.
+fn run_torch(
+    config: &Config,
+    model_json: &std::path::Path,
+    threads: usize,
+    warmup: usize,
+    steps: usize,
+) -> std::result::Result<serde_json::Value, String> {
+    let python = env_or("LAZARUS_PYTHON", "python3");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../ops/bench/olmoe_torch.py");
+    let output = Command::new(&python)
+        .arg(script)
+        .arg("--model-json")
+        .arg(model_json)
+        .args(["--micro-batch", &config.train.micro_batch.to_string()])
+        .args(["--threads", &threads.to_string()])
+        .args([
+            "--warmup",
+            &warmup.to_string(),
+            "--steps",
+            &steps.to_string(),
+        ])
+        .output()
+        .map_err(|error| format!("{python}: {error}"))?;
+    if !output.status.success() {
+        let why = String::from_utf8_lossy(&output.stderr);
+        return Err(why.trim().lines().last().unwrap_or("failed").to_string());
+    }
+    let line = String::from_utf8_lossy(&output.stdout);
+    serde_json::from_str(line.trim().lines().last().unwrap_or(""))
+        .map_err(|error| format!("unreadable output: {error}"))
+}
+
+fn print_torch(label: &str, figures: &serde_json::Value) -> f64 {
+    let theirs = figures["tokens_per_second"].as_f64().unwrap_or(f64::NAN);
+    let ms = |key: &str| figures[key].as_f64().unwrap_or(f64::NAN);
+    println!(
+        "  {label}: tokens/s {theirs:.0}; step {:.0} ms = forward {:.0} + backward {:.0} + optimizer {:.0}",
+        ms("step_ms"),
+        ms("forward_ms"),
+        ms("backward_ms"),
+        ms("optimizer_ms"),
+    );
+    theirs
+}
+
 fn main() {
     let preset = env_or("LAZARUS_BENCH_PRESET", "tiny");
     let threads: usize = env_or("LAZARUS_BENCH_THREADS", "2")
@@ -119,6 +165,15 @@ fn main() {
     let dataset = Dataset::open(&data_dir).expect("dataset");
     let config = Config::load(&preset, &[]).expect("preset");
 
+    // PyTorch runs before and after ours (the machine drifts); the ratio is against the mean.
+    let model_json = dir.path().join("model.json");
+    std::fs::write(
+        &model_json,
+        serde_json::to_vec(&config.model).expect("json"),
+    )
+    .expect("write");
+    let torch_before = run_torch(&config, &model_json, threads, warmup, steps);
+
     println!("trainer benchmark: preset {preset}, {threads} threads, fp32, {warmup} warm-up + {steps} measured steps");
     let peak = bench_peak(2048).expect("peak");
     println!("  f32 matmul peak (2048^3): {peak:.1} GFLOP/s");
@@ -136,56 +191,23 @@ fn main() {
     println!("  step {step_ms:.0} ms = forward {forward:.0} + backward {backward:.0} + optimizer {optimizer:.0}");
     println!("  of which the fused LM head + loss (forward computes its gradients): {loss_ms:.0} ms ({:.0}% of the step)", 100.0 * loss_ms / step_ms);
 
-    let model_json = dir.path().join("model.json");
-    std::fs::write(
-        &model_json,
-        serde_json::to_vec(&config.model).expect("json"),
-    )
-    .expect("write");
-    let python = env_or("LAZARUS_PYTHON", "python3");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../ops/bench/olmoe_torch.py");
-    let output = Command::new(&python)
-        .arg(script)
-        .arg("--model-json")
-        .arg(&model_json)
-        .args(["--micro-batch", &config.train.micro_batch.to_string()])
-        .args(["--threads", &threads.to_string()])
-        .args([
-            "--warmup",
-            &warmup.to_string(),
-            "--steps",
-            &steps.to_string(),
-        ])
-        .output();
-    match output {
-        Ok(out) if out.status.success() => {
-            let line = String::from_utf8_lossy(&out.stdout);
-            let figures: serde_json::Value =
-                serde_json::from_str(line.trim().lines().last().unwrap_or("")).expect("json");
-            let theirs = figures["tokens_per_second"].as_f64().expect("tokens/s");
+    match torch_before {
+        Err(why) => println!("pytorch: skipped ({why})"),
+        Ok(before) => {
             println!(
-                "pytorch ({}):",
-                figures["implementation"].as_str().unwrap_or("?")
+                "pytorch ({}), run before and after ours:",
+                before["implementation"].as_str().unwrap_or("?")
             );
-            println!(
-                "  tokens/s {theirs:.0}; step {:.0} ms = forward {:.0} + backward {:.0} + optimizer {:.0}",
-                figures["step_ms"].as_f64().unwrap_or(f64::NAN),
-                figures["forward_ms"].as_f64().unwrap_or(f64::NAN),
-                figures["backward_ms"].as_f64().unwrap_or(f64::NAN),
-                figures["optimizer_ms"].as_f64().unwrap_or(f64::NAN),
-            );
+            let mut runs = vec![print_torch("before", &before)];
+            match run_torch(&config, &model_json, threads, warmup, steps) {
+                Ok(after) => runs.push(print_torch("after", &after)),
+                Err(why) => println!("  after: failed ({why})"),
+            }
+            let theirs = runs.iter().sum::<f64>() / runs.len() as f64;
             println!(
                 "ratio lazarus/pytorch tokens/s: {:.2}x",
                 tokens_per_second / theirs
             );
         }
-        Ok(out) => {
-            let why = String::from_utf8_lossy(&out.stderr);
-            println!(
-                "pytorch: skipped ({})",
-                why.trim().lines().last().unwrap_or("failed")
-            );
-        }
-        Err(error) => println!("pytorch: skipped ({python}: {error})"),
     }
 }

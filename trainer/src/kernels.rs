@@ -10,6 +10,8 @@
 //! a bounds-checked wrapper, and calls into AVX2 code after checking the CPU has it.
 #![allow(unsafe_code)]
 
+use std::sync::Mutex;
+
 use gemm::Parallelism;
 
 /// A read-only matrix view: element `(r, c)` is `data[r * row_stride + c * col_stride]`.
@@ -70,6 +72,7 @@ pub trait Element:
     + std::ops::Add<Output = Self>
     + std::ops::Sub<Output = Self>
     + std::ops::Mul<Output = Self>
+    + std::ops::Div<Output = Self>
     + std::ops::AddAssign
 {
     const ZERO: Self;
@@ -242,6 +245,54 @@ fn has_avx2() -> bool {
     }
 }
 
+/// One AdamW step's constants, in f32 (as the moments and master weights are).
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWStep {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    /// Multiplies each gradient first (clipping).
+    pub grad_scale: f32,
+    /// `1 - lr * weight_decay`.
+    pub decay: f32,
+    /// `lr / (1 - beta1^t)`.
+    pub step_size: f32,
+    /// `sqrt(1 - beta2^t)`.
+    pub correction2_sqrt: f32,
+}
+
+#[inline(always)]
+fn adamw_body(c: AdamWStep, params: &mut [f32], m: &mut [f32], v: &mut [f32], grads: &[f32]) {
+    let (one_minus_beta1, one_minus_beta2) = (1.0 - c.beta1, 1.0 - c.beta2);
+    for (((p, m), v), g) in params.iter_mut().zip(m).zip(v).zip(grads) {
+        let g = *g * c.grad_scale;
+        *m = c.beta1 * *m + one_minus_beta1 * g;
+        *v = c.beta2 * *v + one_minus_beta2 * (g * g);
+        let denom = v.sqrt() / c.correction2_sqrt + c.eps;
+        *p = *p * c.decay - c.step_size * (*m / denom);
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn adamw_avx2(c: AdamWStep, params: &mut [f32], m: &mut [f32], v: &mut [f32], grads: &[f32]) {
+    adamw_body(c, params, m, v, grads)
+}
+
+/// AdamW on equal-length slices of master weights, both moments and gradients, in place.
+pub fn adamw(c: AdamWStep, params: &mut [f32], m: &mut [f32], v: &mut [f32], grads: &[f32]) {
+    assert!(
+        m.len() == params.len() && v.len() == params.len() && grads.len() == params.len(),
+        "AdamW slices differ in length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU was just checked to support AVX2.
+        return unsafe { adamw_avx2(c, params, m, v, grads) };
+    }
+    adamw_body(c, params, m, v, grads)
+}
+
 /// Row-wise softmax pieces for one element type.
 pub trait SoftmaxRow: Element {
     /// The row's log-sum-exp, in f64.
@@ -250,6 +301,33 @@ pub trait SoftmaxRow: Element {
     fn scaled_exp(row: &mut [Self], shift: f64, scale: f64);
     fn to_f64(self) -> f64;
     fn from_f64(value: f64) -> Self;
+    /// `exp`: [`exp_f32`] for f32, the exact one for f64.
+    fn exp(self) -> Self;
+    /// A process-wide scratch buffer for big temporaries (the loss's logits), kept between
+    /// steps so that each step does not map and fault in hundreds of megabytes afresh.
+    fn scratch() -> &'static Mutex<Vec<Self>>;
+}
+
+static SCRATCH_F32: Mutex<Vec<f32>> = Mutex::new(Vec::new());
+static SCRATCH_F64: Mutex<Vec<f64>> = Mutex::new(Vec::new());
+
+/// Borrows the scratch buffer of `T` with at least `len` elements (contents unspecified) for
+/// `run`. A second, concurrent caller gets a fresh buffer rather than waiting.
+pub fn with_scratch<T: SoftmaxRow, R>(len: usize, run: impl FnOnce(&mut [T]) -> R) -> R {
+    let mut buffer = T::scratch()
+        .try_lock()
+        .map(|mut cached| std::mem::take(&mut *cached))
+        .unwrap_or_default();
+    if buffer.len() < len {
+        buffer.resize(len, T::ZERO);
+    }
+    let result = run(&mut buffer[..len]);
+    if let Ok(mut cached) = T::scratch().try_lock() {
+        if cached.len() < buffer.len() {
+            *cached = buffer;
+        }
+    }
+    result
 }
 
 impl SoftmaxRow for f32 {
@@ -279,6 +357,14 @@ impl SoftmaxRow for f32 {
     fn from_f64(value: f64) -> Self {
         value as f32
     }
+
+    fn exp(self) -> Self {
+        exp_f32(self)
+    }
+
+    fn scratch() -> &'static Mutex<Vec<Self>> {
+        &SCRATCH_F32
+    }
 }
 
 /// f64 is the reference precision of the gradient checks: plain, scalar and exact.
@@ -300,6 +386,14 @@ impl SoftmaxRow for f64 {
 
     fn from_f64(value: f64) -> Self {
         value
+    }
+
+    fn exp(self) -> Self {
+        f64::exp(self)
+    }
+
+    fn scratch() -> &'static Mutex<Vec<Self>> {
+        &SCRATCH_F64
     }
 }
 

@@ -6,6 +6,7 @@ pub mod attention;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod experts;
 pub mod kernels;
 pub mod loss;
 pub mod model;

@@ -11,10 +11,11 @@ use std::sync::{Arc, Mutex};
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
 
-use crate::kernels::{matmul, MatRef, SoftmaxRow};
+use crate::kernels::{matmul, with_scratch, MatRef, SoftmaxRow};
 
-/// Rows of logits alive at once: 512 rows of a 50304 vocabulary is 103 MB in f32, a quarter
-/// of a 2048-token batch's logits.
+/// Rows of logits alive at once: at most one logits-sized buffer (2048 rows of a 50304
+/// vocabulary is 412 MB in f32). More, smaller chunks measured slower: the weight gradient
+/// is re-read and re-written once per chunk.
 const CHUNK_ROWS: usize = 2048;
 
 /// The op; apply it as `x.apply_op3(&weight, &targets, op)`, with `x: [N, H]`,
@@ -106,37 +107,38 @@ fn forward<T: SoftmaxRow>(
     log_sum_exp.resize(rows, 0.0);
     let mut grads =
         gradients.then(|| (vec![T::ZERO; rows * hidden], vec![T::ZERO; hidden * vocab]));
-    let mut logits = vec![T::ZERO; CHUNK_ROWS.min(rows) * vocab];
     let weight = MatRef::row_major(weight, hidden, vocab);
-    for first in (0..rows).step_by(CHUNK_ROWS) {
-        let count = CHUNK_ROWS.min(rows - first);
-        let x_chunk =
-            MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
-        let chunk = &mut logits[..count * vocab];
-        matmul(chunk, x_chunk, weight, false);
-        chunk
-            .par_chunks_mut(vocab)
-            .zip(log_sum_exp[first..first + count].par_iter_mut())
-            .zip(losses[first..first + count].par_iter_mut())
-            .zip(targets[first..first + count].par_iter())
-            .for_each(|(((row, lse), loss), target)| {
-                *lse = T::log_sum_exp(row);
-                *loss = *lse - row[*target as usize].to_f64();
-                if gradients {
-                    logits_to_gradient(row, *lse, *target, 1.0);
-                }
-            });
-        if let Some((grad_x, grad_weight)) = &mut grads {
-            let dlogits = MatRef::row_major(&*chunk, count, vocab);
-            matmul(
-                &mut grad_x[first * hidden..(first + count) * hidden],
-                dlogits,
-                weight.t(),
-                false,
-            );
-            matmul(grad_weight, x_chunk.t(), dlogits, first > 0);
+    with_scratch(CHUNK_ROWS.min(rows) * vocab, |logits: &mut [T]| {
+        for first in (0..rows).step_by(CHUNK_ROWS) {
+            let count = CHUNK_ROWS.min(rows - first);
+            let x_chunk =
+                MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
+            let chunk = &mut logits[..count * vocab];
+            matmul(chunk, x_chunk, weight, false);
+            chunk
+                .par_chunks_mut(vocab)
+                .zip(log_sum_exp[first..first + count].par_iter_mut())
+                .zip(losses[first..first + count].par_iter_mut())
+                .zip(targets[first..first + count].par_iter())
+                .for_each(|(((row, lse), loss), target)| {
+                    *lse = T::log_sum_exp(row);
+                    *loss = *lse - row[*target as usize].to_f64();
+                    if gradients {
+                        logits_to_gradient(row, *lse, *target, 1.0);
+                    }
+                });
+            if let Some((grad_x, grad_weight)) = &mut grads {
+                let dlogits = MatRef::row_major(&*chunk, count, vocab);
+                matmul(
+                    &mut grad_x[first * hidden..(first + count) * hidden],
+                    dlogits,
+                    weight.t(),
+                    false,
+                );
+                matmul(grad_weight, x_chunk.t(), dlogits, first > 0);
+            }
         }
-    }
+    });
     (losses, grads)
 }
 
@@ -151,35 +153,36 @@ fn backward<T: SoftmaxRow>(
 ) -> Gradients<T> {
     let mut grad_x = vec![T::ZERO; rows * hidden];
     let mut grad_weight = vec![T::ZERO; hidden * vocab];
-    let mut logits = vec![T::ZERO; CHUNK_ROWS.min(rows) * vocab];
     let weight = MatRef::row_major(weight, hidden, vocab);
-    for first in (0..rows).step_by(CHUNK_ROWS) {
-        let count = CHUNK_ROWS.min(rows - first);
-        let x_chunk =
-            MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
-        let chunk = &mut logits[..count * vocab];
-        matmul(chunk, x_chunk, weight, false);
-        // Rows are independent: upstream * (softmax - one_hot), in place.
-        chunk
-            .par_chunks_mut(vocab)
-            .enumerate()
-            .for_each(|(offset, row)| {
-                let index = first + offset;
-                let lse = saved_log_sum_exp
-                    .get(index)
-                    .copied()
-                    .unwrap_or_else(|| T::log_sum_exp(row));
-                logits_to_gradient(row, lse, targets[index], upstream[index]);
-            });
-        let dlogits = MatRef::row_major(&*chunk, count, vocab);
-        matmul(
-            &mut grad_x[first * hidden..(first + count) * hidden],
-            dlogits,
-            weight.t(),
-            false,
-        );
-        matmul(&mut grad_weight, x_chunk.t(), dlogits, first > 0);
-    }
+    with_scratch(CHUNK_ROWS.min(rows) * vocab, |logits: &mut [T]| {
+        for first in (0..rows).step_by(CHUNK_ROWS) {
+            let count = CHUNK_ROWS.min(rows - first);
+            let x_chunk =
+                MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
+            let chunk = &mut logits[..count * vocab];
+            matmul(chunk, x_chunk, weight, false);
+            // Rows are independent: upstream * (softmax - one_hot), in place.
+            chunk
+                .par_chunks_mut(vocab)
+                .enumerate()
+                .for_each(|(offset, row)| {
+                    let index = first + offset;
+                    let lse = saved_log_sum_exp
+                        .get(index)
+                        .copied()
+                        .unwrap_or_else(|| T::log_sum_exp(row));
+                    logits_to_gradient(row, lse, targets[index], upstream[index]);
+                });
+            let dlogits = MatRef::row_major(&*chunk, count, vocab);
+            matmul(
+                &mut grad_x[first * hidden..(first + count) * hidden],
+                dlogits,
+                weight.t(),
+                false,
+            );
+            matmul(&mut grad_weight, x_chunk.t(), dlogits, first > 0);
+        }
+    });
     (grad_x, grad_weight)
 }
 

@@ -15,6 +15,7 @@ use rand_distr::{Distribution, Normal};
 
 use crate::attention::CausalAttention;
 use crate::config::ModelConfig;
+use crate::experts::{GroupedMatmul, Groups, SwiGlu};
 use crate::loss::LinearCrossEntropy;
 use crate::norm::RmsNorm;
 
@@ -303,29 +304,31 @@ impl Model {
                 routed[*expert].push(token as u32);
             }
         }
-        let flat_probs = probs.flatten_all()?;
-        let mut out = x.zeros_like()?;
-        for (expert, chosen) in routed.iter().enumerate() {
-            if chosen.is_empty() {
-                continue;
-            }
-            let index = Tensor::new(chosen.as_slice(), &self.device)?;
-            let picked = x.index_select(&index, 0)?;
-            let gate = layer.expert_gate.narrow(0, expert, 1)?.squeeze(0)?;
-            let up = layer.expert_up.narrow(0, expert, 1)?.squeeze(0)?;
-            let down = layer.expert_down.narrow(0, expert, 1)?.squeeze(0)?;
-            let hidden = (picked.matmul(&gate)?.silu()? * picked.matmul(&up)?)?;
-            let positions: Vec<u32> = chosen
-                .iter()
-                .map(|t| t * experts as u32 + expert as u32)
-                .collect();
-            let weights =
-                flat_probs.index_select(&Tensor::new(positions.as_slice(), &self.device)?, 0)?;
-            let result = hidden
-                .matmul(&down)?
-                .broadcast_mul(&weights.unsqueeze(1)?)?;
-            out = out.index_add(&index, &result, 0)?;
-        }
+        // Rows sorted by expert: each expert's SwiGLU runs on its own rows of one tensor.
+        let order: Vec<u32> = routed.iter().flatten().copied().collect();
+        let positions: Vec<u32> = routed
+            .iter()
+            .enumerate()
+            .flat_map(|(expert, tokens)| {
+                tokens
+                    .iter()
+                    .map(move |t| t * experts as u32 + expert as u32)
+            })
+            .collect();
+        let groups = Groups::from_counts(&routed.iter().map(Vec::len).collect::<Vec<_>>());
+        let order = Tensor::new(order.as_slice(), &self.device)?;
+        let hidden = x.index_select(&order, 0)?.apply_op3(
+            &layer.expert_gate,
+            &layer.expert_up,
+            SwiGlu::new(groups.clone()),
+        )?;
+        let weights = probs
+            .flatten_all()?
+            .index_select(&Tensor::new(positions.as_slice(), &self.device)?, 0)?;
+        let result = hidden
+            .apply_op2(&layer.expert_down, GroupedMatmul(groups))?
+            .broadcast_mul(&weights.unsqueeze(1)?)?;
+        let out = x.zeros_like()?.index_add(&order, &result, 0)?;
         // Load balancing (Switch/Mixtral): experts x sum_e (share of assignments) x (mean prob).
         let load: Vec<u64> = routed.iter().map(|r| r.len() as u64).collect();
         let share: Vec<f64> = load

@@ -10,6 +10,7 @@ use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
 use crate::config::TrainConfig;
+use crate::kernels::{adamw, AdamWStep};
 use crate::model::Model;
 
 /// Where one parameter lives in the flat buffers.
@@ -34,6 +35,8 @@ pub struct AdamW {
     pub exp_avg_sq: Vec<f32>,
     /// Updates applied so far (the bias-correction step).
     pub step: u64,
+    /// The flat gradient of the last update, kept to reuse its memory.
+    grads: Vec<f32>,
     beta1: f64,
     beta2: f64,
     eps: f64,
@@ -87,6 +90,7 @@ impl AdamW {
             exp_avg_sq: zeros,
             params,
             step: 0,
+            grads: Vec::new(),
             beta1: config.beta1,
             beta2: config.beta2,
             eps: config.eps,
@@ -102,7 +106,8 @@ impl AdamW {
     /// Clips the gradients to `grad_clip` by global norm, applies one AdamW update at `lr`, and
     /// writes the new weights into the model.
     pub fn update(&mut self, model: &Model, grads: &GradStore, lr: f64) -> Result<UpdateStats> {
-        let mut flat = Vec::with_capacity(self.params.len());
+        let mut flat = std::mem::take(&mut self.grads);
+        flat.clear();
         for (slot, (name, var)) in self.slots.iter().zip(model.parameters()) {
             debug_assert_eq!(slot.name, name);
             match grads.get(var) {
@@ -135,25 +140,23 @@ impl AdamW {
         for slot in &self.slots {
             let decay = 1.0 - lr * slot.weight_decay;
             let range = slot.offset..slot.offset + slot.len;
-            let (beta1, beta2, eps) = (self.beta1, self.beta2, self.eps);
+            let constants = AdamWStep {
+                beta1: self.beta1 as f32,
+                beta2: self.beta2 as f32,
+                eps: self.eps as f32,
+                grad_scale: scale as f32,
+                decay: decay as f32,
+                step_size: step_size as f32,
+                correction2_sqrt: correction2_sqrt as f32,
+            };
             self.params[range.clone()]
                 .par_chunks_mut(BLOCK)
                 .zip(self.exp_avg[range.clone()].par_chunks_mut(BLOCK))
                 .zip(self.exp_avg_sq[range.clone()].par_chunks_mut(BLOCK))
                 .zip(flat[range].par_chunks(BLOCK))
-                .for_each(|(((params, exp_avg), exp_avg_sq), grads)| {
-                    let parts = params.iter_mut().zip(exp_avg).zip(exp_avg_sq).zip(grads);
-                    for (((p, m), v), g) in parts {
-                        let g = f64::from(*g) * scale;
-                        let m_new = beta1 * f64::from(*m) + (1.0 - beta1) * g;
-                        let v_new = beta2 * f64::from(*v) + (1.0 - beta2) * g * g;
-                        *m = m_new as f32;
-                        *v = v_new as f32;
-                        let denom = f64::from(*v).sqrt() / correction2_sqrt + eps;
-                        *p = (f64::from(*p) * decay - step_size * f64::from(*m) / denom) as f32;
-                    }
-                });
+                .for_each(|(((params, m), v), grads)| adamw(constants, params, m, v, grads));
         }
+        self.grads = flat;
         self.write_to(model)?;
         Ok(UpdateStats {
             grad_norm,

@@ -1,0 +1,435 @@
+//! Grouped expert matmuls for the dropless MoE, as ops with their own backward.
+//!
+//! The MoE block sorts its routed (token, expert) rows by expert, so expert `e` owns the rows
+//! `offsets[e]..offsets[e + 1]` of a `[rows, in]` input. Each op multiplies every expert's rows
+//! by that expert's slice of a stacked `[experts, in, out]` weight, one matrix product per
+//! expert, straight on the stacked storage: no per-expert slicing of the weight in the graph,
+//! whose backward would build a zero-padded copy of the whole stack for every expert.
+//!
+//! - [`SwiGlu`]: `silu(x W_gate[e]) * (x W_up[e])`, the experts' first half.
+//! - [`GroupedMatmul`]: `h W_down[e]`, the second half.
+
+use std::sync::{Arc, Mutex};
+
+use candle_core::{
+    CpuStorage, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor,
+};
+use rayon::prelude::*;
+
+use crate::kernels::{matmul, MatRef, SoftmaxRow};
+
+fn error(message: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(format!("experts: {}", message.into()))
+}
+
+fn contiguous<'a, T>(values: &'a [T], layout: &Layout) -> Result<&'a [T]> {
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| error("inputs must be contiguous"))?;
+    Ok(&values[start..end])
+}
+
+fn cpu(storage: &Storage) -> Result<&CpuStorage> {
+    match storage {
+        Storage::Cpu(cpu) => Ok(cpu),
+        _ => Err(error("runs on the CPU only")),
+    }
+}
+
+/// Which rows belong to which expert.
+#[derive(Clone, Debug)]
+pub struct Groups {
+    /// `experts + 1` row offsets, ascending, starting at 0.
+    offsets: Arc<Vec<usize>>,
+}
+
+impl Groups {
+    /// Groups from the number of rows each expert owns, in expert order.
+    pub fn from_counts(counts: &[usize]) -> Self {
+        let mut offsets = vec![0];
+        for count in counts {
+            offsets.push(offsets[offsets.len() - 1] + count);
+        }
+        Self {
+            offsets: Arc::new(offsets),
+        }
+    }
+
+    fn experts(&self) -> usize {
+        self.offsets.len() - 1
+    }
+
+    fn rows(&self) -> usize {
+        self.offsets[self.experts()]
+    }
+
+    /// `(rows, in, out)` for `x: [rows, in]` and `w: [experts, in, out]`, checked.
+    fn dimensions(&self, x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
+        let (rows, inner) = x.shape().dims2()?;
+        let (experts, w_inner, outer) = w.shape().dims3()?;
+        if rows != self.rows() || experts != self.experts() || w_inner != inner {
+            return Err(error(format!(
+                "input {:?} and weight {:?} do not fit {} rows over {} experts",
+                x.shape(),
+                w.shape(),
+                self.rows(),
+                self.experts()
+            )));
+        }
+        Ok((rows, inner, outer))
+    }
+
+    /// `out[rows of e] = x[rows of e] * w[e]` for every expert.
+    fn forward<T: SoftmaxRow>(
+        &self,
+        x: &[T],
+        w: &[T],
+        (rows, inner, outer): (usize, usize, usize),
+    ) -> Vec<T> {
+        let mut out = vec![T::ZERO; rows * outer];
+        for (expert, range) in self.offsets.windows(2).enumerate() {
+            let (first, last) = (range[0], range[1]);
+            if first == last {
+                continue;
+            }
+            matmul(
+                &mut out[first * outer..last * outer],
+                MatRef::row_major(&x[first * inner..last * inner], last - first, inner),
+                MatRef::row_major(
+                    &w[expert * inner * outer..(expert + 1) * inner * outer],
+                    inner,
+                    outer,
+                ),
+                false,
+            );
+        }
+        out
+    }
+
+    /// `grad_x[rows of e] (+)= grad[rows of e] * w[e]^T`.
+    fn backward_input<T: SoftmaxRow>(
+        &self,
+        grad_x: &mut [T],
+        grad: &[T],
+        w: &[T],
+        (_, inner, outer): (usize, usize, usize),
+        accumulate: bool,
+    ) {
+        for (expert, range) in self.offsets.windows(2).enumerate() {
+            let (first, last) = (range[0], range[1]);
+            if first == last {
+                continue;
+            }
+            matmul(
+                &mut grad_x[first * inner..last * inner],
+                MatRef::row_major(&grad[first * outer..last * outer], last - first, outer),
+                MatRef::row_major(
+                    &w[expert * inner * outer..(expert + 1) * inner * outer],
+                    inner,
+                    outer,
+                )
+                .t(),
+                accumulate,
+            );
+        }
+    }
+
+    /// `grad_w[e] = x[rows of e]^T * grad[rows of e]` (zero for an expert without rows).
+    fn backward_weight<T: SoftmaxRow>(
+        &self,
+        x: &[T],
+        grad: &[T],
+        (_, inner, outer): (usize, usize, usize),
+    ) -> Vec<T> {
+        let mut grad_w = vec![T::ZERO; self.experts() * inner * outer];
+        for (expert, range) in self.offsets.windows(2).enumerate() {
+            let (first, last) = (range[0], range[1]);
+            if first == last {
+                continue;
+            }
+            matmul(
+                &mut grad_w[expert * inner * outer..(expert + 1) * inner * outer],
+                MatRef::row_major(&x[first * inner..last * inner], last - first, inner).t(),
+                MatRef::row_major(&grad[first * outer..last * outer], last - first, outer),
+                false,
+            );
+        }
+        grad_w
+    }
+}
+
+/// `x.apply_op2(&w, GroupedMatmul(groups))`: `[rows, in]` x `[experts, in, out]` -> `[rows, out]`.
+#[derive(Clone, Debug)]
+pub struct GroupedMatmul(pub Groups);
+
+impl CustomOp2 for GroupedMatmul {
+    fn name(&self) -> &'static str {
+        "grouped-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = self.0.dimensions(l1, l2)?;
+        let out = match (s1, s2) {
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => {
+                CpuStorage::F32(self.0.forward(contiguous(x, l1)?, contiguous(w, l2)?, dims))
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(w)) => {
+                CpuStorage::F64(self.0.forward(contiguous(x, l1)?, contiguous(w, l2)?, dims))
+            }
+            _ => return Err(error("x and w must both be f32 or both f64")),
+        };
+        Ok((out, Shape::from((dims.0, dims.2))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _result: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let dims = self.0.dimensions(x.layout(), w.layout())?;
+        let (xs, ws, gs) = (
+            x.storage_and_layout().0,
+            w.storage_and_layout().0,
+            grad.storage_and_layout().0,
+        );
+        let device = Device::Cpu;
+        macro_rules! run {
+            ($xv:expr, $wv:expr, $gv:expr) => {{
+                let (xv, wv, gv) = (
+                    contiguous($xv, x.layout())?,
+                    contiguous($wv, w.layout())?,
+                    contiguous($gv, grad.layout())?,
+                );
+                let mut grad_x = vec![SoftmaxRow::from_f64(0.0); xv.len()];
+                self.0.backward_input(&mut grad_x, gv, wv, dims, false);
+                let grad_w = self.0.backward_weight(xv, gv, dims);
+                (
+                    Tensor::from_vec(grad_x, x.shape(), &device)?,
+                    Tensor::from_vec(grad_w, w.shape(), &device)?,
+                )
+            }};
+        }
+        let (grad_x, grad_w) = match (cpu(&xs)?, cpu(&ws)?, cpu(&gs)?) {
+            (CpuStorage::F32(xv), CpuStorage::F32(wv), CpuStorage::F32(gv)) => run!(xv, wv, gv),
+            (CpuStorage::F64(xv), CpuStorage::F64(wv), CpuStorage::F64(gv)) => run!(xv, wv, gv),
+            _ => return Err(error("x, w and the gradient must share a float type")),
+        };
+        Ok((Some(grad_x), Some(grad_w)))
+    }
+}
+
+/// `x.apply_op3(&gate, &up, SwiGlu::new(groups))`: `silu(x W_gate[e]) * (x W_up[e])` per
+/// expert, `[rows, in]` x `[experts, in, ffn]` (twice) -> `[rows, ffn]`. Use a fresh op per
+/// application: the forward pass keeps both projections for the backward pass.
+#[derive(Clone, Debug)]
+pub struct SwiGlu {
+    groups: Groups,
+    saved: Arc<Mutex<Option<SavedProjections>>>,
+}
+
+#[derive(Debug)]
+enum SavedProjections {
+    F32(Vec<f32>, Vec<f32>),
+    F64(Vec<f64>, Vec<f64>),
+}
+
+impl SwiGlu {
+    pub fn new(groups: Groups) -> Self {
+        Self {
+            groups,
+            saved: Arc::default(),
+        }
+    }
+}
+
+fn sigmoid<T: SoftmaxRow>(a: T) -> T {
+    T::from_f64(1.0) / (T::from_f64(1.0) + (T::from_f64(0.0) - a).exp())
+}
+
+/// `silu(gate) * up`, elementwise, in parallel.
+fn swiglu<T: SoftmaxRow>(gate: &[T], up: &[T]) -> Vec<T> {
+    let mut out = vec![T::ZERO; gate.len()];
+    out.par_chunks_mut(4096)
+        .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
+        .for_each(|(out, (gate, up))| {
+            for ((o, a), b) in out.iter_mut().zip(gate).zip(up) {
+                *o = *a * sigmoid(*a) * *b;
+            }
+        });
+    out
+}
+
+/// Gradients of the gate and up projections given the upstream gradient of `silu(a) * b`.
+fn swiglu_backward<T: SoftmaxRow>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+    let mut grad_gate = vec![T::ZERO; gate.len()];
+    let mut grad_up = vec![T::ZERO; gate.len()];
+    let one = T::from_f64(1.0);
+    grad_gate
+        .par_chunks_mut(4096)
+        .zip(grad_up.par_chunks_mut(4096))
+        .zip(
+            gate.par_chunks(4096)
+                .zip(up.par_chunks(4096))
+                .zip(grad.par_chunks(4096)),
+        )
+        .for_each(|((grad_gate, grad_up), ((gate, up), grad))| {
+            for ((((dg, du), a), b), g) in grad_gate
+                .iter_mut()
+                .zip(grad_up)
+                .zip(gate)
+                .zip(up)
+                .zip(grad)
+            {
+                let s = sigmoid(*a);
+                *du = *g * *a * s;
+                *dg = *g * *b * s * (one + *a * (one - s));
+            }
+        });
+    (grad_gate, grad_up)
+}
+
+impl CustomOp3 for SwiGlu {
+    fn name(&self) -> &'static str {
+        "swiglu-experts"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+        s3: &CpuStorage,
+        l3: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let dims = self.groups.dimensions(l1, l2)?;
+        if l2.shape() != l3.shape() {
+            return Err(error("gate and up weights must have the same shape"));
+        }
+        let mut saved = self
+            .saved
+            .lock()
+            .map_err(|_| error("a previous pass panicked"))?;
+        let out = match (s1, s2, s3) {
+            (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(u)) => {
+                let x = contiguous(x, l1)?;
+                let gate = self.groups.forward(x, contiguous(g, l2)?, dims);
+                let up = self.groups.forward(x, contiguous(u, l3)?, dims);
+                let out = swiglu(&gate, &up);
+                *saved = Some(SavedProjections::F32(gate, up));
+                CpuStorage::F32(out)
+            }
+            (CpuStorage::F64(x), CpuStorage::F64(g), CpuStorage::F64(u)) => {
+                let x = contiguous(x, l1)?;
+                let gate = self.groups.forward(x, contiguous(g, l2)?, dims);
+                let up = self.groups.forward(x, contiguous(u, l3)?, dims);
+                let out = swiglu(&gate, &up);
+                *saved = Some(SavedProjections::F64(gate, up));
+                CpuStorage::F64(out)
+            }
+            _ => return Err(error("x and the weights must all be f32 or all f64")),
+        };
+        Ok((out, Shape::from((dims.0, dims.2))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        gate_w: &Tensor,
+        up_w: &Tensor,
+        _result: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let dims = self.groups.dimensions(x.layout(), gate_w.layout())?;
+        let saved = self
+            .saved
+            .lock()
+            .map_err(|_| error("a previous pass panicked"))?
+            .take();
+        let (xs, gs, us, ds) = (
+            x.storage_and_layout().0,
+            gate_w.storage_and_layout().0,
+            up_w.storage_and_layout().0,
+            grad.storage_and_layout().0,
+        );
+        let device = Device::Cpu;
+        macro_rules! run {
+            ($xv:expr, $gv:expr, $uv:expr, $dv:expr, $saved:expr) => {{
+                let (xv, gv, uv, dv) = (
+                    contiguous($xv, x.layout())?,
+                    contiguous($gv, gate_w.layout())?,
+                    contiguous($uv, up_w.layout())?,
+                    contiguous($dv, grad.layout())?,
+                );
+                let (gate, up) = match $saved {
+                    Some(projections) => projections,
+                    None => (
+                        self.groups.forward(xv, gv, dims),
+                        self.groups.forward(xv, uv, dims),
+                    ),
+                };
+                let (grad_gate, grad_up) = swiglu_backward(&gate, &up, dv);
+                let mut grad_x = vec![SoftmaxRow::from_f64(0.0); xv.len()];
+                self.groups
+                    .backward_input(&mut grad_x, &grad_gate, gv, dims, false);
+                self.groups
+                    .backward_input(&mut grad_x, &grad_up, uv, dims, true);
+                (
+                    Tensor::from_vec(grad_x, x.shape(), &device)?,
+                    Tensor::from_vec(
+                        self.groups.backward_weight(xv, &grad_gate, dims),
+                        gate_w.shape(),
+                        &device,
+                    )?,
+                    Tensor::from_vec(
+                        self.groups.backward_weight(xv, &grad_up, dims),
+                        up_w.shape(),
+                        &device,
+                    )?,
+                )
+            }};
+        }
+        let (grad_x, grad_gate, grad_up) = match (cpu(&xs)?, cpu(&gs)?, cpu(&us)?, cpu(&ds)?) {
+            (
+                CpuStorage::F32(xv),
+                CpuStorage::F32(gv),
+                CpuStorage::F32(uv),
+                CpuStorage::F32(dv),
+            ) => {
+                let saved = match saved {
+                    Some(SavedProjections::F32(gate, up)) => Some((gate, up)),
+                    _ => None,
+                };
+                run!(xv, gv, uv, dv, saved)
+            }
+            (
+                CpuStorage::F64(xv),
+                CpuStorage::F64(gv),
+                CpuStorage::F64(uv),
+                CpuStorage::F64(dv),
+            ) => {
+                let saved = match saved {
+                    Some(SavedProjections::F64(gate, up)) => Some((gate, up)),
+                    _ => None,
+                };
+                run!(xv, gv, uv, dv, saved)
+            }
+            _ => {
+                return Err(error(
+                    "x, the weights and the gradient must share a float type",
+                ))
+            }
+        };
+        Ok((Some(grad_x), Some(grad_gate), Some(grad_up)))
+    }
+}
