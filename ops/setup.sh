@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs what building and testing Lazarus needs, skipping whatever is already there.
-# Usage: ops/setup.sh [build|test]   (build: system packages only; test: also the S3 test
-# server and Python's safetensors for the interop tests)
+# Usage: ops/setup.sh [build|test|interop]
+#   build:   system packages only
+#   test:    also the S3 test server and Python's safetensors for the interop tests
+#   interop: also torch and transformers, in the virtual environment .venv-interop (several
+#            GB), for the transformers logits comparison and the PyTorch benchmark baseline
 set -euo pipefail
 what="${1:-test}"
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -18,7 +21,7 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need_apt[@]}" >/dev/null
 fi
 
-[ "$what" = "test" ] || exit 0
+[ "$what" = "build" ] && exit 0
 
 if ! s3s-fs --version 2>/dev/null | grep -q "0.14.1"; then
   echo "setup: installing the S3 test server (s3s-fs 0.14.1)"
@@ -32,3 +35,16 @@ if ! python3 -c "import safetensors.numpy, numpy" >/dev/null 2>&1; then
     || python3 -m pip install --quiet --disable-pip-version-check --break-system-packages safetensors numpy \
     || echo "setup: could not install them; the Python interop test will say it skipped"
 fi
+
+[ "$what" = "interop" ] || exit 0
+root="$(cd "$(dirname "$0")/.." && pwd)"
+venv="$root/.venv-interop"
+if ! "$venv/bin/python" -c "import torch, transformers, safetensors" >/dev/null 2>&1; then
+  echo "setup: installing torch and transformers into .venv-interop (several GB)"
+  python3 -m venv "$venv" 2>/dev/null || {
+    $sudo_cmd apt-get install -y -qq python3-venv >/dev/null
+    python3 -m venv "$venv"
+  }
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check torch transformers safetensors numpy
+fi
+echo "setup: interop Python is .venv-interop/bin/python (the tests and benchmarks find it there)"

@@ -7,4 +7,5 @@ mod cli;
 mod conformance;
 mod crash;
 mod gc_race;
+mod interop;
 mod trainer;

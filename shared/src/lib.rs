@@ -9,6 +9,7 @@ pub mod codec;
 pub mod error;
 pub mod format;
 pub mod hash;
+pub mod hf_olmoe;
 pub mod ids;
 pub mod safetensors_io;
 pub mod store;

@@ -6,7 +6,8 @@
 //!    time goes (forward, backward, optimizer), with the fused LM head + loss timed on its own.
 //! 3. The same model in PyTorch (`ops/bench/olmoe_torch.py`: Hugging Face OlmoeForCausalLM,
 //!    AdamW, clipping 1.0, same threads and batch), and the ratio. Skipped with a message when
-//!    torch or transformers is missing; LAZARUS_PYTHON picks the interpreter.
+//!    torch or transformers is missing (`ops/setup.sh interop` installs them; LAZARUS_PYTHON
+//!    picks another interpreter).
 //!
 //! Run: cargo bench -p lazarus-tests --bench trainer
 
@@ -101,7 +102,7 @@ fn run_torch(
     warmup: usize,
     steps: usize,
 ) -> std::result::Result<serde_json::Value, String> {
-    let python = env_or("LAZARUS_PYTHON", "python3");
+    let python = lazarus_tests::python();
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../ops/bench/olmoe_torch.py");
     let output = Command::new(&python)
         .arg(script)

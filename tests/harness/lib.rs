@@ -26,6 +26,19 @@ pub fn bin(name: &str) -> PathBuf {
 }
 
 /// `../shared/data/<name>` beside the repository.
+/// The Python for the interop checks: LAZARUS_PYTHON, else the environment that
+/// `ops/setup.sh interop` makes, else `python3`.
+pub fn python() -> String {
+    if let Ok(python) = std::env::var("LAZARUS_PYTHON") {
+        return python;
+    }
+    let venv = Path::new(env!("CARGO_MANIFEST_DIR")).join("../.venv-interop/bin/python");
+    if venv.exists() {
+        return venv.display().to_string();
+    }
+    "python3".into()
+}
+
 pub fn shared_data(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../shared/data")

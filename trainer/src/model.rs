@@ -65,6 +65,14 @@ pub struct Forward {
     pub expert_load: Vec<Vec<u64>>,
 }
 
+/// What the blocks return: the final-normed hidden states and each layer's router figures.
+struct Body {
+    hidden: Tensor,
+    load_balancing: Vec<Tensor>,
+    router_z: Vec<Tensor>,
+    expert_load: Vec<Vec<u64>>,
+}
+
 /// What one MoE block returns.
 struct MoeOutput {
     output: Tensor,
@@ -223,8 +231,6 @@ impl Model {
             batch * (seq + 1),
             "tokens must hold batch x (seq + 1)"
         );
-        let (h, heads) = (c.d_model, c.heads);
-        let head_dim = h / heads;
         let inputs: Vec<u32> = tokens
             .chunks(seq + 1)
             .flat_map(|row| row[..seq].to_vec())
@@ -234,8 +240,54 @@ impl Model {
             .flat_map(|row| row[1..].to_vec())
             .collect();
         let tokens_n = batch * seq;
-        let inputs = Tensor::from_vec(inputs, tokens_n, &self.device)?;
         let targets = Tensor::from_vec(targets, tokens_n, &self.device)?;
+        let Body {
+            hidden: x,
+            load_balancing,
+            router_z,
+            expert_load,
+        } = self.body(&inputs, batch, seq)?;
+        // Fused head + loss: the [tokens, vocab] logits never exist whole.
+        let cross_entropy = x
+            .apply_op3(
+                &self.lm_head,
+                &targets,
+                if training {
+                    LinearCrossEntropy::training()
+                } else {
+                    LinearCrossEntropy::default()
+                },
+            )?
+            .mean_all()?;
+        let layers = self.layers.len() as f64;
+        let load_balancing = (Tensor::stack(&load_balancing, 0)?.sum_all()? / layers)?;
+        let router_z = (Tensor::stack(&router_z, 0)?.sum_all()? / layers)?;
+        let loss = ((&cross_entropy + (&load_balancing * c.router_aux_coef)?)?
+            + (&router_z * c.router_z_coef)?)?;
+        let scalar = |t: &Tensor| -> Result<f64> { t.to_dtype(DType::F64)?.to_scalar::<f64>() };
+        Ok(Forward {
+            cross_entropy: scalar(&cross_entropy)?,
+            load_balancing: scalar(&load_balancing)?,
+            router_z: scalar(&router_z)?,
+            loss,
+            expert_load,
+        })
+    }
+
+    /// The logits `[batch * seq, vocab]` for `batch` sequences of `tokens.len() / batch`
+    /// tokens: inference and interop checks (training never materialises them).
+    pub fn logits(&self, tokens: &[u32], batch: usize) -> Result<Tensor> {
+        let seq = tokens.len() / batch;
+        assert_eq!(tokens.len(), batch * seq, "tokens must hold batch x seq");
+        self.body(tokens, batch, seq)?.hidden.matmul(&self.lm_head)
+    }
+
+    /// Embedding, blocks and the final norm over `batch * seq` input tokens.
+    fn body(&self, inputs: &[u32], batch: usize, seq: usize) -> Result<Body> {
+        let c = &self.config;
+        let (h, heads) = (c.d_model, c.heads);
+        let head_dim = h / heads;
+        let inputs = Tensor::new(inputs, &self.device)?;
         let mut x = self.embed.index_select(&inputs, 0)?;
         let mut load_balancing = Vec::new();
         let mut router_z = Vec::new();
@@ -260,30 +312,10 @@ impl Model {
             router_z.push(moe.router_z);
             expert_load.push(moe.load);
         }
-        let x = rms_norm(&x, &self.final_norm, c.norm_eps)?;
-        // Fused head + loss: the [tokens, vocab] logits never exist whole.
-        let cross_entropy = x
-            .apply_op3(
-                &self.lm_head,
-                &targets,
-                if training {
-                    LinearCrossEntropy::training()
-                } else {
-                    LinearCrossEntropy::default()
-                },
-            )?
-            .mean_all()?;
-        let layers = self.layers.len() as f64;
-        let load_balancing = (Tensor::stack(&load_balancing, 0)?.sum_all()? / layers)?;
-        let router_z = (Tensor::stack(&router_z, 0)?.sum_all()? / layers)?;
-        let loss = ((&cross_entropy + (&load_balancing * c.router_aux_coef)?)?
-            + (&router_z * c.router_z_coef)?)?;
-        let scalar = |t: &Tensor| -> Result<f64> { t.to_dtype(DType::F64)?.to_scalar::<f64>() };
-        Ok(Forward {
-            cross_entropy: scalar(&cross_entropy)?,
-            load_balancing: scalar(&load_balancing)?,
-            router_z: scalar(&router_z)?,
-            loss,
+        Ok(Body {
+            hidden: rms_norm(&x, &self.final_norm, c.norm_eps)?,
+            load_balancing,
+            router_z,
             expert_load,
         })
     }

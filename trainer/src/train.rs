@@ -2,7 +2,9 @@
 //! checkpoint through the store library, and resume from the latest committed step.
 //!
 //! A checkpoint of step `s` holds, per parameter, the fp32 master weight and both Adam
-//! moments, plus the blob `trainer.json` (step, samples consumed, optimizer step). Restoring it
+//! moments, plus the blobs `trainer.json` (step, samples consumed, optimizer step) and
+//! `model.json` (the model configuration, which `ckptctl export --format hf-olmoe` reads).
+//! Restoring it
 //! gives a bit-identical continuation: the data order is a pure function of (seed, sample
 //! index) and nothing else is random after initialisation.
 
@@ -16,6 +18,7 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use candle_core::{DType, Tensor};
 use lazarus_shared::format::DType as StoredDType;
+use lazarus_shared::hf_olmoe;
 use lazarus_shared::store::{
     DeltaBases, OpenMode, RunStore, ShardInput, Store, StoreOptions, TensorData,
 };
@@ -151,7 +154,13 @@ impl Session {
             rank: 0,
             world_size: 1,
             tensors: tensors.clone(),
-            blobs: vec![("trainer.json".into(), blob)],
+            blobs: vec![
+                ("trainer.json".into(), blob),
+                (
+                    hf_olmoe::MODEL_BLOB.into(),
+                    Bytes::from(serde_json::to_vec(&self.config.model)?),
+                ),
+            ],
         };
         let manifest =
             self.runtime

@@ -8,6 +8,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use lazarus_shared::format::{DType, DimRange};
+use lazarus_shared::hf_olmoe;
 use lazarus_shared::safetensors_io::{self, HEADER_BLOB_PREFIX};
 use lazarus_shared::store::{
     Checkpoint, DeltaBases, GcPolicy, OpenMode, RunStore, ShardInput, StepState, Store, TensorData,
@@ -770,9 +771,11 @@ async fn export(
     out: &Path,
     bars: bool,
 ) -> Result<()> {
-    let ExportFormat::Safetensors = format;
     let checkpoint = open_step(cli, run, step).await?;
     std::fs::create_dir_all(out).with_context(|| format!("creating {}", out.display()))?;
+    if let ExportFormat::HfOlmoe = format {
+        return export_hf_olmoe(cli, &checkpoint, out, bars).await;
+    }
     let bar = Bar::bytes("export", bars);
     let total: u64 = checkpoint
         .tensors()
@@ -829,6 +832,66 @@ async fn export(
         written.push(file.finish()?);
     }
     bar.finish();
+    if cli.json {
+        output::json(&serde_json::json!({ "step": checkpoint.step(), "files": written }));
+    } else {
+        for path in &written {
+            println!("wrote {}", path.display());
+        }
+    }
+    Ok(())
+}
+
+/// A trainer checkpoint's weights in the layout of transformers' `OlmoeForCausalLM`.
+async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: bool) -> Result<()> {
+    let has_spec = checkpoint
+        .manifests
+        .first()
+        .is_some_and(|m| m.blobs.iter().any(|b| b.name == hf_olmoe::MODEL_BLOB));
+    if !has_spec {
+        bail!(UsageError(format!(
+            "step {} has no {} blob: only checkpoints the trainer wrote can be exported as hf-olmoe",
+            checkpoint.step(),
+            hf_olmoe::MODEL_BLOB
+        )));
+    }
+    let spec: hf_olmoe::ModelSpec =
+        serde_json::from_slice(&checkpoint.read_blob(0, hf_olmoe::MODEL_BLOB).await?)
+            .with_context(|| format!("reading {}", hf_olmoe::MODEL_BLOB))?;
+    let parameters = spec.trainer_parameters();
+    let bar = Bar::bytes("export", bars);
+    bar.set_total_bytes(
+        parameters
+            .iter()
+            .map(|(_, shape)| shape.iter().product::<u64>() * 4)
+            .sum(),
+    );
+    let mut tensors = Vec::new();
+    for (name, shape) in &parameters {
+        let info = checkpoint.tensor_info(name).ok_or_else(|| {
+            anyhow::anyhow!("tensor {name} of the model is missing from the checkpoint")
+        })?;
+        if info.dtype != DType::F32 || &info.global_shape != shape {
+            bail!(
+                "tensor {name} is {:?} {:?} in the checkpoint; the model needs F32 {shape:?}",
+                info.dtype,
+                info.global_shape
+            );
+        }
+        let data = checkpoint.read_tensor(name, &bar).await?;
+        for (hf_name, hf_shape, hf_data) in spec.to_hf(name, shape, &data)? {
+            tensors.push((hf_name, DType::F32, hf_shape, hf_data));
+        }
+    }
+    let bytes = safetensors_io::serialize(&tensors)?;
+    let mut file = PartialFile::create(out.join("model.safetensors"))?;
+    file.write(&bytes)?;
+    let model_file = file.finish()?;
+    let mut file = PartialFile::create(out.join("config.json"))?;
+    file.write(&serde_json::to_vec_pretty(&spec.hf_config())?)?;
+    let config_file = file.finish()?;
+    bar.finish();
+    let written = [config_file, model_file];
     if cli.json {
         output::json(&serde_json::json!({ "step": checkpoint.step(), "files": written }));
     } else {

@@ -58,7 +58,11 @@ pub enum LogFormat {
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
 pub enum ExportFormat {
+    /// The tensors as stored (or the imported files, byte for byte).
     Safetensors,
+    /// `config.json` and `model.safetensors` that Hugging Face transformers'
+    /// `OlmoeForCausalLM` loads (trainer checkpoints only).
+    HfOlmoe,
 }
 
 #[derive(Debug, Subcommand)]

@@ -1,0 +1,218 @@
+//! `ckptctl export --format hf-olmoe`: the exported files have Hugging Face OLMoE's names,
+//! shapes and (transposed) values, and transformers' `OlmoeForCausalLM` computes the same
+//! logits as the trainer, within 1e-4, for the same tokens.
+//!
+//! The logits comparison needs Python with torch and transformers; without them it prints why
+//! it skipped. Run it with: `ops/setup.sh interop && cargo test --release -p lazarus-tests
+//! interop -- --nocapture` (LAZARUS_PYTHON picks another Python).
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+use candle_core::{DType, Device, Tensor};
+use lazarus_shared::hf_olmoe::{ModelSpec, MODEL_BLOB};
+use lazarus_shared::store::{OpenMode, Store, StoreOptions};
+use lazarus_shared::RunId;
+use lazarus_tests::{bin, shared_data, Ctl};
+use lazarus_trainer::config::ModelConfig;
+use lazarus_trainer::model::Model;
+
+fn run_ok(command: &mut Command) -> String {
+    let output = command.output().unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{command:?}: {text}");
+    text
+}
+
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
+}
+
+#[test]
+fn hf_olmoe_export_matches_the_trainer() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    run_ok(Command::new(bin("trainer")).args([
+        "prepare",
+        "--input",
+        shared_data("tinyshakespeare.txt").to_str().unwrap(),
+        "--out",
+        data.to_str().unwrap(),
+    ]));
+    // A small MoE trained for a few steps at a high learning rate, so that norms and every
+    // weight have moved away from their initial values.
+    let store = format!("file://{}", dir.path().join("store").display());
+    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
+        .map(String::from)
+        .to_vec();
+    args.push(dir.path().join("metrics").display().to_string());
+    for set in [
+        "run.id=interop".to_string(),
+        "model.d_model=64".into(),
+        "model.layers=2".into(),
+        "model.heads=4".into(),
+        "model.experts=4".into(),
+        "model.top_k=2".into(),
+        "model.expert_ffn=48".into(),
+        "model.seq_len=32".into(),
+        "train.micro_batch=4".into(),
+        "train.steps=6".into(),
+        "train.warmup_steps=1".into(),
+        "train.lr=0.01".into(),
+        "train.val_every=1000".into(),
+        "checkpoint.every=6".into(),
+        format!("checkpoint.store={store}"),
+        format!("data.path={}", data.display()),
+    ] {
+        args.push("--set".into());
+        args.push(set);
+    }
+    run_ok(Command::new(bin("trainer")).args(&args));
+
+    let out = dir.path().join("hf");
+    let ctl = Ctl::new(store.clone(), &dir.path().join("index"));
+    ctl.expect(
+        0,
+        &[
+            "export",
+            "interop",
+            "latest",
+            "--format",
+            "hf-olmoe",
+            "--out",
+            out.to_str().unwrap(),
+        ],
+    );
+
+    // The trainer's own view of step 6: its weights and model configuration.
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let (spec, weights) = runtime.block_on(async {
+        let store = Store::open(&store, OpenMode::Existing, StoreOptions::default())
+            .await
+            .unwrap();
+        let run = store.run(&"interop".parse::<RunId>().unwrap());
+        let checkpoint = run
+            .open_checkpoint(run.latest().await.unwrap().unwrap())
+            .await
+            .unwrap();
+        let spec: ModelSpec =
+            serde_json::from_slice(&checkpoint.read_blob(0, MODEL_BLOB).await.unwrap()).unwrap();
+        let mut weights = BTreeMap::new();
+        for (name, _) in spec.trainer_parameters() {
+            weights.insert(
+                name.clone(),
+                checkpoint.read_tensor(&name, &()).await.unwrap(),
+            );
+        }
+        (spec, weights)
+    });
+
+    // Names, shapes and values of the exported file.
+    let config: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["model_type"], "olmoe");
+    assert_eq!(config["num_experts"], 4);
+    assert_eq!(config["norm_topk_prob"], false);
+    let file = std::fs::read(out.join("model.safetensors")).unwrap();
+    let exported = safetensors::SafeTensors::deserialize(&file).unwrap();
+    assert_eq!(exported.len(), 1 + 2 * (9 + 3 * 4) + 2);
+    let lm_head = exported.tensor("lm_head.weight").unwrap();
+    assert_eq!(lm_head.shape(), [50304, 64]);
+    let (ours, theirs) = (floats(&weights["lm_head"]), floats(lm_head.data()));
+    assert_eq!(
+        theirs[3 * 64 + 5],
+        ours[5 * 50304 + 3],
+        "lm_head is transposed"
+    );
+    let down = exported
+        .tensor("model.layers.1.mlp.experts.2.down_proj.weight")
+        .unwrap();
+    assert_eq!(down.shape(), [64, 48]);
+    let (ours, theirs) = (
+        floats(&weights["layers.1.expert_down"]),
+        floats(down.data()),
+    );
+    // expert 2 of [4, 48, 64]: element (f=7, h=9) is theirs (h=9, f=7).
+    assert_eq!(theirs[9 * 48 + 7], ours[2 * 48 * 64 + 7 * 64 + 9]);
+    let norm = floats(
+        exported
+            .tensor("model.layers.0.self_attn.q_norm.weight")
+            .unwrap()
+            .data(),
+    );
+    assert!(norm.iter().any(|v| *v != 1.0), "trained norms moved");
+
+    // The trainer's logits for two sequences of real text.
+    let config: ModelConfig = serde_json::from_value(serde_json::to_value(&spec).unwrap()).unwrap();
+    let model = Model::new(&config, 0, DType::F32).unwrap();
+    for (name, var) in model.parameters() {
+        let values = floats(&weights[&name]);
+        var.set(&Tensor::from_vec(values, var.shape(), &Device::Cpu).unwrap())
+            .unwrap();
+    }
+    let dataset = lazarus_trainer::data::Dataset::open(&data).unwrap();
+    let (batch, seq) = (2usize, 32usize);
+    let tokens: Vec<u32> = (0..batch * seq)
+        .map(|i| dataset.val.get(i * 3 % dataset.val.len()))
+        .collect();
+    let ours: Vec<f32> = model
+        .logits(&tokens, batch)
+        .unwrap()
+        .flatten_all()
+        .unwrap()
+        .to_vec1()
+        .unwrap();
+
+    // The same through transformers.
+    let request = dir.path().join("tokens.json");
+    std::fs::write(
+        &request,
+        serde_json::to_vec(&serde_json::json!({ "batch": batch, "tokens": tokens })).unwrap(),
+    )
+    .unwrap();
+    let logits_file = dir.path().join("logits.f32");
+    let python = lazarus_tests::python();
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../ops/interop/hf_olmoe_logits.py"
+    );
+    let output = Command::new(&python)
+        .args([script, "--model", out.to_str().unwrap()])
+        .args(["--tokens", request.to_str().unwrap()])
+        .args(["--out", logits_file.to_str().unwrap()])
+        .output();
+    let output = match output {
+        Ok(output) => output,
+        Err(error) => {
+            println!("skipped the transformers comparison: {python}: {error}");
+            return;
+        }
+    };
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    if output.status.code() == Some(3) {
+        println!(
+            "skipped the transformers comparison: {}",
+            stderr.trim().lines().last().unwrap_or("")
+        );
+        return;
+    }
+    assert!(output.status.success(), "{python} {script}: {stderr}");
+    let theirs = floats(&std::fs::read(&logits_file).unwrap());
+    assert_eq!(theirs.len(), ours.len());
+    let worst = ours
+        .iter()
+        .zip(&theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    let scale = ours.iter().map(|v| v.abs()).fold(0f32, f32::max);
+    println!(
+        "transformers {}: {} logits, largest |logit| {scale:.3}, largest difference {worst:.2e}",
+        String::from_utf8_lossy(&output.stdout).trim(),
+        ours.len()
+    );
+    assert!(worst < 1e-4, "logits differ by up to {worst}");
+}
