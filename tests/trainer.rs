@@ -273,3 +273,171 @@ fn training_is_deterministic_and_resume_is_bit_identical() {
     assert_eq!(code, 2, "{said}");
     assert!(said.contains("refusing to overwrite"), "{said}");
 }
+
+/// The entropy (nats) of the token distribution of a prepared split: what a model that knows
+/// only token frequencies would score.
+fn unigram_entropy(tokens_file: &std::path::Path) -> f64 {
+    let bytes = std::fs::read(tokens_file).unwrap();
+    let mut counts = std::collections::HashMap::<u16, u64>::new();
+    for pair in bytes.chunks_exact(2) {
+        *counts
+            .entry(u16::from_le_bytes([pair[0], pair[1]]))
+            .or_default() += 1;
+    }
+    let total = (bytes.len() / 2) as f64;
+    counts
+        .values()
+        .map(|c| {
+            let p = *c as f64 / total;
+            -p * p.ln()
+        })
+        .sum()
+}
+
+#[test]
+fn the_tiny_preset_learns_below_the_unigram_entropy() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let input = shared_data("tinyshakespeare.txt");
+    let (code, said) = trainer(&[
+        "prepare",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{said}");
+    let entropy = unigram_entropy(&data.join("train.tokens"));
+    let metrics = dir.path().join("metrics");
+    let steps = 60;
+    let (code, said) = trainer(&[
+        "train",
+        "--config",
+        "tiny",
+        "--metrics-dir",
+        metrics.to_str().unwrap(),
+        "--set",
+        &format!("train.steps={steps}"),
+        "--set",
+        "train.val_every=20",
+        "--set",
+        "checkpoint.every=1000",
+        "--set",
+        &format!(
+            "checkpoint.store=file://{}",
+            dir.path().join("store").display()
+        ),
+        "--set",
+        &format!("data.path={}", data.display()),
+    ]);
+    assert_eq!(code, 0, "{said}");
+    let text = std::fs::read_to_string(metrics.join("tiny").join("metrics.jsonl")).unwrap();
+    let validation: Vec<(u64, f64)> = text
+        .lines()
+        .filter_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).unwrap();
+            Some((value["step"].as_u64()?, value["val_loss"].as_f64()?))
+        })
+        .collect();
+    println!("unigram entropy of the training tokens: {entropy:.3} nats");
+    for (step, loss) in &validation {
+        println!("step {step:>3}: validation loss {loss:.3} nats");
+    }
+    let (last_step, last) = *validation.last().expect("validation losses");
+    assert_eq!(last_step, steps);
+    assert!(
+        last < entropy - 0.25,
+        "after {steps} steps the validation loss {last:.3} is not clearly below the unigram entropy {entropy:.3}"
+    );
+}
+
+#[test]
+fn bad_data_files_get_clear_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let input = dir.path().join("input.txt");
+    std::fs::write(
+        &input,
+        "to be or not to be, that is the question. ".repeat(400),
+    )
+    .unwrap();
+    let (code, said) = trainer(&[
+        "prepare",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{said}");
+    let train = |data: &std::path::Path| {
+        let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
+            .map(String::from)
+            .to_vec();
+        args.push(dir.path().join("metrics").display().to_string());
+        args.extend(SMALL.map(String::from));
+        for set in [
+            "train.steps=1".to_string(),
+            format!(
+                "checkpoint.store=file://{}",
+                dir.path().join("store").display()
+            ),
+            format!("data.path={}", data.display()),
+        ] {
+            args.push("--set".into());
+            args.push(set);
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        trainer(&args)
+    };
+    let copy = |name: &str| {
+        let target = dir.path().join(name);
+        std::fs::create_dir_all(&target).unwrap();
+        for entry in std::fs::read_dir(&data).unwrap() {
+            let entry = entry.unwrap();
+            std::fs::copy(entry.path(), target.join(entry.file_name())).unwrap();
+        }
+        target
+    };
+
+    // One flipped byte in the token file: its blake3 no longer matches the index.
+    let flipped = copy("flipped");
+    let mut tokens = std::fs::read(flipped.join("train.tokens")).unwrap();
+    tokens[10] ^= 0x40;
+    std::fs::write(flipped.join("train.tokens"), &tokens).unwrap();
+    // A token file cut short (an odd number of bytes).
+    let truncated = copy("truncated");
+    let tokens = std::fs::read(truncated.join("train.tokens")).unwrap();
+    std::fs::write(truncated.join("train.tokens"), &tokens[..tokens.len() - 1]).unwrap();
+    // An index that is not JSON, and one that is missing.
+    let garbled = copy("garbled");
+    std::fs::write(garbled.join("index.json"), b"{\"format_version\": 1, \"tok").unwrap();
+    let no_index = copy("no-index");
+    std::fs::remove_file(no_index.join("index.json")).unwrap();
+    // A token id the model's vocabulary does not have.
+    let out_of_range = copy("out-of-range");
+    let mut tokens = std::fs::read(out_of_range.join("train.tokens")).unwrap();
+    tokens[0..2].copy_from_slice(&60000u16.to_le_bytes());
+    std::fs::write(out_of_range.join("train.tokens"), &tokens).unwrap();
+    let hash = blake3::hash(&tokens).to_hex().to_string();
+    let index = std::fs::read_to_string(out_of_range.join("index.json")).unwrap();
+    let mut index: serde_json::Value = serde_json::from_str(&index).unwrap();
+    index["train"]["blake3"] = hash.into();
+    std::fs::write(
+        out_of_range.join("index.json"),
+        serde_json::to_vec(&index).unwrap(),
+    )
+    .unwrap();
+
+    for (path, says) in [
+        (&flipped, "does not match its hash"),
+        (&truncated, "train.tokens"),
+        (&garbled, "index.json"),
+        (&no_index, "index.json"),
+        (&out_of_range, "60000"),
+    ] {
+        let (code, said) = train(path);
+        assert_eq!(code, 2, "{}: {said}", path.display());
+        assert!(said.contains(says), "{}: {said}", path.display());
+        assert!(!said.contains("panicked"), "{}: {said}", path.display());
+    }
+}

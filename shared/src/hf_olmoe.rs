@@ -124,12 +124,7 @@ impl ModelSpec {
 
     /// The HF tensors for one trainer parameter (little-endian f32 bytes of `shape`):
     /// transposed to `[out, in]`, experts split one tensor per expert.
-    pub fn to_hf(
-        &self,
-        name: &str,
-        shape: &[u64],
-        data: &[u8],
-    ) -> Result<Vec<HfTensor>, HfError> {
+    pub fn to_hf(&self, name: &str, shape: &[u64], data: &[u8]) -> Result<Vec<HfTensor>, HfError> {
         let expected = self
             .trainer_parameters()
             .into_iter()

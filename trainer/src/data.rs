@@ -315,7 +315,18 @@ impl Dataset {
             if hash != split.blake3 {
                 return Err(bad(format!("{} does not match its hash in index.json (damaged or replaced): prepare it again", split.file)));
             }
-            Ok(TokenFile { map })
+            let tokens = TokenFile { map };
+            if let Some(position) =
+                (0..tokens.len()).find(|i| tokens.get(*i) as usize >= index.vocab_size)
+            {
+                return Err(bad(format!(
+                    "{} holds token {} at position {position}, outside the tokenizer's vocabulary of {}",
+                    split.file,
+                    tokens.get(position),
+                    index.vocab_size
+                )));
+            }
+            Ok(tokens)
         };
         let train = open_split(&index.train)?;
         let val = open_split(&index.val)?;

@@ -250,6 +250,12 @@ pub fn train(
     log: &mut dyn Write,
 ) -> Result<Summary> {
     let dataset = Dataset::open(Path::new(&config.data.path))?;
+    if dataset.index.vocab_size > config.model.vocab_size {
+        bail!(RefusedRun(format!(
+            "{}: the data's tokenizer has {} tokens, more than model.vocab_size {}",
+            config.data.path, dataset.index.vocab_size, config.model.vocab_size
+        )));
+    }
     let seq = config.model.seq_len;
     let mut sampler = Sampler::new(&dataset.train, seq, config.run.seed).ok_or_else(|| {
         RefusedRun(format!(
