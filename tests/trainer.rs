@@ -352,7 +352,7 @@ fn the_tiny_preset_learns_below_the_unigram_entropy() {
 }
 
 #[test]
-fn bad_data_files_get_clear_errors() {
+fn bad_data_files_and_unusable_stores_get_clear_errors() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().join("data");
     let input = dir.path().join("input.txt");
@@ -369,7 +369,7 @@ fn bad_data_files_get_clear_errors() {
         data.to_str().unwrap(),
     ]);
     assert_eq!(code, 0, "{said}");
-    let train = |data: &std::path::Path| {
+    let train_to = |data: &std::path::Path, store: &str| {
         let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
             .map(String::from)
             .to_vec();
@@ -377,10 +377,7 @@ fn bad_data_files_get_clear_errors() {
         args.extend(SMALL.map(String::from));
         for set in [
             "train.steps=1".to_string(),
-            format!(
-                "checkpoint.store=file://{}",
-                dir.path().join("store").display()
-            ),
+            format!("checkpoint.store={store}"),
             format!("data.path={}", data.display()),
         ] {
             args.push("--set".into());
@@ -389,6 +386,17 @@ fn bad_data_files_get_clear_errors() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         trainer(&args)
     };
+    let good_store = format!("file://{}", dir.path().join("store").display());
+    let train = |data: &std::path::Path| train_to(data, &good_store);
+    // Stores that cannot be used: the run does not start.
+    for (store, says) in [
+        ("ftp://host/x", "unknown scheme \"ftp\""),
+        ("file:///proc/no/such/store", "cannot use checkpoint store"),
+    ] {
+        let (code, said) = train_to(&data, store);
+        assert_eq!(code, 2, "{store}: {said}");
+        assert!(said.contains(says), "{store}: {said}");
+    }
     let copy = |name: &str| {
         let target = dir.path().join(name);
         std::fs::create_dir_all(&target).unwrap();
@@ -440,4 +448,84 @@ fn bad_data_files_get_clear_errors() {
         assert!(said.contains(says), "{}: {said}", path.display());
         assert!(!said.contains("panicked"), "{}: {said}", path.display());
     }
+}
+
+#[test]
+fn sigterm_checkpoints_the_current_step_and_a_rerun_resumes() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let input = shared_data("tinyshakespeare.txt");
+    let (code, said) = trainer(&[
+        "prepare",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{said}");
+    let store = format!("file://{}", dir.path().join("store").display());
+    let args = |steps: u64| {
+        let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
+            .map(String::from)
+            .to_vec();
+        args.push(dir.path().join("metrics").display().to_string());
+        args.extend(SMALL.map(String::from));
+        for set in [
+            format!("train.steps={steps}"),
+            "checkpoint.every=1000".into(),
+            format!("checkpoint.store={store}"),
+            format!("data.path={}", data.display()),
+        ] {
+            args.push("--set".into());
+            args.push(set);
+        }
+        args
+    };
+    let mut child = Command::new(bin("trainer"))
+        .args(args(100_000))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        if line.unwrap().starts_with("step      3") {
+            break;
+        }
+    }
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let rest: Vec<String> = lines.map(|l| l.unwrap()).collect();
+    let status = child.wait().unwrap();
+    let text = rest.join("\n");
+    assert!(status.success(), "{status:?}: {text}");
+    let stopped: u64 = text
+        .split("stopped by signal at step ")
+        .nth(1)
+        .and_then(|t| t.split_whitespace().next())
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no stop message in {text}"));
+    assert!(stopped >= 3, "{text}");
+    assert!(
+        text.contains(&format!("last checkpoint: step {stopped} ")),
+        "{text}"
+    );
+    let ctl = lazarus_tests::Ctl::new(store.clone(), &dir.path().join("index"));
+    let listed = ctl.json(&["list", "tiny"]);
+    assert!(
+        listed.to_string().contains(&format!("\"step\":{stopped}")),
+        "{listed}"
+    );
+    let rerun = args(stopped + 2);
+    let rerun: Vec<&str> = rerun.iter().map(String::as_str).collect();
+    let (code, said) = trainer(&rerun);
+    assert_eq!(code, 0, "{said}");
+    assert!(
+        said.contains(&format!("resumed from step {stopped}")),
+        "{said}"
+    );
 }

@@ -275,7 +275,7 @@ pub fn train(
             OpenMode::CreateIfMissing,
             StoreOptions::default(),
         ))
-        .with_context(|| format!("opening checkpoint store {url}"))?;
+        .map_err(|error| RefusedRun(format!("cannot use checkpoint store {url}: {error}")))?;
     let run_id: RunId = config
         .run
         .id
