@@ -218,7 +218,13 @@ impl RunStore {
             for entry in entries {
                 let entry = entry.map_err(|e| io(&dir, e))?;
                 let path = entry.path();
-                let metadata = entry.metadata().map_err(|e| io(&path, e))?;
+                // A live writer renames its staging file into place at any moment: a file
+                // that vanished between the listing and here is not an error.
+                let metadata = match entry.metadata() {
+                    Ok(metadata) => metadata,
+                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                    Err(error) => return Err(io(&path, error)),
+                };
                 if metadata.is_dir() {
                     pending.push(path);
                     continue;
@@ -234,7 +240,11 @@ impl RunStore {
                     .map(|d| d.as_millis() as u64);
                 if staging && modified_ms.is_some_and(|t| t + policy.staging_grace_ms <= now) {
                     if !policy.dry_run {
-                        std::fs::remove_file(&path).map_err(|e| io(&path, e))?;
+                        match std::fs::remove_file(&path) {
+                            Ok(()) => {}
+                            Err(error) if error.kind() == std::io::ErrorKind::NotFound => continue,
+                            Err(error) => return Err(io(&path, error)),
+                        }
                     }
                     removed += 1;
                 }
