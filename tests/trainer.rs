@@ -529,3 +529,53 @@ fn sigterm_checkpoints_the_current_step_and_a_rerun_resumes() {
         "{said}"
     );
 }
+
+#[test]
+fn training_checkpoints_to_s3_and_resumes_from_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    let input = shared_data("tinyshakespeare.txt");
+    let (code, said) = trainer(&[
+        "prepare",
+        "--input",
+        input.to_str().unwrap(),
+        "--out",
+        data.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{said}");
+    let s3 = lazarus_tests::S3Server::start();
+    let store = s3.url("ckpt");
+    let run = |steps: u64| {
+        let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
+            .map(String::from)
+            .to_vec();
+        args.push(dir.path().join("metrics").display().to_string());
+        args.extend(SMALL.map(String::from));
+        for set in [
+            format!("train.steps={steps}"),
+            "checkpoint.every=2".into(),
+            format!("checkpoint.store={store}"),
+            format!("data.path={}", data.display()),
+        ] {
+            args.push("--set".into());
+            args.push(set);
+        }
+        let output = Command::new(bin("trainer"))
+            .args(&args)
+            .envs(s3.envs())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&output.stdout).to_string()
+            + &String::from_utf8_lossy(&output.stderr);
+        assert!(output.status.success(), "{text}");
+        text
+    };
+    run(2);
+    let said = run(4);
+    assert!(said.contains("resumed from step 2"), "{said}");
+    let mut ctl = lazarus_tests::Ctl::new(store, &dir.path().join("index"));
+    ctl.envs = s3.envs();
+    ctl.expect(0, &["verify", "tiny", "--all", "--read-data"]);
+    let listed = ctl.json(&["list", "tiny"]).to_string();
+    assert!(listed.contains("\"step\":4"), "{listed}");
+}
