@@ -8,4 +8,5 @@ mod conformance;
 mod crash;
 mod gc_race;
 mod interop;
+mod mpi;
 mod trainer;

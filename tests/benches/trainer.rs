@@ -31,7 +31,8 @@ fn env_or(name: &str, default: &str) -> String {
 /// after `warmup` steps.
 fn time_training(config: &Config, dataset: &Dataset, warmup: usize, steps: usize) -> [f64; 4] {
     let model = Model::new(&config.model, config.run.seed, DType::F32).expect("model");
-    let mut optim = AdamW::new(&model, &config.train).expect("optimizer");
+    let world = std::sync::Arc::new(lazarus_trainer::dist::World::single());
+    let mut optim = AdamW::new(&model, &config.train, world).expect("optimizer");
     let mut sampler =
         Sampler::new(&dataset.train, config.model.seq_len, config.run.seed).expect("sampler");
     let batch = config.train.micro_batch;

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use crate::config::{Config, ConfigError};
 use crate::data::{self, DataError, PrepareProgress};
+use crate::dist::World;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -169,11 +170,33 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 // candle's matmul and element-wise pools read this when they first start.
                 std::env::set_var("RAYON_NUM_THREADS", config.train.threads.to_string());
             }
+            let world = Arc::new(World::init(config.parallel.ep)?);
             let stop = Arc::new(AtomicBool::new(false));
             watch_signals(stop.clone());
-            let summary = crate::train::train(&config, stop, &metrics_dir, &mut std::io::stdout())?;
-            print_summary(&summary);
-            Ok(())
+            match crate::train::train(
+                &config,
+                world.clone(),
+                stop,
+                &metrics_dir,
+                &mut std::io::stdout(),
+            ) {
+                Ok(summary) => {
+                    if world.rank == 0 {
+                        print_summary(&summary);
+                    }
+                    Ok(())
+                }
+                Err(error) if world.size > 1 => {
+                    // The other ranks would wait for this one forever: end the whole job.
+                    eprintln!(
+                        "trainer: rank {} of {}: error: {error:#}",
+                        world.rank, world.size
+                    );
+                    world.abort(i32::from(exit_code(&error)));
+                    Err(error)
+                }
+                Err(error) => Err(error),
+            }
         }
     }
 }

@@ -36,6 +36,22 @@ pub struct Config {
     pub train: TrainConfig,
     pub data: DataConfig,
     pub checkpoint: CheckpointConfig,
+    #[serde(default)]
+    pub parallel: ParallelConfig,
+}
+
+/// How ranks split the work when launched under MPI (`mpiexec -n N`): the data-parallel size
+/// is N; expert-parallel groups of `ep` consecutive ranks split each layer's experts.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelConfig {
+    pub ep: usize,
+}
+
+impl Default for ParallelConfig {
+    fn default() -> Self {
+        Self { ep: 1 }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -137,6 +153,17 @@ impl Config {
         Ok(config)
     }
 
+    /// Checks the layout against the world it runs in: `ep` must divide the number of ranks.
+    pub fn validate_world(&self, ranks: usize) -> Result<(), ConfigError> {
+        if ranks % self.parallel.ep != 0 {
+            return Err(ConfigError::Invalid(format!(
+                "parallel.ep {} must divide the number of ranks {ranks}",
+                self.parallel.ep
+            )));
+        }
+        Ok(())
+    }
+
     /// Checks that the numbers describe a model and a run that can exist.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;
@@ -218,6 +245,13 @@ impl Config {
         require(
             t.log_every > 0 && t.val_every > 0 && t.val_batches > 0,
             "train.log_every, val_every and val_batches must be positive".into(),
+        );
+        require(
+            self.parallel.ep > 0 && m.experts % self.parallel.ep.max(1) == 0,
+            format!(
+                "parallel.ep {} must divide model.experts {}",
+                self.parallel.ep, m.experts
+            ),
         );
         require(
             self.checkpoint.every > 0,

@@ -1,11 +1,12 @@
-//! The trainer: data preparation, configuration and (being built) OLMoE-style MoE pretraining
-//! with checkpoints through the store library. `main.rs` is thin; everything lives here so
+//! The trainer: data preparation, configuration and OLMoE-style MoE pretraining, single-process
+//! or over MPI, with checkpoints through the store library. `main.rs` is thin; everything lives here so
 //! tests can call it.
 
 pub mod attention;
 pub mod cli;
 pub mod config;
 pub mod data;
+pub mod dist;
 pub mod experts;
 pub mod kernels;
 pub mod loss;

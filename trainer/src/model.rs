@@ -9,12 +9,15 @@
 //! their own backward; the router's softmax is composed of candle primitives.
 //! Matrices are stored `[in, out]` so a projection is `x.matmul(w)`.
 
+use std::sync::Arc;
+
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
 
 use crate::attention::CausalAttention;
 use crate::config::ModelConfig;
+use crate::dist::{Group, World};
 use crate::experts::{GroupedMatmul, Groups, SwiGlu};
 use crate::loss::LinearCrossEntropy;
 use crate::norm::RmsNorm;
@@ -47,6 +50,9 @@ pub struct Model {
     pub config: ModelConfig,
     pub device: Device,
     pub dtype: DType,
+    /// The ranks training this model together, when there are several: the router's
+    /// load-balancing shares are then summed over them.
+    pub world: Option<Arc<World>>,
     pub embed: Var,
     pub layers: Vec<Layer>,
     pub final_norm: Var,
@@ -175,6 +181,7 @@ impl Model {
             config: config.clone(),
             device,
             dtype,
+            world: None,
             embed,
             layers,
             final_norm,
@@ -362,10 +369,16 @@ impl Model {
             .broadcast_mul(&weights.unsqueeze(1)?)?;
         let out = x.zeros_like()?.index_add(&order, &result, 0)?;
         // Load balancing (Switch/Mixtral): experts x sum_e (share of assignments) x (mean prob).
-        let load: Vec<u64> = routed.iter().map(|r| r.len() as u64).collect();
+        // The shares are global: every rank routes its own tokens over all experts, and the
+        // load-balancing loss of the whole batch needs every rank's counts.
+        let local: Vec<u64> = routed.iter().map(|r| r.len() as u64).collect();
+        let (load, ranks) = match &self.world {
+            Some(world) if world.size > 1 => (world.sum_u64(Group::World, &local), world.size),
+            _ => (local, 1),
+        };
         let share: Vec<f64> = load
             .iter()
-            .map(|n| *n as f64 / (tokens * top_k) as f64)
+            .map(|n| *n as f64 / (tokens * ranks * top_k) as f64)
             .collect();
         let share = Tensor::from_vec(share, experts, &self.device)?.to_dtype(self.dtype)?;
         let mean_prob = probs.mean(0)?;

@@ -1,40 +1,68 @@
-//! AdamW over flat fp32 buffers, the learning-rate schedule and global-norm clipping.
+//! AdamW over flat fp32 buffers, sharded ZeRO-1 style and expert-parallel aware; the
+//! learning-rate schedule and global-norm clipping.
 //!
-//! Master weights, both moments and gradients live in contiguous `Vec<f32>`s laid out in
-//! [`Model::parameters`] order, each parameter a slice. A later sharded (ZeRO-1) optimizer owns
-//! sub-ranges of the same buffers. The update matches `torch.optim.AdamW`; reductions run in a
-//! fixed order, so a step is bit-reproducible.
+//! Every local parameter is a slice of one flat buffer: the dense parameters first, then this
+//! rank's experts. The dense range is split over all ranks and the expert range over the ranks
+//! that hold the same experts; each rank keeps the fp32 master weights and both moments of its
+//! shard only. An update reduce-scatters the gradients (summed in rank order), clips by the
+//! global norm, updates the shard, and all-gathers the weights back into the model. With one
+//! rank the shard is everything. The update matches `torch.optim.AdamW`, and every reduction
+//! has a fixed order, so a step is bit-reproducible for a given layout.
+
+use std::ops::Range;
+use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
 use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
 use crate::config::TrainConfig;
+use crate::dist::{even_bounds, Group, World};
 use crate::kernels::{adamw, AdamWStep};
 use crate::model::Model;
 
-/// Where one parameter lives in the flat buffers.
 /// Elements per parallel work item of the update (and per partial sum of the norm).
 const BLOCK: usize = 1 << 16;
 
+/// Where one parameter lives in the local flat buffer, and in its global tensor.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Slot {
     pub name: String,
+    /// Position in [`Model::parameters`].
+    pub index: usize,
     pub offset: usize,
     pub len: usize,
     pub shape: Vec<usize>,
     pub weight_decay: f64,
+    /// Elements of the whole tensor over all ranks (more than `len` for split experts).
+    pub global_len: usize,
+    /// Where this rank's part starts in the flattened whole tensor.
+    pub global_offset: usize,
 }
 
-/// Optimizer state: master weights and moments, flat.
+/// One sharded range of the flat buffer: its group, the split, and this rank's state.
 #[derive(Clone, Debug)]
-pub struct AdamW {
-    pub slots: Vec<Slot>,
+pub struct Shard {
+    pub group: Group,
+    /// Absolute flat offsets splitting the range, one per rank of the group and the end.
+    pub bounds: Vec<usize>,
+    /// This rank's part.
+    pub mine: Range<usize>,
     pub params: Vec<f32>,
     pub exp_avg: Vec<f32>,
     pub exp_avg_sq: Vec<f32>,
+}
+
+/// Optimizer state: this rank's shards of the master weights and moments.
+#[derive(Clone, Debug)]
+pub struct AdamW {
+    pub slots: Vec<Slot>,
+    pub shards: Vec<Shard>,
+    /// Elements of the local flat buffer.
+    pub len: usize,
     /// Updates applied so far (the bias-correction step).
     pub step: u64,
+    world: Arc<World>,
     /// The flat gradient of the last update, kept to reuse its memory.
     grads: Vec<f32>,
     beta1: f64,
@@ -61,35 +89,78 @@ pub fn learning_rate(config: &TrainConfig, step: u64) -> f64 {
         + 0.5 * (config.lr - config.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
 }
 
+fn is_expert(name: &str) -> bool {
+    name.contains(".expert_")
+}
+
 impl AdamW {
     /// State for `model`'s current weights. Norm weights get `norm_weight_decay`, everything
     /// else `weight_decay`.
-    pub fn new(model: &Model, config: &TrainConfig) -> Result<Self> {
+    pub fn new(model: &Model, config: &TrainConfig, world: Arc<World>) -> Result<Self> {
+        let parameters = model.parameters();
         let mut slots = Vec::new();
-        let mut params = Vec::new();
-        for (name, var) in model.parameters() {
-            let values: Vec<f32> = var.flatten_all()?.to_vec1()?;
-            let weight_decay = if name.ends_with("norm") {
-                config.norm_weight_decay
-            } else {
-                config.weight_decay
-            };
-            slots.push(Slot {
-                name,
-                offset: params.len(),
-                len: values.len(),
-                shape: var.dims().to_vec(),
-                weight_decay,
-            });
-            params.extend(values);
+        let mut flat = Vec::new();
+        // Dense parameters first, then this rank's experts: two contiguous ranges.
+        for experts in [false, true] {
+            for (index, (name, var)) in parameters.iter().enumerate() {
+                if is_expert(name) != experts {
+                    continue;
+                }
+                let values: Vec<f32> = var.flatten_all()?.to_vec1()?;
+                let weight_decay = if name.ends_with("norm") {
+                    config.norm_weight_decay
+                } else {
+                    config.weight_decay
+                };
+                let (global_len, global_offset) = if experts {
+                    (values.len() * world.ep, values.len() * world.ep_rank())
+                } else {
+                    (values.len(), 0)
+                };
+                slots.push(Slot {
+                    name: name.clone(),
+                    index,
+                    offset: flat.len(),
+                    len: values.len(),
+                    shape: var.dims().to_vec(),
+                    weight_decay,
+                    global_len,
+                    global_offset,
+                });
+                flat.extend(values);
+            }
         }
-        let zeros = vec![0.0; params.len()];
+        let dense_len = slots
+            .iter()
+            .filter(|s| !is_expert(&s.name))
+            .map(|s| s.len)
+            .sum::<usize>();
+        let mut shards = Vec::new();
+        for (group, range) in [
+            (Group::World, 0..dense_len),
+            (Group::ExpertData, dense_len..flat.len()),
+        ] {
+            let (me, size) = world.position(group);
+            let bounds: Vec<usize> = even_bounds(range.len(), size)
+                .into_iter()
+                .map(|b| range.start + b)
+                .collect();
+            let mine = bounds[me]..bounds[me + 1];
+            shards.push(Shard {
+                group,
+                params: flat[mine.clone()].to_vec(),
+                exp_avg: vec![0.0; mine.len()],
+                exp_avg_sq: vec![0.0; mine.len()],
+                bounds,
+                mine,
+            });
+        }
         Ok(Self {
             slots,
-            exp_avg: zeros.clone(),
-            exp_avg_sq: zeros,
-            params,
+            shards,
+            len: flat.len(),
             step: 0,
+            world,
             grads: Vec::new(),
             beta1: config.beta1,
             beta2: config.beta2,
@@ -98,36 +169,75 @@ impl AdamW {
         })
     }
 
-    /// Bytes of optimizer state (master weights and both moments).
+    /// Bytes of optimizer state this rank holds (its shards of the master weights and both
+    /// moments).
     pub fn state_bytes(&self) -> u64 {
-        3 * 4 * self.params.len() as u64
+        self.shards.iter().map(|s| 12 * s.mine.len() as u64).sum()
+    }
+
+    /// What ZeRO-1 predicts per rank: 12 bytes per dense parameter over all ranks, plus 12 per
+    /// local expert parameter over the ranks that hold the same experts.
+    pub fn predicted_state_bytes(&self) -> f64 {
+        self.shards
+            .iter()
+            .map(|s| {
+                let (_, size) = self.world.position(s.group);
+                12.0 * (s.bounds[s.bounds.len() - 1] - s.bounds[0]) as f64 / size as f64
+            })
+            .sum()
+    }
+
+    /// For each slot overlapping `shard`'s part: the slot and the overlap (absolute offsets).
+    pub fn pieces<'a>(
+        &'a self,
+        shard: &'a Shard,
+    ) -> impl Iterator<Item = (&'a Slot, Range<usize>)> + 'a {
+        self.slots.iter().filter_map(move |slot| {
+            let start = slot.offset.max(shard.mine.start);
+            let end = (slot.offset + slot.len).min(shard.mine.end);
+            (start < end).then_some((slot, start..end))
+        })
     }
 
     /// Clips the gradients to `grad_clip` by global norm, applies one AdamW update at `lr`, and
     /// writes the new weights into the model.
     pub fn update(&mut self, model: &Model, grads: &GradStore, lr: f64) -> Result<UpdateStats> {
+        let parameters = model.parameters();
         let mut flat = std::mem::take(&mut self.grads);
         flat.clear();
-        for (slot, (name, var)) in self.slots.iter().zip(model.parameters()) {
-            debug_assert_eq!(slot.name, name);
-            match grads.get(var) {
+        for slot in &self.slots {
+            match grads.get(parameters[slot.index].1) {
                 Some(grad) => flat.extend(grad.flatten_all()?.to_vec1::<f32>()?),
                 None => flat.extend(std::iter::repeat_n(0.0, slot.len)),
             }
         }
-        // Fixed-size blocks summed in order: the same norm whatever the thread count.
-        let grad_norm = flat
-            .par_chunks(BLOCK)
-            .map(|block| {
-                block
+        let shard_grads: Vec<Vec<f32>> = self
+            .shards
+            .iter()
+            .map(|s| {
+                let range = s.bounds[0]..s.bounds[s.bounds.len() - 1];
+                let relative: Vec<usize> = s.bounds.iter().map(|b| b - range.start).collect();
+                self.world.reduce_scatter(s.group, &flat[range], &relative)
+            })
+            .collect();
+        // Fixed-size blocks summed in order, then ranks in order: the same norm whatever the
+        // thread count.
+        let local_sq: f64 = shard_grads
+            .iter()
+            .map(|g| {
+                g.par_chunks(BLOCK)
+                    .map(|block| {
+                        block
+                            .iter()
+                            .map(|g| f64::from(*g) * f64::from(*g))
+                            .sum::<f64>()
+                    })
+                    .collect::<Vec<f64>>()
                     .iter()
-                    .map(|g| f64::from(*g) * f64::from(*g))
                     .sum::<f64>()
             })
-            .collect::<Vec<f64>>()
-            .iter()
-            .sum::<f64>()
-            .sqrt();
+            .sum();
+        let grad_norm = self.world.sum_f64(Group::World, &[local_sq])[0].sqrt();
         let scale = if grad_norm > self.grad_clip {
             self.grad_clip / (grad_norm + 1e-6)
         } else {
@@ -137,25 +247,33 @@ impl AdamW {
         let correction1 = 1.0 - self.beta1.powi(self.step as i32);
         let correction2_sqrt = (1.0 - self.beta2.powi(self.step as i32)).sqrt();
         let step_size = lr / correction1;
-        for slot in &self.slots {
-            let decay = 1.0 - lr * slot.weight_decay;
-            let range = slot.offset..slot.offset + slot.len;
-            let constants = AdamWStep {
-                beta1: self.beta1 as f32,
-                beta2: self.beta2 as f32,
-                eps: self.eps as f32,
-                grad_scale: scale as f32,
-                decay: decay as f32,
-                step_size: step_size as f32,
-                correction2_sqrt: correction2_sqrt as f32,
-            };
-            self.params[range.clone()]
-                .par_chunks_mut(BLOCK)
-                .zip(self.exp_avg[range.clone()].par_chunks_mut(BLOCK))
-                .zip(self.exp_avg_sq[range.clone()].par_chunks_mut(BLOCK))
-                .zip(flat[range].par_chunks(BLOCK))
-                .for_each(|(((params, m), v), grads)| adamw(constants, params, m, v, grads));
+        let (beta1, beta2, eps) = (self.beta1, self.beta2, self.eps);
+        let mut shards = std::mem::take(&mut self.shards);
+        for (shard, grads) in shards.iter_mut().zip(&shard_grads) {
+            let pieces: Vec<(f64, Range<usize>)> = self
+                .pieces(shard)
+                .map(|(slot, range)| (slot.weight_decay, range))
+                .collect();
+            for (weight_decay, range) in pieces {
+                let local = range.start - shard.mine.start..range.end - shard.mine.start;
+                let constants = AdamWStep {
+                    beta1: beta1 as f32,
+                    beta2: beta2 as f32,
+                    eps: eps as f32,
+                    grad_scale: scale as f32,
+                    decay: (1.0 - lr * weight_decay) as f32,
+                    step_size: step_size as f32,
+                    correction2_sqrt: correction2_sqrt as f32,
+                };
+                shard.params[local.clone()]
+                    .par_chunks_mut(BLOCK)
+                    .zip(shard.exp_avg[local.clone()].par_chunks_mut(BLOCK))
+                    .zip(shard.exp_avg_sq[local.clone()].par_chunks_mut(BLOCK))
+                    .zip(grads[local].par_chunks(BLOCK))
+                    .for_each(|(((params, m), v), grads)| adamw(constants, params, m, v, grads));
+            }
         }
+        self.shards = shards;
         self.grads = flat;
         self.write_to(model)?;
         Ok(UpdateStats {
@@ -164,11 +282,19 @@ impl AdamW {
         })
     }
 
-    /// Copies the master weights into the model's variables.
+    /// Gathers the master weights from every shard and copies them into the model.
     pub fn write_to(&self, model: &Model) -> Result<()> {
-        for (slot, (_, var)) in self.slots.iter().zip(model.parameters()) {
-            let values = &self.params[slot.offset..slot.offset + slot.len];
-            var.set(
+        let mut flat = vec![0f32; self.len];
+        for shard in &self.shards {
+            let range = shard.bounds[0]..shard.bounds[shard.bounds.len() - 1];
+            let relative: Vec<usize> = shard.bounds.iter().map(|b| b - range.start).collect();
+            let whole = self.world.all_gather(shard.group, &shard.params, &relative);
+            flat[range].copy_from_slice(&whole);
+        }
+        let parameters = model.parameters();
+        for slot in &self.slots {
+            let values = &flat[slot.offset..slot.offset + slot.len];
+            parameters[slot.index].1.set(
                 &Tensor::from_slice(values, slot.shape.as_slice(), &model.device)?
                     .to_dtype(model.dtype)?,
             )?;
@@ -206,7 +332,7 @@ mod tests {
         config.model = crate::model::tests::small_config(1, 1);
         config.train.grad_clip = 1e9;
         let model = Model::new(&config.model, 1, candle_core::DType::F32).unwrap();
-        let mut optim = AdamW::new(&model, &config.train).unwrap();
+        let mut optim = AdamW::new(&model, &config.train, Arc::new(World::single())).unwrap();
         let tokens: Vec<u32> = (0..14).map(|i| i % 40).collect();
         let grads = model.forward(&tokens, 2).unwrap().loss.backward().unwrap();
         let slot = optim
@@ -215,7 +341,7 @@ mod tests {
             .find(|s| s.name == "lm_head")
             .unwrap()
             .clone();
-        let before = optim.params[slot.offset];
+        let before = optim.shards[0].params[slot.offset];
         let g = f64::from(
             grads
                 .get(&model.lm_head)
@@ -229,15 +355,12 @@ mod tests {
         // Step 1: m = (1-b1) g, v = (1-b2) g^2; corrected m/sqrt(v) = g/|g|.
         let expected = f64::from(before) * (1.0 - 0.1 * config.train.weight_decay)
             - 0.1 * g / (g.abs() + config.train.eps);
+        let after = optim.shards[0].params[slot.offset];
         assert!(
-            (f64::from(optim.params[slot.offset]) - expected).abs() < 1e-6,
-            "{} vs {expected}",
-            optim.params[slot.offset]
+            (f64::from(after) - expected).abs() < 1e-6,
+            "{after} vs {expected}"
         );
         let in_model: Vec<f32> = model.lm_head.flatten_all().unwrap().to_vec1().unwrap();
-        assert_eq!(
-            in_model[0], optim.params[slot.offset],
-            "the model holds the master weight"
-        );
+        assert_eq!(in_model[0], after, "the model holds the master weight");
     }
 }

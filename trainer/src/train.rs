@@ -17,7 +17,7 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use candle_core::{DType, Tensor};
-use lazarus_shared::format::DType as StoredDType;
+use lazarus_shared::format::{DType as StoredDType, DimRange};
 use lazarus_shared::hf_olmoe;
 use lazarus_shared::store::{
     DeltaBases, OpenMode, RunStore, ShardInput, Store, StoreOptions, TensorData,
@@ -27,8 +27,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
 use crate::data::{Dataset, Sampler};
+use crate::dist::{Group, World};
 use crate::model::Model;
-use crate::optim::{learning_rate, AdamW};
+use crate::optim::{learning_rate, AdamW, Slot};
 
 /// Bad configuration or a run that must not be touched (exit 2).
 #[derive(Debug, thiserror::Error)]
@@ -110,23 +111,31 @@ fn bytes_to_floats(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// The checkpoint tensors: per parameter its weight and both moments.
+/// This rank's checkpoint tensors: for each parameter its weight and both moments, each
+/// stored flattened as a 1-D global tensor of which this rank writes the slice its optimizer
+/// shard holds. Any layout can read any other layout's slices back by region.
 fn checkpoint_tensors(optim: &AdamW) -> Vec<TensorData> {
-    let mut tensors = Vec::with_capacity(3 * optim.slots.len());
-    for slot in &optim.slots {
-        let range = slot.offset..slot.offset + slot.len;
-        let shape: Vec<u64> = slot.shape.iter().map(|d| *d as u64).collect();
-        for (suffix, buffer) in [
-            ("", &optim.params),
-            (".exp_avg", &optim.exp_avg),
-            (".exp_avg_sq", &optim.exp_avg_sq),
-        ] {
-            tensors.push(TensorData::whole(
-                format!("{}{suffix}", slot.name),
-                StoredDType::F32,
-                shape.clone(),
-                floats_to_bytes(&buffer[range.clone()]),
-            ));
+    let mut tensors = Vec::new();
+    for shard in &optim.shards {
+        for (slot, range) in optim.pieces(shard) {
+            let local = range.start - shard.mine.start..range.end - shard.mine.start;
+            let slice = vec![DimRange {
+                start: (slot.global_offset + range.start - slot.offset) as u64,
+                len: range.len() as u64,
+            }];
+            for (suffix, buffer) in [
+                ("", &shard.params),
+                (".exp_avg", &shard.exp_avg),
+                (".exp_avg_sq", &shard.exp_avg_sq),
+            ] {
+                tensors.push(TensorData {
+                    name: format!("{}{suffix}", slot.name),
+                    dtype: StoredDType::F32,
+                    global_shape: vec![slot.global_len as u64],
+                    slice: slice.clone(),
+                    data: floats_to_bytes(&buffer[local.clone()]),
+                });
+            }
         }
     }
     tensors
@@ -134,6 +143,7 @@ fn checkpoint_tensors(optim: &AdamW) -> Vec<TensorData> {
 
 /// Holds the training state and the things it reads and writes.
 struct Session {
+    world: Arc<World>,
     config: Config,
     model: Model,
     optim: AdamW,
@@ -144,28 +154,41 @@ struct Session {
 }
 
 impl Session {
+    /// Every rank writes its shard manifest; once all are durable, rank 0 writes the commit.
     fn checkpoint(&mut self) -> Result<u64> {
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
         let key = StepKey::new(self.state.step, timeline);
         let tensors = checkpoint_tensors(&self.optim);
-        let blob = Bytes::from(serde_json::to_vec(&self.state)?);
-        let input = ShardInput {
-            step: key,
-            rank: 0,
-            world_size: 1,
-            tensors: tensors.clone(),
-            blobs: vec![
-                ("trainer.json".into(), blob),
+        let blobs = if self.world.rank == 0 {
+            vec![
+                (
+                    "trainer.json".into(),
+                    Bytes::from(serde_json::to_vec(&self.state)?),
+                ),
                 (
                     hf_olmoe::MODEL_BLOB.into(),
                     Bytes::from(serde_json::to_vec(&self.config.model)?),
                 ),
-            ],
+            ]
+        } else {
+            Vec::new()
+        };
+        let input = ShardInput {
+            step: key,
+            rank: self.world.rank as u32,
+            world_size: self.world.size as u32,
+            tensors: tensors.clone(),
+            blobs,
         };
         let manifest =
             self.runtime
                 .block_on(self.run.write_shard(input, self.bases.as_ref(), &()))?;
-        self.runtime.block_on(self.run.commit(key, 1))?;
+        self.world.barrier();
+        if self.world.rank == 0 {
+            self.runtime
+                .block_on(self.run.commit(key, self.world.size as u32))?;
+        }
+        self.world.barrier();
         let mut bases = DeltaBases::default();
         for (tensor, entry) in tensors.into_iter().zip(&manifest.tensors) {
             bases.insert(tensor.name, tensor.data, entry.chunks.clone());
@@ -174,7 +197,9 @@ impl Session {
         Ok(self.state.step)
     }
 
-    /// Loads the latest committed step into the model and optimizer, if the run has one.
+    /// Loads the latest committed step into the model and optimizer, if the run has one. Each
+    /// rank reads the regions of the flattened tensors its shards cover, whatever layout wrote
+    /// them.
     fn resume(&mut self) -> Result<Option<u64>> {
         let Some(latest) = self.runtime.block_on(self.run.latest())? else {
             return Ok(None);
@@ -186,37 +211,48 @@ impl Session {
                 .block_on(checkpoint.read_blob(0, "trainer.json"))?,
         )
         .context("trainer.json in the checkpoint")?;
-        let mut bases = DeltaBases::default();
-        let manifest = checkpoint.manifest(0)?.clone();
-        for slot in self.optim.slots.clone() {
-            let range = slot.offset..slot.offset + slot.len;
-            for (suffix, target) in [("", 0), (".exp_avg", 1), (".exp_avg_sq", 2)] {
-                let name = format!("{}{suffix}", slot.name);
-                let bytes = self
-                    .runtime
-                    .block_on(checkpoint.read_shard_tensor(0, &name, &()))?;
-                let values = bytes_to_floats(&bytes);
-                if values.len() != slot.len {
-                    bail!(RefusedRun(format!(
-                        "checkpoint tensor {name} has {} values, the model needs {}",
-                        values.len(),
-                        slot.len
-                    )));
-                }
-                let buffer = match target {
-                    0 => &mut self.optim.params,
-                    1 => &mut self.optim.exp_avg,
-                    _ => &mut self.optim.exp_avg_sq,
-                };
-                buffer[range.clone()].copy_from_slice(&values);
-                if let Some(entry) = manifest.tensor(&name) {
-                    bases.insert(name, Bytes::from(bytes), entry.chunks.clone());
+        let mut shards = std::mem::take(&mut self.optim.shards);
+        for shard in &mut shards {
+            let pieces: Vec<(Slot, std::ops::Range<usize>)> = self
+                .optim
+                .pieces(shard)
+                .map(|(slot, range)| (slot.clone(), range))
+                .collect();
+            for (slot, range) in pieces {
+                let local = range.start - shard.mine.start..range.end - shard.mine.start;
+                for suffix in ["", ".exp_avg", ".exp_avg_sq"] {
+                    let name = format!("{}{suffix}", slot.name);
+                    let info = checkpoint.tensor_info(&name).ok_or_else(|| {
+                        RefusedRun(format!("the checkpoint has no tensor {name}"))
+                    })?;
+                    if info.global_shape != [slot.global_len as u64] {
+                        bail!(RefusedRun(format!(
+                            "checkpoint tensor {name} has shape {:?}; this trainer stores it flattened as [{}] (was the step written by an older trainer?)",
+                            info.global_shape, slot.global_len
+                        )));
+                    }
+                    let region = [DimRange {
+                        start: (slot.global_offset + range.start - slot.offset) as u64,
+                        len: range.len() as u64,
+                    }];
+                    let bytes =
+                        self.runtime
+                            .block_on(checkpoint.read_region(&name, &region, &()))?;
+                    let values = bytes_to_floats(&bytes);
+                    let buffer = match suffix {
+                        "" => &mut shard.params,
+                        ".exp_avg" => &mut shard.exp_avg,
+                        _ => &mut shard.exp_avg_sq,
+                    };
+                    buffer[local.clone()].copy_from_slice(&values);
                 }
             }
         }
+        self.optim.shards = shards;
         self.optim.step = state.optimizer_step;
         self.optim.write_to(&self.model)?;
-        self.bases = Some(bases);
+        // Delta bases only where this rank wrote the same slices before.
+        self.bases = None;
         self.state = state;
         Ok(Some(latest.step))
     }
@@ -245,10 +281,22 @@ impl Session {
 /// Trains until `config.train.steps` or until `stop` is raised (then checkpoints and returns).
 pub fn train(
     config: &Config,
+    world: Arc<World>,
     stop: Arc<AtomicBool>,
     metrics_dir: &Path,
     log: &mut dyn Write,
 ) -> Result<Summary> {
+    config
+        .validate_world(world.size)
+        .map_err(|e| RefusedRun(e.to_string()))?;
+    if world.ep > 1 {
+        bail!(RefusedRun(
+            "parallel.ep > 1 (expert parallelism) is not built yet; run with parallel.ep=1".into()
+        ));
+    }
+    // Rank 0 speaks for the job; the others log nothing.
+    let mut quiet = std::io::sink();
+    let log: &mut dyn Write = if world.rank == 0 { log } else { &mut quiet };
     let dataset = Dataset::open(Path::new(&config.data.path))?;
     if dataset.index.vocab_size > config.model.vocab_size {
         bail!(RefusedRun(format!(
@@ -291,17 +339,27 @@ pub fn train(
     if existing.is_some() && config.checkpoint.resume == "never" {
         bail!(RefusedRun(format!("run {run_id} already has checkpoints in {url}; refusing to overwrite them (use checkpoint.resume=auto, or another run.id)")));
     }
+    // Rank 0 creates the run; the others read it once it exists.
+    if world.rank == 0 {
+        runtime.block_on(run.create(description.clone()))?;
+    }
+    world.barrier();
     let info = runtime.block_on(run.create(description.clone()))?;
     if info.description.get("model") != description.get("model") {
         bail!(RefusedRun(format!(
             "run {run_id} in {url} was created for a different model; choose another run.id"
         )));
     }
-    let model = Model::new(&config.model, config.run.seed, DType::F32)?;
-    let optim = AdamW::new(&model, &config.train)?;
-    let parameters = optim.params.len();
+    let mut model = Model::new(&config.model, config.run.seed, DType::F32)?;
+    if world.size > 1 {
+        model.world = Some(world.clone());
+    }
+    let optim = AdamW::new(&model, &config.train, world.clone())?;
+    let parameters = optim.len;
     let optimizer_bytes = optim.state_bytes();
+    let predicted_bytes = optim.predicted_state_bytes();
     let mut session = Session {
+        world: world.clone(),
         config: config.clone(),
         model,
         optim,
@@ -328,14 +386,27 @@ pub fn train(
             .map(|s| format!(", resumed from step {s}"))
             .unwrap_or_default()
     )?;
+    if world.size > 1 {
+        writeln!(
+            log,
+            "{} ranks (data parallel {}, expert parallel {}): optimizer state {} bytes per rank on rank 0, ZeRO-1 predicts {:.0}",
+            world.size, world.size, world.ep, optimizer_bytes, predicted_bytes
+        )?;
+    }
     let metrics_path = metrics_dir.join(run_id.as_str()).join("metrics.jsonl");
     std::fs::create_dir_all(metrics_path.parent().expect("has a parent"))
         .with_context(|| format!("creating {}", metrics_path.display()))?;
-    let mut metrics = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&metrics_path)
-        .with_context(|| format!("opening {}", metrics_path.display()))?;
+    let mut metrics: Box<dyn Write> = if world.rank == 0 {
+        Box::new(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&metrics_path)
+                .with_context(|| format!("opening {}", metrics_path.display()))?,
+        )
+    } else {
+        Box::new(std::io::sink())
+    };
     let batch = config.train.micro_batch;
     let first_step = session.state.step + 1;
     let mut losses = Vec::new();
@@ -351,16 +422,41 @@ pub fn train(
     }
     let mut phase_seconds = [0f64; 3];
     while session.state.step < config.train.steps {
-        if stop.load(Ordering::Relaxed) {
+        // Every rank stops at the same step, whichever of them saw the signal first.
+        let stop_requested = if world.size > 1 {
+            world.sum_u64(Group::World, &[u64::from(stop.load(Ordering::Relaxed))])[0] > 0
+        } else {
+            stop.load(Ordering::Relaxed)
+        };
+        if stop_requested {
             stopped_by_signal = true;
             break;
         }
         let step = session.state.step + 1;
+        // This rank's part of the global batch: the same global sample order for any N.
+        let first_sample = session.state.samples_seen + (world.rank * batch) as u64;
         let tokens: Vec<u32> = (0..batch)
-            .flat_map(|i| sampler.sample(&dataset.train, session.state.samples_seen + i as u64))
+            .flat_map(|i| sampler.sample(&dataset.train, first_sample + i as u64))
             .collect();
         let timer = Instant::now();
-        let forward = session.model.forward(&tokens, batch)?;
+        let mut forward = session.model.forward(&tokens, batch)?;
+        if world.size > 1 {
+            // Each rank's mean over its tokens, over N: the gradients, summed over ranks, are
+            // those of the mean over the global batch; so are the reported losses.
+            forward.loss = (forward.loss * (1.0 / world.size as f64))?;
+            let local = [
+                forward.cross_entropy,
+                forward.load_balancing,
+                forward.router_z,
+            ]
+            .map(|v| v / world.size as f64);
+            let global = world.sum_f64(Group::World, &local);
+            (
+                forward.cross_entropy,
+                forward.load_balancing,
+                forward.router_z,
+            ) = (global[0], global[1], global[2]);
+        }
         phase_seconds[0] += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
         let grads = forward.loss.backward()?;
@@ -370,14 +466,18 @@ pub fn train(
         let update = session.optim.update(&session.model, &grads, lr)?;
         phase_seconds[2] += timer.elapsed().as_secs_f64();
         window_steps += 1;
-        let loss = forward.loss.to_scalar::<f32>()? as f64;
+        let loss = if world.size > 1 {
+            world.sum_f64(Group::World, &[forward.loss.to_scalar::<f32>()? as f64])[0]
+        } else {
+            forward.loss.to_scalar::<f32>()? as f64
+        };
         session.state = TrainerState {
             step,
-            samples_seen: session.state.samples_seen + batch as u64,
+            samples_seen: session.state.samples_seen + (batch * world.size) as u64,
             optimizer_step: session.optim.step,
         };
         losses.push((step, loss));
-        window_tokens += batch * seq;
+        window_tokens += batch * seq * world.size;
         if !loss.is_finite() {
             bail!("the loss became {loss} at step {step}; lower train.lr or check the data");
         }

@@ -1,0 +1,302 @@
+//! The training world: one process, or N ranks under MPI (`mpiexec -n N`, or `srun` with
+//! pmi2), laid out as data parallel x expert parallel.
+//!
+//! Rank `r` is in expert-parallel group `r / ep` at slot `r % ep`; the ranks with the same slot
+//! hold the same experts and form the expert-data-parallel group. Every collective here is
+//! deterministic by construction: sums are taken by each rank over all contributions in rank
+//! order, never by MPI's reduction trees, so a given layout reproduces bit for bit.
+//!
+//! Launched without MPI, the world is a single rank and every collective is the identity.
+
+use mpi::datatype::{Partition, PartitionMut};
+use mpi::environment::Universe;
+use mpi::topology::{Color, SimpleCommunicator};
+use mpi::traits::*;
+use mpi::Count;
+
+/// Which ranks a collective spans.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Group {
+    /// Every rank.
+    World,
+    /// The ranks of this rank's expert-parallel group (they split the experts).
+    Expert,
+    /// The ranks that hold the same experts as this rank.
+    ExpertData,
+}
+
+struct Comms {
+    world: SimpleCommunicator,
+    expert: SimpleCommunicator,
+    expert_data: SimpleCommunicator,
+}
+
+/// This process's place in the training world.
+pub struct World {
+    pub rank: usize,
+    pub size: usize,
+    /// Ranks per expert-parallel group.
+    pub ep: usize,
+    comms: Option<Comms>,
+    // Dropped last: finalizes MPI after the communicators are freed.
+    _universe: Option<Universe>,
+}
+
+impl std::fmt::Debug for World {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("World")
+            .field("rank", &self.rank)
+            .field("size", &self.size)
+            .field("ep", &self.ep)
+            .field("mpi", &self.comms.is_some())
+            .finish()
+    }
+}
+
+/// Whether an MPI launcher (MPICH's hydra, Slurm's pmi2, PMIx) started this process.
+pub fn launched_by_mpi() -> bool {
+    ["PMI_RANK", "PMI_FD", "PMIX_RANK", "PMI_SIZE"]
+        .iter()
+        .any(|name| std::env::var_os(name).is_some())
+}
+
+fn count(n: usize) -> Count {
+    Count::try_from(n).expect("an MPI message of more than 2^31 elements")
+}
+
+fn displacements(counts: &[Count]) -> Vec<Count> {
+    counts
+        .iter()
+        .scan(0, |next, c| {
+            let at = *next;
+            *next += c;
+            Some(at)
+        })
+        .collect()
+}
+
+impl World {
+    /// A world of one rank.
+    pub fn single() -> Self {
+        Self {
+            rank: 0,
+            size: 1,
+            ep: 1,
+            comms: None,
+            _universe: None,
+        }
+    }
+
+    /// Joins the MPI world if an MPI launcher started this process, else a world of one.
+    /// `ep` must divide the number of ranks (checked by the caller's config validation).
+    pub fn init(ep: usize) -> anyhow::Result<Self> {
+        if !launched_by_mpi() {
+            return Ok(Self::single());
+        }
+        let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Funneled)
+            .ok_or_else(|| anyhow::anyhow!("MPI was already initialised"))?;
+        let world = universe.world();
+        let (rank, size) = (world.rank() as usize, world.size() as usize);
+        let ep = ep.max(1);
+        let expert = world
+            .split_by_color(Color::with_value((rank / ep) as i32))
+            .ok_or_else(|| anyhow::anyhow!("splitting the expert-parallel groups failed"))?;
+        let expert_data = world
+            .split_by_color(Color::with_value((rank % ep) as i32))
+            .ok_or_else(|| anyhow::anyhow!("splitting the expert-data-parallel groups failed"))?;
+        Ok(Self {
+            rank,
+            size,
+            ep,
+            comms: Some(Comms {
+                world,
+                expert,
+                expert_data,
+            }),
+            _universe: Some(universe),
+        })
+    }
+
+    pub fn is_mpi(&self) -> bool {
+        self.comms.is_some()
+    }
+
+    /// This rank's slot in its expert-parallel group (which experts it holds).
+    pub fn ep_rank(&self) -> usize {
+        self.rank % self.ep
+    }
+
+    /// This rank's index among the ranks that hold the same experts.
+    pub fn edp_rank(&self) -> usize {
+        self.rank / self.ep
+    }
+
+    /// `(my index, size)` within a group.
+    pub fn position(&self, group: Group) -> (usize, usize) {
+        match group {
+            Group::World => (self.rank, self.size),
+            Group::Expert => (self.ep_rank(), self.ep),
+            Group::ExpertData => (self.edp_rank(), self.size / self.ep),
+        }
+    }
+
+    fn comm(&self, group: Group) -> Option<&SimpleCommunicator> {
+        self.comms.as_ref().map(|c| match group {
+            Group::World => &c.world,
+            Group::Expert => &c.expert,
+            Group::ExpertData => &c.expert_data,
+        })
+    }
+
+    pub fn barrier(&self) {
+        if let Some(comm) = self.comm(Group::World) {
+            comm.barrier();
+        }
+    }
+
+    /// Ends every rank of the job with `code` (MPI_Abort); a no-op outside MPI.
+    pub fn abort(&self, code: i32) {
+        if let Some(comm) = self.comm(Group::World) {
+            comm.abort(code);
+        }
+    }
+
+    /// Every rank's `values` (all the same length), concatenated in rank order.
+    pub fn all_gather_f64(&self, group: Group, values: &[f64]) -> Vec<f64> {
+        let Some(comm) = self.comm(group) else {
+            return values.to_vec();
+        };
+        let mut out = vec![0f64; values.len() * comm.size() as usize];
+        comm.all_gather_into(values, &mut out[..]);
+        out
+    }
+
+    /// The element-wise sum of every rank's `values`, added in rank order.
+    pub fn sum_f64(&self, group: Group, values: &[f64]) -> Vec<f64> {
+        let gathered = self.all_gather_f64(group, values);
+        let mut sum = vec![0f64; values.len()];
+        for contribution in gathered.chunks(values.len().max(1)) {
+            for (total, value) in sum.iter_mut().zip(contribution) {
+                *total += value;
+            }
+        }
+        sum
+    }
+
+    /// The element-wise sum of every rank's `values` (integers, exact).
+    pub fn sum_u64(&self, group: Group, values: &[u64]) -> Vec<u64> {
+        let Some(comm) = self.comm(group) else {
+            return values.to_vec();
+        };
+        let mut gathered = vec![0u64; values.len() * comm.size() as usize];
+        comm.all_gather_into(values, &mut gathered[..]);
+        let mut sum = vec![0u64; values.len()];
+        for contribution in gathered.chunks(values.len().max(1)) {
+            for (total, value) in sum.iter_mut().zip(contribution) {
+                *total += value;
+            }
+        }
+        sum
+    }
+
+    /// Reduce-scatter in a fixed order: `data` is this rank's full vector, split at `bounds`
+    /// (one more than the group's size); returns the sum over the group's ranks of this rank's
+    /// piece, each element added in rank order.
+    pub fn reduce_scatter(&self, group: Group, data: &[f32], bounds: &[usize]) -> Vec<f32> {
+        let (me, size) = self.position(group);
+        assert_eq!(bounds.len(), size + 1, "one bound per rank and the end");
+        let Some(comm) = self.comm(group) else {
+            return data[bounds[0]..bounds[1]].to_vec();
+        };
+        let mine = bounds[me + 1] - bounds[me];
+        let send_counts: Vec<Count> = bounds.windows(2).map(|w| count(w[1] - w[0])).collect();
+        let send_displs: Vec<Count> = bounds.iter().take(size).map(|b| count(*b)).collect();
+        let recv_counts = vec![count(mine); size];
+        let recv_displs = displacements(&recv_counts);
+        let mut received = vec![0f32; mine * size];
+        {
+            let send = Partition::new(&data[..bounds[size]], &send_counts[..], &send_displs[..]);
+            let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
+            comm.all_to_all_varcount_into(&send, &mut recv);
+        }
+        let mut sum = vec![0f32; mine];
+        for contribution in received.chunks(mine.max(1)) {
+            for (total, value) in sum.iter_mut().zip(contribution) {
+                *total += value;
+            }
+        }
+        sum
+    }
+
+    /// All-gather of pieces split at `bounds`: every rank gets the whole vector.
+    pub fn all_gather(&self, group: Group, piece: &[f32], bounds: &[usize]) -> Vec<f32> {
+        let (me, size) = self.position(group);
+        assert_eq!(bounds.len(), size + 1, "one bound per rank and the end");
+        assert_eq!(
+            piece.len(),
+            bounds[me + 1] - bounds[me],
+            "this rank's piece"
+        );
+        let Some(comm) = self.comm(group) else {
+            return piece.to_vec();
+        };
+        let counts: Vec<Count> = bounds.windows(2).map(|w| count(w[1] - w[0])).collect();
+        let displs: Vec<Count> = bounds.iter().take(size).map(|b| count(*b)).collect();
+        let mut out = vec![0f32; bounds[size]];
+        {
+            let mut recv = PartitionMut::new(&mut out[..], &counts[..], &displs[..]);
+            comm.all_gather_varcount_into(piece, &mut recv);
+        }
+        out
+    }
+
+    /// Variable all-to-all of f32 within a group: `send` holds the parts for rank 0, 1, ...
+    /// back to back, `send_counts[i]` elements for rank `i`; returns what each rank sent here,
+    /// in rank order, with the counts received from each.
+    pub fn all_to_all_v(
+        &self,
+        group: Group,
+        send: &[f32],
+        send_counts: &[usize],
+    ) -> (Vec<f32>, Vec<usize>) {
+        let Some(comm) = self.comm(group) else {
+            return (send.to_vec(), send_counts.to_vec());
+        };
+        let size = comm.size() as usize;
+        assert_eq!(send_counts.len(), size);
+        let counts: Vec<Count> = send_counts.iter().map(|c| count(*c)).collect();
+        let mut recv_counts = vec![0 as Count; size];
+        comm.all_to_all_into(&counts[..], &mut recv_counts[..]);
+        let send_displs = displacements(&counts);
+        let recv_displs = displacements(&recv_counts);
+        let total: usize = recv_counts.iter().map(|c| *c as usize).sum();
+        let mut received = vec![0f32; total];
+        {
+            let send = Partition::new(send, &counts[..], &send_displs[..]);
+            let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
+            comm.all_to_all_varcount_into(&send, &mut recv);
+        }
+        (received, recv_counts.iter().map(|c| *c as usize).collect())
+    }
+}
+
+/// `parts` nearly equal contiguous ranges of `0..len`, as `parts + 1` bounds.
+pub fn even_bounds(len: usize, parts: usize) -> Vec<usize> {
+    (0..=parts).map(|i| len * i / parts).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_single_world_makes_every_collective_the_identity() {
+        let world = World::single();
+        let data = [1.0f32, 2.0, 3.0];
+        assert_eq!(world.reduce_scatter(Group::World, &data, &[0, 3]), data);
+        assert_eq!(world.all_gather(Group::World, &data, &[0, 3]), data);
+        assert_eq!(world.sum_f64(Group::World, &[1.5, 2.5]), [1.5, 2.5]);
+        assert_eq!(world.position(Group::ExpertData), (0, 1));
+        assert_eq!(even_bounds(10, 3), [0, 3, 6, 10]);
+    }
+}
