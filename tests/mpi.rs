@@ -197,3 +197,72 @@ fn a_checkpoint_resumes_in_another_layout() {
         }
     }
 }
+
+#[test]
+fn a_killed_rank_ends_the_job_quickly_and_a_relaunch_resumes() {
+    use std::io::{BufRead, BufReader};
+    use std::time::{Duration, Instant};
+    let (_guard, dir) = prepared();
+    let mut child = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(args(&dir, "killed", 100_000, 2))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut ranks_line = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if line.starts_with("ranks: ") {
+            ranks_line = line.clone();
+        }
+        if line.starts_with("step      7") {
+            break;
+        }
+    }
+    // "ranks: rank 0 = pid P on H, rank 1 = pid Q on H"
+    let pid_of_rank_1: u32 = ranks_line
+        .split("rank 1 = pid ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no rank table in {ranks_line:?}"));
+    let killed = Instant::now();
+    assert!(Command::new("kill")
+        .args(["-KILL", &pid_of_rank_1.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut stderr).unwrap();
+    let status = child.wait().unwrap();
+    let took = killed.elapsed();
+    let said = rest.join("\n") + &stderr;
+    println!("the job ended {took:?} after rank 1 (pid {pid_of_rank_1}) was killed: {status:?}");
+    assert!(!status.success(), "{said}");
+    assert!(took < Duration::from_secs(30), "took {took:?}");
+    assert!(
+        said.contains(&format!("PID {pid_of_rank_1} ")),
+        "the launcher names the dead process: {said}"
+    );
+
+    // Nothing committed is damaged, and a relaunch continues from the last commit.
+    let ctl = lazarus_tests::Ctl::new(
+        format!("file://{}", dir.join("store").display()),
+        &dir.join("index"),
+    );
+    ctl.expect(0, &["verify", "killed", "--all", "--read-data"]);
+    let listed = ctl.json(&["list", "killed"]);
+    let latest = listed["latest"]["step"]
+        .as_u64()
+        .unwrap_or_else(|| panic!("no committed step in {listed}"));
+    assert!(latest >= 5, "{listed}");
+    let said = run(2, &args(&dir, "killed", latest + 2, 2));
+    assert!(
+        said.contains(&format!("resumed from step {latest}")),
+        "{said}"
+    );
+}

@@ -171,6 +171,45 @@ impl World {
         out
     }
 
+    /// Every rank's process id and host name, in rank order: what an operator needs to map
+    /// a launcher's "process 1234 died" back to a rank.
+    pub fn processes(&self) -> Vec<(u32, String)> {
+        const NAME: usize = 64;
+        let mut mine = [0u8; NAME];
+        let host = hostname();
+        let bytes = host.as_bytes();
+        mine[..bytes.len().min(NAME)].copy_from_slice(&bytes[..bytes.len().min(NAME)]);
+        let pids = self.sum_u64_gathered(u64::from(std::process::id()));
+        let names: Vec<u8> = match self.comm(Group::World) {
+            Some(comm) => {
+                let mut out = vec![0u8; NAME * self.size];
+                comm.all_gather_into(&mine[..], &mut out[..]);
+                out
+            }
+            None => mine.to_vec(),
+        };
+        pids.into_iter()
+            .zip(names.chunks(NAME))
+            .map(|(pid, name)| {
+                let end = name.iter().position(|b| *b == 0).unwrap_or(NAME);
+                (
+                    pid as u32,
+                    String::from_utf8_lossy(&name[..end]).to_string(),
+                )
+            })
+            .collect()
+    }
+
+    /// Every rank's `value`, in rank order.
+    fn sum_u64_gathered(&self, value: u64) -> Vec<u64> {
+        let Some(comm) = self.comm(Group::World) else {
+            return vec![value];
+        };
+        let mut out = vec![0u64; self.size];
+        comm.all_gather_into(&value, &mut out[..]);
+        out
+    }
+
     /// The element-wise sum of every rank's `values`, added in rank order.
     pub fn sum_f64(&self, group: Group, values: &[f64]) -> Vec<f64> {
         let gathered = self.all_gather_f64(group, values);
@@ -278,6 +317,13 @@ impl World {
         }
         (received, recv_counts.iter().map(|c| *c as usize).collect())
     }
+}
+
+/// This machine's host name, or "unknown".
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
 }
 
 /// `parts` nearly equal contiguous ranges of `0..len`, as `parts + 1` bounds.

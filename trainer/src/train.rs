@@ -387,6 +387,13 @@ pub fn train(
             .unwrap_or_default()
     )?;
     if world.size > 1 {
+        let ranks: Vec<String> = world
+            .processes()
+            .iter()
+            .enumerate()
+            .map(|(rank, (pid, host))| format!("rank {rank} = pid {pid} on {host}"))
+            .collect();
+        writeln!(log, "ranks: {}", ranks.join(", "))?;
         writeln!(
             log,
             "{} ranks (data parallel {}, expert parallel {}): optimizer state {} bytes per rank on rank 0, ZeRO-1 predicts {:.0}",
