@@ -9,6 +9,11 @@ use lazarus_tests::{bin, shared_data};
 
 /// A small model; `micro_batch` is per rank, so the global batch is micro_batch x ranks.
 fn args(dir: &Path, run: &str, steps: u64, micro_batch: usize) -> Vec<String> {
+    args_ep(dir, run, steps, micro_batch, 1)
+}
+
+/// [`args`] with `parallel.ep`.
+fn args_ep(dir: &Path, run: &str, steps: u64, micro_batch: usize, ep: usize) -> Vec<String> {
     let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
         .map(String::from)
         .to_vec();
@@ -30,6 +35,7 @@ fn args(dir: &Path, run: &str, steps: u64, micro_batch: usize) -> Vec<String> {
         "train.lr=0.02".into(),
         "train.val_every=1000".into(),
         "train.threads=1".into(),
+        format!("parallel.ep={ep}"),
         "checkpoint.every=5".into(),
         format!("checkpoint.store=file://{}", dir.join("store").display()),
         format!("data.path={}", dir.join("data").display()),
@@ -108,6 +114,17 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     assert_close(&single, &dp2, "DP2 vs one process");
     assert!(single[9].1 < single[0].1, "the loss falls");
 
+    // Expert parallel: 2 ranks that split the experts, and 4 ranks in two EP groups of 2.
+    run(2, &args_ep(&dir, "ep2", 10, 2, 2));
+    assert_close(&single, &losses(&dir, "ep2"), "DP2 x EP2 vs one process");
+    let said = run(4, &args_ep(&dir, "dp4-ep2", 10, 1, 2));
+    assert!(said.contains("expert parallel 2"), "{said}");
+    assert_close(
+        &single,
+        &losses(&dir, "dp4-ep2"),
+        "DP4 x EP2 vs one process",
+    );
+
     run(2, &args(&dir, "dp2-again", 10, 2));
     let again = losses(&dir, "dp2-again");
     let bits = |l: &[(u64, f64)]| l.iter().map(|(s, v)| (*s, v.to_bits())).collect::<Vec<_>>();
@@ -133,11 +150,11 @@ fn a_checkpoint_resumes_in_another_layout() {
     run(1, &args(&dir, "straight", 10, 4));
     let straight = losses(&dir, "straight");
 
-    // Two ranks to step 5, then one process from step 5 to 10.
-    run(2, &args(&dir, "dp2-to-1", 5, 2));
+    // Two ranks splitting the experts to step 5, then one process from step 5 to 10.
+    run(2, &args_ep(&dir, "dp2-to-1", 5, 2, 2));
     let said = run(1, &args(&dir, "dp2-to-1", 10, 4));
     assert!(said.contains("resumed from step 5"), "{said}");
-    assert_close(&straight, &losses(&dir, "dp2-to-1"), "DP2 then DP1");
+    assert_close(&straight, &losses(&dir, "dp2-to-1"), "DP2 x EP2 then DP1");
 
     // One process to step 5, then two ranks.
     run(1, &args(&dir, "dp1-to-2", 5, 4));

@@ -171,6 +171,18 @@ impl World {
         out
     }
 
+    /// Exchanges `per_rank` integers with every rank of a group: `send` holds the block for
+    /// rank 0, then rank 1, ...; returns the blocks received, in rank order.
+    pub fn all_to_all_usize(&self, group: Group, send: &[usize], per_rank: usize) -> Vec<usize> {
+        let Some(comm) = self.comm(group) else {
+            return send.to_vec();
+        };
+        let counts: Vec<u64> = send.iter().map(|c| *c as u64).collect();
+        let mut out = vec![0u64; per_rank * comm.size() as usize];
+        comm.all_to_all_into(&counts[..], &mut out[..]);
+        out.into_iter().map(|c| c as usize).collect()
+    }
+
     /// Every rank's process id and host name, in rank order: what an operator needs to map
     /// a launcher's "process 1234 died" back to a rank.
     pub fn processes(&self) -> Vec<(u32, String)> {
@@ -316,6 +328,127 @@ impl World {
             comm.all_to_all_varcount_into(&send, &mut recv);
         }
         (received, recv_counts.iter().map(|c| *c as usize).collect())
+    }
+}
+
+/// Rows of `width` floats that travel between the ranks of an expert-parallel group: out in
+/// the forward pass ([`Dispatch`]) and back in the backward pass, or the reverse
+/// ([`Combine`]). `send_rows[i]` rows go to rank `i`; `recv_rows[i]` come from it.
+#[derive(Debug)]
+pub struct Exchange {
+    pub world: std::sync::Arc<World>,
+    pub width: usize,
+    pub send_rows: Vec<usize>,
+    pub recv_rows: Vec<usize>,
+}
+
+impl Exchange {
+    fn run(&self, data: &[f32], rows: &[usize], expect: &[usize]) -> candle_core::Result<Vec<f32>> {
+        let counts: Vec<usize> = rows.iter().map(|r| r * self.width).collect();
+        let (out, received) = self.world.all_to_all_v(Group::Expert, data, &counts);
+        let expected: Vec<usize> = expect.iter().map(|r| r * self.width).collect();
+        if received != expected {
+            return Err(candle_core::Error::Msg(format!(
+                "expert exchange: received {received:?} values, expected {expected:?}"
+            )));
+        }
+        Ok(out)
+    }
+}
+
+fn exchange_op(
+    exchange: &Exchange,
+    storage: &candle_core::CpuStorage,
+    layout: &candle_core::Layout,
+    outbound: bool,
+) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+    let candle_core::CpuStorage::F32(values) = storage else {
+        return Err(candle_core::Error::Msg("expert exchange: f32 only".into()));
+    };
+    let (start, end) = layout
+        .contiguous_offsets()
+        .ok_or_else(|| candle_core::Error::Msg("expert exchange: contiguous input only".into()))?;
+    let (send, recv) = if outbound {
+        (&exchange.send_rows, &exchange.recv_rows)
+    } else {
+        (&exchange.recv_rows, &exchange.send_rows)
+    };
+    let out = exchange.run(&values[start..end], send, recv)?;
+    let rows = out.len() / exchange.width.max(1);
+    Ok((
+        candle_core::CpuStorage::F32(out),
+        candle_core::Shape::from((rows, exchange.width)),
+    ))
+}
+
+fn exchange_grad(
+    exchange: &Exchange,
+    grad: &candle_core::Tensor,
+    outbound: bool,
+) -> candle_core::Result<candle_core::Tensor> {
+    let grad = grad.contiguous()?;
+    let values: Vec<f32> = grad.flatten_all()?.to_vec1()?;
+    let (send, recv) = if outbound {
+        (&exchange.send_rows, &exchange.recv_rows)
+    } else {
+        (&exchange.recv_rows, &exchange.send_rows)
+    };
+    let out = exchange.run(&values, send, recv)?;
+    let rows = out.len() / exchange.width.max(1);
+    candle_core::Tensor::from_vec(out, (rows, exchange.width), &candle_core::Device::Cpu)
+}
+
+/// Sends each rank's rows to the ranks that hold their experts; the gradient goes back.
+#[derive(Clone, Debug)]
+pub struct Dispatch(pub std::sync::Arc<Exchange>);
+
+/// Returns the experts' outputs to the ranks the rows came from; the gradient goes out.
+#[derive(Clone, Debug)]
+pub struct Combine(pub std::sync::Arc<Exchange>);
+
+impl candle_core::CustomOp1 for Dispatch {
+    fn name(&self) -> &'static str {
+        "expert-dispatch"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        exchange_op(&self.0, storage, layout, true)
+    }
+
+    fn bwd(
+        &self,
+        _arg: &candle_core::Tensor,
+        _res: &candle_core::Tensor,
+        grad: &candle_core::Tensor,
+    ) -> candle_core::Result<Option<candle_core::Tensor>> {
+        exchange_grad(&self.0, grad, false).map(Some)
+    }
+}
+
+impl candle_core::CustomOp1 for Combine {
+    fn name(&self) -> &'static str {
+        "expert-combine"
+    }
+
+    fn cpu_fwd(
+        &self,
+        storage: &candle_core::CpuStorage,
+        layout: &candle_core::Layout,
+    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        exchange_op(&self.0, storage, layout, false)
+    }
+
+    fn bwd(
+        &self,
+        _arg: &candle_core::Tensor,
+        _res: &candle_core::Tensor,
+        grad: &candle_core::Tensor,
+    ) -> candle_core::Result<Option<candle_core::Tensor>> {
+        exchange_grad(&self.0, grad, true).map(Some)
     }
 }
 

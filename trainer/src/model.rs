@@ -17,7 +17,7 @@ use rand_distr::{Distribution, Normal};
 
 use crate::attention::CausalAttention;
 use crate::config::ModelConfig;
-use crate::dist::{Group, World};
+use crate::dist::{Combine, Dispatch, Exchange, Group, World};
 use crate::experts::{GroupedMatmul, Groups, SwiGlu};
 use crate::loss::LinearCrossEntropy;
 use crate::norm::RmsNorm;
@@ -327,6 +327,79 @@ impl Model {
         })
     }
 
+    /// Expert parallelism: `sorted` holds this rank's routed rows in global expert order,
+    /// which is destination-rank order. They travel to the ranks that hold their experts
+    /// (all-to-all with variable counts), run through the local experts, and come back in
+    /// the same order. Gradients travel both exchanges in reverse.
+    fn remote_experts(
+        &self,
+        layer: &Layer,
+        world: &Arc<World>,
+        sorted: &Tensor,
+        routed: &[Vec<u32>],
+    ) -> Result<Tensor> {
+        let (ep, local) = (world.ep, self.config.experts / world.ep);
+        let sent: Vec<usize> = routed.iter().map(Vec::len).collect();
+        // received[src * local + e]: rows rank src sends for local expert e.
+        let received = world.all_to_all_usize(Group::Expert, &sent, local);
+        let exchange = Arc::new(Exchange {
+            world: world.clone(),
+            width: self.config.d_model,
+            send_rows: sent.chunks(local).map(|c| c.iter().sum()).collect(),
+            recv_rows: received.chunks(local).map(|c| c.iter().sum()).collect(),
+        });
+        let arrived = sorted.apply_op1(Dispatch(exchange.clone()))?;
+        // Arrived rows are by source rank, then local expert; the experts want them by expert.
+        let mut starts = vec![0usize; ep * local];
+        let mut next = 0;
+        for (slot, count) in received.iter().enumerate() {
+            starts[slot] = next;
+            next += count;
+        }
+        let mut by_expert = Vec::with_capacity(next);
+        for expert in 0..local {
+            for source in 0..ep {
+                let slot = source * local + expert;
+                by_expert.extend((starts[slot]..starts[slot] + received[slot]).map(|r| r as u32));
+            }
+        }
+        let mut back = vec![0u32; by_expert.len()];
+        for (position, row) in by_expert.iter().enumerate() {
+            back[*row as usize] = position as u32;
+        }
+        let counts: Vec<usize> = (0..local)
+            .map(|e| (0..ep).map(|s| received[s * local + e]).sum())
+            .collect();
+        let groups = Groups::from_counts(&counts);
+        let outputs = arrived
+            .index_select(&Tensor::new(by_expert.as_slice(), &self.device)?, 0)?
+            .apply_op3(
+                &layer.expert_gate,
+                &layer.expert_up,
+                SwiGlu::new(groups.clone()),
+            )?
+            .apply_op2(&layer.expert_down, GroupedMatmul(groups))?
+            .index_select(&Tensor::new(back.as_slice(), &self.device)?, 0)?;
+        outputs.apply_op1(Combine(exchange))
+    }
+
+    /// Keeps only this rank's experts (`ep_rank` of `ep` equal slices of each stacked expert
+    /// weight); initialisation stays that of the whole model.
+    pub fn keep_local_experts(&mut self, ep: usize, ep_rank: usize) -> Result<()> {
+        let local = self.config.experts / ep;
+        for layer in &mut self.layers {
+            for var in [
+                &mut layer.expert_gate,
+                &mut layer.expert_up,
+                &mut layer.expert_down,
+            ] {
+                let slice = var.narrow(0, ep_rank * local, local)?.contiguous()?;
+                *var = Var::from_tensor(&slice)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The dropless MoE block on `x: [tokens, d_model]`.
     fn moe(&self, layer: &Layer, x: &Tensor) -> Result<MoeOutput> {
         let (experts, top_k) = (self.config.experts, self.config.top_k);
@@ -354,19 +427,25 @@ impl Model {
                     .map(move |t| t * experts as u32 + expert as u32)
             })
             .collect();
-        let groups = Groups::from_counts(&routed.iter().map(Vec::len).collect::<Vec<_>>());
         let order = Tensor::new(order.as_slice(), &self.device)?;
-        let hidden = x.index_select(&order, 0)?.apply_op3(
-            &layer.expert_gate,
-            &layer.expert_up,
-            SwiGlu::new(groups.clone()),
-        )?;
+        let sorted = x.index_select(&order, 0)?;
+        let expert_out = match &self.world {
+            Some(world) if world.ep > 1 => self.remote_experts(layer, world, &sorted, &routed)?,
+            _ => {
+                let groups = Groups::from_counts(&routed.iter().map(Vec::len).collect::<Vec<_>>());
+                sorted
+                    .apply_op3(
+                        &layer.expert_gate,
+                        &layer.expert_up,
+                        SwiGlu::new(groups.clone()),
+                    )?
+                    .apply_op2(&layer.expert_down, GroupedMatmul(groups))?
+            }
+        };
         let weights = probs
             .flatten_all()?
             .index_select(&Tensor::new(positions.as_slice(), &self.device)?, 0)?;
-        let result = hidden
-            .apply_op2(&layer.expert_down, GroupedMatmul(groups))?
-            .broadcast_mul(&weights.unsqueeze(1)?)?;
+        let result = expert_out.broadcast_mul(&weights.unsqueeze(1)?)?;
         let out = x.zeros_like()?.index_add(&order, &result, 0)?;
         // Load balancing (Switch/Mixtral): experts x sum_e (share of assignments) x (mean prob).
         // The shares are global: every rank routes its own tokens over all experts, and the

@@ -289,11 +289,6 @@ pub fn train(
     config
         .validate_world(world.size)
         .map_err(|e| RefusedRun(e.to_string()))?;
-    if world.ep > 1 {
-        bail!(RefusedRun(
-            "parallel.ep > 1 (expert parallelism) is not built yet; run with parallel.ep=1".into()
-        ));
-    }
     // Rank 0 speaks for the job; the others log nothing.
     let mut quiet = std::io::sink();
     let log: &mut dyn Write = if world.rank == 0 { log } else { &mut quiet };
@@ -353,6 +348,9 @@ pub fn train(
     let mut model = Model::new(&config.model, config.run.seed, DType::F32)?;
     if world.size > 1 {
         model.world = Some(world.clone());
+    }
+    if world.ep > 1 {
+        model.keep_local_experts(world.ep, world.ep_rank())?;
     }
     let optim = AdamW::new(&model, &config.train, world.clone())?;
     let parameters = optim.len;
