@@ -51,6 +51,15 @@ pub enum Command {
         #[arg(long, default_value = "lazarus-runs")]
         out_dir: PathBuf,
     },
+    /// Measure plain MPI all-to-all throughput between the ranks (run under mpiexec), the
+    /// baseline for the trainer's expert exchange.
+    BenchAllToAll {
+        /// Bytes each rank sends to each other rank per call.
+        #[arg(long, default_value_t = 1 << 20)]
+        bytes: usize,
+        #[arg(long, default_value_t = 20)]
+        repeats: usize,
+    },
     /// Train a model: --config is a preset name (tiny, small) or a TOML file.
     Train {
         #[arg(long)]
@@ -137,6 +146,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 index.tokenizer,
                 out.display()
             );
+            Ok(())
+        }
+        Command::BenchAllToAll { bytes, repeats } => {
+            let world = World::init(1)?;
+            let (moved, seconds) =
+                world.bench_all_to_all(crate::dist::Group::World, bytes, repeats);
+            if world.rank == 0 {
+                println!(
+                    "MPI all-to-all, {} ranks, {bytes} bytes per peer: {:.1} MB to and from other ranks in {seconds:.3} s ({:.0} MB/s)",
+                    world.size,
+                    moved as f64 / 1e6,
+                    moved as f64 / 1e6 / seconds.max(1e-9)
+                );
+            }
             Ok(())
         }
         Command::BenchPeak {

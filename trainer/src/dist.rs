@@ -8,6 +8,8 @@
 //!
 //! Launched without MPI, the world is a single rank and every collective is the identity.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use mpi::datatype::{Partition, PartitionMut};
 use mpi::environment::Universe;
 use mpi::topology::{Color, SimpleCommunicator};
@@ -183,6 +185,31 @@ impl World {
         out.into_iter().map(|c| c as usize).collect()
     }
 
+    /// Plain MPI all-to-all of `bytes_per_peer` bytes between every pair of the group's ranks,
+    /// `repeats` times after one warm-up: `(bytes moved to or from other ranks, seconds)`.
+    pub fn bench_all_to_all(
+        &self,
+        group: Group,
+        bytes_per_peer: usize,
+        repeats: usize,
+    ) -> (u64, f64) {
+        let Some(comm) = self.comm(group) else {
+            return (0, 0.0);
+        };
+        let size = comm.size() as usize;
+        let floats = bytes_per_peer / 4;
+        let send = vec![1f32; floats * size];
+        let mut recv = vec![0f32; floats * size];
+        comm.all_to_all_into(&send[..], &mut recv[..]);
+        comm.barrier();
+        let started = std::time::Instant::now();
+        for _ in 0..repeats {
+            comm.all_to_all_into(&send[..], &mut recv[..]);
+        }
+        let seconds = started.elapsed().as_secs_f64();
+        (2 * 4 * (floats * (size - 1) * repeats) as u64, seconds)
+    }
+
     /// Every rank's process id and host name, in rank order: what an operator needs to map
     /// a launcher's "process 1234 died" back to a rank.
     pub fn processes(&self) -> Vec<(u32, String)> {
@@ -342,10 +369,39 @@ pub struct Exchange {
     pub recv_rows: Vec<usize>,
 }
 
+/// Bytes this rank sent to and received from other ranks in expert exchanges, and the time
+/// spent in them, since the process started.
+static EXCHANGE_BYTES: AtomicU64 = AtomicU64::new(0);
+static EXCHANGE_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// `(bytes moved to or from other ranks, seconds)` of this rank's expert exchanges so far.
+pub fn exchange_totals() -> (u64, f64) {
+    (
+        EXCHANGE_BYTES.load(Ordering::Relaxed),
+        EXCHANGE_NANOS.load(Ordering::Relaxed) as f64 / 1e9,
+    )
+}
+
 impl Exchange {
     fn run(&self, data: &[f32], rows: &[usize], expect: &[usize]) -> candle_core::Result<Vec<f32>> {
         let counts: Vec<usize> = rows.iter().map(|r| r * self.width).collect();
+        let started = std::time::Instant::now();
         let (out, received) = self.world.all_to_all_v(Group::Expert, data, &counts);
+        let me = self.world.ep_rank();
+        let remote: usize = counts
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != me)
+            .map(|(_, c)| c)
+            .sum::<usize>()
+            + received
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| *i != me)
+                .map(|(_, c)| c)
+                .sum::<usize>();
+        EXCHANGE_BYTES.fetch_add(4 * remote as u64, Ordering::Relaxed);
+        EXCHANGE_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
         let expected: Vec<usize> = expect.iter().map(|r| r * self.width).collect();
         if received != expected {
             return Err(candle_core::Error::Msg(format!(

@@ -312,6 +312,12 @@ pub fn train(
         .enable_all()
         .build()?;
     let url = resolve_store_url(&config.checkpoint.store)?;
+    if world.size > 1 && url.starts_with("memory:") {
+        bail!(RefusedRun(format!(
+            "checkpoint.store {url} lives in one process; {} ranks need a store they share (file:// or s3://)",
+            world.size
+        )));
+    }
     let store = runtime
         .block_on(Store::open(
             &url,
@@ -543,6 +549,15 @@ pub fn train(
         if step % config.checkpoint.every == 0 {
             last_checkpoint = Some(session.checkpoint()?);
         }
+    }
+    if world.ep > 1 {
+        let (bytes, seconds) = crate::dist::exchange_totals();
+        writeln!(
+            log,
+            "expert all-to-all on rank 0: {:.1} MB to and from other ranks in {seconds:.2} s ({:.0} MB/s)",
+            bytes as f64 / 1e6,
+            bytes as f64 / 1e6 / seconds.max(1e-9)
+        )?;
     }
     if last_checkpoint != Some(session.state.step) && session.state.step > 0 {
         last_checkpoint = Some(session.checkpoint()?);

@@ -1,0 +1,104 @@
+//! Distributed trainer benchmark (real mpiexec): prints figures with baselines from the same run.
+//!
+//! 1. Tokens/s of the `tiny` preset at 1 rank (2 threads) and 2 ranks (1 thread each), data
+//!    parallel and expert parallel, on the same global batch of 8 sequences.
+//! 2. Optimizer-state bytes per rank against the ZeRO-1 formula.
+//! 3. The expert all-to-all's MB/s against a plain MPI all-to-all of 1 MiB per peer.
+//!
+//! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench mpi
+
+// A benchmark program: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::Command;
+
+use lazarus_tests::{bin, shared_data};
+
+const STEPS: u64 = 6;
+const WARMUP: u64 = 2;
+
+fn train(dir: &Path, ranks: usize, ep: usize) -> (f64, String) {
+    let run = format!("n{ranks}-ep{ep}");
+    let mut command = if ranks == 1 {
+        Command::new(bin("trainer"))
+    } else {
+        let mut command = Command::new("mpiexec");
+        command.args(["-n", &ranks.to_string()]).arg(bin("trainer"));
+        command
+    };
+    command.args(["train", "--config", "tiny", "--metrics-dir"]);
+    command.arg(dir.join("metrics"));
+    for set in [
+        format!("run.id={run}"),
+        format!("train.steps={STEPS}"),
+        format!("train.micro_batch={}", 8 / ranks),
+        format!("train.threads={}", 2 / ranks),
+        format!("parallel.ep={ep}"),
+        "train.log_every=1".into(),
+        "train.val_every=1000".into(),
+        "checkpoint.every=1000".into(),
+        format!("checkpoint.store=file://{}", dir.join("store").display()),
+        format!("data.path={}", dir.join("data").display()),
+    ] {
+        command.args(["--set", &set]);
+    }
+    let output = command.output().expect("trainer runs");
+    let text = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{run}: {text}");
+    let metrics =
+        std::fs::read_to_string(dir.join("metrics").join(&run).join("metrics.jsonl")).unwrap();
+    let rates: Vec<f64> = metrics
+        .lines()
+        .filter_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            (value["step"].as_u64()? > WARMUP).then(|| value["tokens_per_second"].as_f64())?
+        })
+        .collect();
+    (rates.iter().sum::<f64>() / rates.len() as f64, text)
+}
+
+fn line_with<'a>(text: &'a str, needle: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or("(not printed)")
+}
+
+fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    let prepared = Command::new(bin("trainer"))
+        .args(["prepare", "--input"])
+        .arg(shared_data("tinyshakespeare.txt"))
+        .arg("--out")
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    assert!(prepared.status.success());
+    println!("distributed trainer benchmark: preset tiny, global batch 8 x 256 tokens, {STEPS} steps, tokens/s averaged after {WARMUP}");
+    let (one, _) = train(dir.path(), 1, 1);
+    let (dp2, dp2_text) = train(dir.path(), 2, 1);
+    let (ep2, ep2_text) = train(dir.path(), 2, 2);
+    println!("  N=1 (2 threads):          {one:>6.0} tokens/s   1.00x");
+    println!(
+        "  N=2 EP=1 (1 thread each): {dp2:>6.0} tokens/s   {:.2}x",
+        dp2 / one
+    );
+    println!(
+        "  N=2 EP=2 (1 thread each): {ep2:>6.0} tokens/s   {:.2}x",
+        ep2 / one
+    );
+    println!("optimizer state per rank (rank 0) against ZeRO-1's prediction:");
+    println!("  N=2 EP=1: {}", line_with(&dp2_text, "ZeRO-1 predicts"));
+    println!("  N=2 EP=2: {}", line_with(&ep2_text, "ZeRO-1 predicts"));
+    println!("all-to-all:");
+    println!("  trainer: {}", line_with(&ep2_text, "expert all-to-all"));
+    let plain = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(["bench-all-to-all", "--bytes", "1048576", "--repeats", "50"])
+        .output()
+        .expect("mpiexec runs");
+    let plain = String::from_utf8_lossy(&plain.stdout).to_string();
+    println!("  plain:   {}", line_with(&plain, "MPI all-to-all"));
+}
