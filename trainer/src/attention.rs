@@ -10,9 +10,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::custom_op::{contiguous, cpu};
 use crate::kernels::{matmul_serial, MatRef, SoftmaxRow};
 
 /// The op: `q.apply_op3(&k, &v, CausalAttention::new(...))`. Use a fresh op per application:
@@ -44,8 +45,11 @@ enum Saved {
     F64(Vec<PairState<f64>>),
 }
 
+/// This op's name, in its errors.
+const OP: &str = "causal-attention";
+
 fn error(message: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(format!("causal-attention: {}", message.into()))
+    candle_core::Error::Msg(format!("{OP}: {}", message.into()))
 }
 
 /// cos and sin tables `[seq, head_dim]` for rotate-half RoPE (each half repeats the angles).
@@ -291,20 +295,6 @@ fn unrotate<T: SoftmaxRow>(grad: &[T], dim: usize, cos: &[T], sin: &[T]) -> Vec<
     out
 }
 
-fn contiguous<'a, T>(values: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| error("inputs must be contiguous"))?;
-    Ok(&values[start..end])
-}
-
-fn cpu(storage: &Storage) -> Result<&CpuStorage> {
-    match storage {
-        Storage::Cpu(cpu) => Ok(cpu),
-        _ => Err(error("runs on the CPU only")),
-    }
-}
-
 impl CustomOp3 for CausalAttention {
     fn name(&self) -> &'static str {
         "causal-attention"
@@ -329,14 +319,20 @@ impl CustomOp3 for CausalAttention {
             .map_err(|_| error("a previous pass panicked"))?;
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(q), CpuStorage::F32(k), CpuStorage::F32(v)) => {
-                let (out, states) =
-                    self.forward(contiguous(q, l1)?, contiguous(k, l2)?, contiguous(v, l3)?)?;
+                let (out, states) = self.forward(
+                    contiguous(OP, q, l1)?,
+                    contiguous(OP, k, l2)?,
+                    contiguous(OP, v, l3)?,
+                )?;
                 *saved = Some(Saved::F32(states));
                 CpuStorage::F32(out)
             }
             (CpuStorage::F64(q), CpuStorage::F64(k), CpuStorage::F64(v)) => {
-                let (out, states) =
-                    self.forward(contiguous(q, l1)?, contiguous(k, l2)?, contiguous(v, l3)?)?;
+                let (out, states) = self.forward(
+                    contiguous(OP, q, l1)?,
+                    contiguous(OP, k, l2)?,
+                    contiguous(OP, v, l3)?,
+                )?;
                 *saved = Some(Saved::F64(states));
                 CpuStorage::F64(out)
             }
@@ -365,7 +361,7 @@ impl CustomOp3 for CausalAttention {
             v.storage_and_layout().0,
             grad.storage_and_layout().0,
         );
-        let (qc, kc, vc, gc) = (cpu(&qs)?, cpu(&ks)?, cpu(&vs)?, cpu(&gs)?);
+        let (qc, kc, vc, gc) = (cpu(OP, &qs)?, cpu(OP, &ks)?, cpu(OP, &vs)?, cpu(OP, &gs)?);
         let shape = q.shape();
         let device = Device::Cpu;
         let [dq, dk, dv] = match (qc, kc, vc, gc) {
@@ -375,12 +371,19 @@ impl CustomOp3 for CausalAttention {
                 CpuStorage::F32(vv),
                 CpuStorage::F32(gv),
             ) => {
-                let (v, g) = (contiguous(vv, v.layout())?, contiguous(gv, grad.layout())?);
+                let (v, g) = (
+                    contiguous(OP, vv, v.layout())?,
+                    contiguous(OP, gv, grad.layout())?,
+                );
                 let states = match saved {
                     Some(Saved::F32(states)) => states,
                     _ => {
-                        self.forward(contiguous(qv, q.layout())?, contiguous(kv, k.layout())?, v)?
-                            .1
+                        self.forward(
+                            contiguous(OP, qv, q.layout())?,
+                            contiguous(OP, kv, k.layout())?,
+                            v,
+                        )?
+                        .1
                     }
                 };
                 self.backward(v, g, &states)?
@@ -392,12 +395,19 @@ impl CustomOp3 for CausalAttention {
                 CpuStorage::F64(vv),
                 CpuStorage::F64(gv),
             ) => {
-                let (v, g) = (contiguous(vv, v.layout())?, contiguous(gv, grad.layout())?);
+                let (v, g) = (
+                    contiguous(OP, vv, v.layout())?,
+                    contiguous(OP, gv, grad.layout())?,
+                );
                 let states = match saved {
                     Some(Saved::F64(states)) => states,
                     _ => {
-                        self.forward(contiguous(qv, q.layout())?, contiguous(kv, k.layout())?, v)?
-                            .1
+                        self.forward(
+                            contiguous(OP, qv, q.layout())?,
+                            contiguous(OP, kv, k.layout())?,
+                            v,
+                        )?
+                        .1
                     }
                 };
                 self.backward(v, g, &states)?

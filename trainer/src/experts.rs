@@ -11,29 +11,17 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{
-    CpuStorage, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Storage, Tensor,
-};
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::custom_op::{contiguous, cpu};
 use crate::kernels::{matmul, MatRef, SoftmaxRow};
 
+/// This op's name, in its errors.
+const OP: &str = "experts";
+
 fn error(message: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(format!("experts: {}", message.into()))
-}
-
-fn contiguous<'a, T>(values: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| error("inputs must be contiguous"))?;
-    Ok(&values[start..end])
-}
-
-fn cpu(storage: &Storage) -> Result<&CpuStorage> {
-    match storage {
-        Storage::Cpu(cpu) => Ok(cpu),
-        _ => Err(error("runs on the CPU only")),
-    }
+    candle_core::Error::Msg(format!("{OP}: {}", message.into()))
 }
 
 /// Which rows belong to which expert.
@@ -176,12 +164,16 @@ impl CustomOp2 for GroupedMatmul {
     ) -> Result<(CpuStorage, Shape)> {
         let dims = self.0.dimensions(l1, l2)?;
         let out = match (s1, s2) {
-            (CpuStorage::F32(x), CpuStorage::F32(w)) => {
-                CpuStorage::F32(self.0.forward(contiguous(x, l1)?, contiguous(w, l2)?, dims))
-            }
-            (CpuStorage::F64(x), CpuStorage::F64(w)) => {
-                CpuStorage::F64(self.0.forward(contiguous(x, l1)?, contiguous(w, l2)?, dims))
-            }
+            (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(self.0.forward(
+                contiguous(OP, x, l1)?,
+                contiguous(OP, w, l2)?,
+                dims,
+            )),
+            (CpuStorage::F64(x), CpuStorage::F64(w)) => CpuStorage::F64(self.0.forward(
+                contiguous(OP, x, l1)?,
+                contiguous(OP, w, l2)?,
+                dims,
+            )),
             _ => return Err(error("x and w must both be f32 or both f64")),
         };
         Ok((out, Shape::from((dims.0, dims.2))))
@@ -205,9 +197,9 @@ impl CustomOp2 for GroupedMatmul {
         macro_rules! run {
             ($xv:expr, $wv:expr, $gv:expr) => {{
                 let (xv, wv, gv) = (
-                    contiguous($xv, x.layout())?,
-                    contiguous($wv, w.layout())?,
-                    contiguous($gv, grad.layout())?,
+                    contiguous(OP, $xv, x.layout())?,
+                    contiguous(OP, $wv, w.layout())?,
+                    contiguous(OP, $gv, grad.layout())?,
                 );
                 let mut grad_x = vec![SoftmaxRow::from_f64(0.0); xv.len()];
                 self.0.backward_input(&mut grad_x, gv, wv, dims, false);
@@ -218,7 +210,7 @@ impl CustomOp2 for GroupedMatmul {
                 )
             }};
         }
-        let (grad_x, grad_w) = match (cpu(&xs)?, cpu(&ws)?, cpu(&gs)?) {
+        let (grad_x, grad_w) = match (cpu(OP, &xs)?, cpu(OP, &ws)?, cpu(OP, &gs)?) {
             (CpuStorage::F32(xv), CpuStorage::F32(wv), CpuStorage::F32(gv)) => run!(xv, wv, gv),
             (CpuStorage::F64(xv), CpuStorage::F64(wv), CpuStorage::F64(gv)) => run!(xv, wv, gv),
             _ => return Err(error("x, w and the gradient must share a float type")),
@@ -321,17 +313,17 @@ impl CustomOp3 for SwiGlu {
             .map_err(|_| error("a previous pass panicked"))?;
         let out = match (s1, s2, s3) {
             (CpuStorage::F32(x), CpuStorage::F32(g), CpuStorage::F32(u)) => {
-                let x = contiguous(x, l1)?;
-                let gate = self.groups.forward(x, contiguous(g, l2)?, dims);
-                let up = self.groups.forward(x, contiguous(u, l3)?, dims);
+                let x = contiguous(OP, x, l1)?;
+                let gate = self.groups.forward(x, contiguous(OP, g, l2)?, dims);
+                let up = self.groups.forward(x, contiguous(OP, u, l3)?, dims);
                 let out = swiglu(&gate, &up);
                 *saved = Some(SavedProjections::F32(gate, up));
                 CpuStorage::F32(out)
             }
             (CpuStorage::F64(x), CpuStorage::F64(g), CpuStorage::F64(u)) => {
-                let x = contiguous(x, l1)?;
-                let gate = self.groups.forward(x, contiguous(g, l2)?, dims);
-                let up = self.groups.forward(x, contiguous(u, l3)?, dims);
+                let x = contiguous(OP, x, l1)?;
+                let gate = self.groups.forward(x, contiguous(OP, g, l2)?, dims);
+                let up = self.groups.forward(x, contiguous(OP, u, l3)?, dims);
                 let out = swiglu(&gate, &up);
                 *saved = Some(SavedProjections::F64(gate, up));
                 CpuStorage::F64(out)
@@ -366,10 +358,10 @@ impl CustomOp3 for SwiGlu {
         macro_rules! run {
             ($xv:expr, $gv:expr, $uv:expr, $dv:expr, $saved:expr) => {{
                 let (xv, gv, uv, dv) = (
-                    contiguous($xv, x.layout())?,
-                    contiguous($gv, gate_w.layout())?,
-                    contiguous($uv, up_w.layout())?,
-                    contiguous($dv, grad.layout())?,
+                    contiguous(OP, $xv, x.layout())?,
+                    contiguous(OP, $gv, gate_w.layout())?,
+                    contiguous(OP, $uv, up_w.layout())?,
+                    contiguous(OP, $dv, grad.layout())?,
                 );
                 let (gate, up) = match $saved {
                     Some(projections) => projections,
@@ -399,37 +391,38 @@ impl CustomOp3 for SwiGlu {
                 )
             }};
         }
-        let (grad_x, grad_gate, grad_up) = match (cpu(&xs)?, cpu(&gs)?, cpu(&us)?, cpu(&ds)?) {
-            (
-                CpuStorage::F32(xv),
-                CpuStorage::F32(gv),
-                CpuStorage::F32(uv),
-                CpuStorage::F32(dv),
-            ) => {
-                let saved = match saved {
-                    Some(SavedProjections::F32(gate, up)) => Some((gate, up)),
-                    _ => None,
-                };
-                run!(xv, gv, uv, dv, saved)
-            }
-            (
-                CpuStorage::F64(xv),
-                CpuStorage::F64(gv),
-                CpuStorage::F64(uv),
-                CpuStorage::F64(dv),
-            ) => {
-                let saved = match saved {
-                    Some(SavedProjections::F64(gate, up)) => Some((gate, up)),
-                    _ => None,
-                };
-                run!(xv, gv, uv, dv, saved)
-            }
-            _ => {
-                return Err(error(
-                    "x, the weights and the gradient must share a float type",
-                ))
-            }
-        };
+        let (grad_x, grad_gate, grad_up) =
+            match (cpu(OP, &xs)?, cpu(OP, &gs)?, cpu(OP, &us)?, cpu(OP, &ds)?) {
+                (
+                    CpuStorage::F32(xv),
+                    CpuStorage::F32(gv),
+                    CpuStorage::F32(uv),
+                    CpuStorage::F32(dv),
+                ) => {
+                    let saved = match saved {
+                        Some(SavedProjections::F32(gate, up)) => Some((gate, up)),
+                        _ => None,
+                    };
+                    run!(xv, gv, uv, dv, saved)
+                }
+                (
+                    CpuStorage::F64(xv),
+                    CpuStorage::F64(gv),
+                    CpuStorage::F64(uv),
+                    CpuStorage::F64(dv),
+                ) => {
+                    let saved = match saved {
+                        Some(SavedProjections::F64(gate, up)) => Some((gate, up)),
+                        _ => None,
+                    };
+                    run!(xv, gv, uv, dv, saved)
+                }
+                _ => {
+                    return Err(error(
+                        "x, the weights and the gradient must share a float type",
+                    ))
+                }
+            };
         Ok((Some(grad_x), Some(grad_gate), Some(grad_up)))
     }
 }

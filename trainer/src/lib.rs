@@ -5,6 +5,7 @@
 pub mod attention;
 pub mod cli;
 pub mod config;
+mod custom_op;
 pub mod data;
 pub mod dist;
 pub mod experts;

@@ -8,9 +8,10 @@
 
 use std::sync::{Arc, Mutex};
 
-use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::custom_op::{contiguous, cpu};
 use crate::kernels::{matmul, with_scratch, MatRef, SoftmaxRow};
 
 /// Rows of logits alive at once: at most one logits-sized buffer (2048 rows of a 50304
@@ -45,16 +46,11 @@ impl LinearCrossEntropy {
     }
 }
 
-fn error(message: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(format!("linear-cross-entropy: {}", message.into()))
-}
+/// This op's name, in its errors.
+const OP: &str = "linear-cross-entropy";
 
-/// The contiguous elements a layout selects.
-fn contiguous<'a, T>(values: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| error("inputs must be contiguous"))?;
-    Ok(&values[start..end])
+fn error(message: impl Into<String>) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{OP}: {}", message.into()))
 }
 
 /// `[N, H]`, `[H, V]`, `[N]` or an error naming what is wrong.
@@ -199,15 +195,15 @@ fn inputs<'a>(
     (s3, l3): (&'a CpuStorage, &Layout),
 ) -> Result<(Inputs<'a>, &'a [u32])> {
     let targets = match s3 {
-        CpuStorage::U32(values) => contiguous(values, l3)?,
+        CpuStorage::U32(values) => contiguous(OP, values, l3)?,
         _ => return Err(error("targets must be u32")),
     };
     let values = match (s1, s2) {
         (CpuStorage::F32(x), CpuStorage::F32(w)) => {
-            Inputs::F32(contiguous(x, l1)?, contiguous(w, l2)?)
+            Inputs::F32(contiguous(OP, x, l1)?, contiguous(OP, w, l2)?)
         }
         (CpuStorage::F64(x), CpuStorage::F64(w)) => {
-            Inputs::F64(contiguous(x, l1)?, contiguous(w, l2)?)
+            Inputs::F64(contiguous(OP, x, l1)?, contiguous(OP, w, l2)?)
         }
         _ => return Err(error("x and weight must both be f32 or both f64")),
     };
@@ -224,13 +220,6 @@ fn gradient_tensors<T: candle_core::WithDType>(
         Tensor::from_vec(grad_x, (rows, hidden), device)?,
         Tensor::from_vec(grad_weight, (hidden, vocab), device)?,
     ))
-}
-
-fn cpu(storage: &Storage) -> Result<&CpuStorage> {
-    match storage {
-        Storage::Cpu(cpu) => Ok(cpu),
-        _ => Err(error("runs on the CPU only")),
-    }
 }
 
 impl CustomOp3 for LinearCrossEntropy {
@@ -317,9 +306,9 @@ impl CustomOp3 for LinearCrossEntropy {
             targets.storage_and_layout().0,
         );
         let (values, target_values) = inputs(
-            (cpu(&xs)?, x.layout()),
-            (cpu(&ws)?, weight.layout()),
-            (cpu(&ts)?, targets.layout()),
+            (cpu(OP, &xs)?, x.layout()),
+            (cpu(OP, &ws)?, weight.layout()),
+            (cpu(OP, &ts)?, targets.layout()),
         )?;
         let (grad_x, grad_weight) = match values {
             Inputs::F32(x, w) => {

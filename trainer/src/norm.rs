@@ -3,9 +3,10 @@
 //! arithmetic in f64. The weight gradient is summed over fixed blocks of rows in a fixed
 //! order, so it does not depend on the thread count.
 
-use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
+use crate::custom_op::{contiguous, cpu};
 use crate::kernels::SoftmaxRow;
 
 /// Rows per partial sum of the weight gradient.
@@ -17,22 +18,11 @@ pub struct RmsNorm {
     pub eps: f64,
 }
 
+/// This op's name, in its errors.
+const OP: &str = "rms-norm";
+
 fn error(message: impl Into<String>) -> candle_core::Error {
-    candle_core::Error::Msg(format!("rms-norm: {}", message.into()))
-}
-
-fn contiguous<'a, T>(values: &'a [T], layout: &Layout) -> Result<&'a [T]> {
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| error("inputs must be contiguous"))?;
-    Ok(&values[start..end])
-}
-
-fn cpu(storage: &Storage) -> Result<&CpuStorage> {
-    match storage {
-        Storage::Cpu(cpu) => Ok(cpu),
-        _ => Err(error("runs on the CPU only")),
-    }
+    candle_core::Error::Msg(format!("{OP}: {}", message.into()))
 }
 
 /// `1 / sqrt(mean(row^2) + eps)`.
@@ -117,10 +107,10 @@ impl CustomOp2 for RmsNorm {
         }
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => {
-                CpuStorage::F32(self.forward(contiguous(x, l1)?, contiguous(w, l2)?))
+                CpuStorage::F32(self.forward(contiguous(OP, x, l1)?, contiguous(OP, w, l2)?))
             }
             (CpuStorage::F64(x), CpuStorage::F64(w)) => {
-                CpuStorage::F64(self.forward(contiguous(x, l1)?, contiguous(w, l2)?))
+                CpuStorage::F64(self.forward(contiguous(OP, x, l1)?, contiguous(OP, w, l2)?))
             }
             _ => return Err(error("x and weight must both be f32 or both f64")),
         };
@@ -141,12 +131,12 @@ impl CustomOp2 for RmsNorm {
             grad.storage_and_layout().0,
         );
         let device = Device::Cpu;
-        let (grad_x, grad_weight) = match (cpu(&xs)?, cpu(&ws)?, cpu(&gs)?) {
+        let (grad_x, grad_weight) = match (cpu(OP, &xs)?, cpu(OP, &ws)?, cpu(OP, &gs)?) {
             (CpuStorage::F32(xv), CpuStorage::F32(wv), CpuStorage::F32(gv)) => {
                 let (gx, gw) = self.backward(
-                    contiguous(xv, x.layout())?,
-                    contiguous(wv, weight.layout())?,
-                    contiguous(gv, grad.layout())?,
+                    contiguous(OP, xv, x.layout())?,
+                    contiguous(OP, wv, weight.layout())?,
+                    contiguous(OP, gv, grad.layout())?,
                 );
                 (
                     Tensor::from_vec(gx, x.shape(), &device)?,
@@ -155,9 +145,9 @@ impl CustomOp2 for RmsNorm {
             }
             (CpuStorage::F64(xv), CpuStorage::F64(wv), CpuStorage::F64(gv)) => {
                 let (gx, gw) = self.backward(
-                    contiguous(xv, x.layout())?,
-                    contiguous(wv, weight.layout())?,
-                    contiguous(gv, grad.layout())?,
+                    contiguous(OP, xv, x.layout())?,
+                    contiguous(OP, wv, weight.layout())?,
+                    contiguous(OP, gv, grad.layout())?,
                 );
                 (
                     Tensor::from_vec(gx, x.shape(), &device)?,
