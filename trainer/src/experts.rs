@@ -51,6 +51,15 @@ impl Groups {
         self.offsets[self.experts()]
     }
 
+    /// `(expert, first row, end row)` of every expert that owns rows.
+    fn owned(&self) -> impl Iterator<Item = (usize, usize, usize)> + '_ {
+        self.offsets
+            .windows(2)
+            .enumerate()
+            .filter(|(_, range)| range[0] < range[1])
+            .map(|(expert, range)| (expert, range[0], range[1]))
+    }
+
     /// `(rows, in, out)` for `x: [rows, in]` and `w: [experts, in, out]`, checked.
     fn dimensions(&self, x: &Layout, w: &Layout) -> Result<(usize, usize, usize)> {
         let (rows, inner) = x.shape().dims2()?;
@@ -75,19 +84,11 @@ impl Groups {
         (rows, inner, outer): (usize, usize, usize),
     ) -> Vec<T> {
         let mut out = vec![T::ZERO; rows * outer];
-        for (expert, range) in self.offsets.windows(2).enumerate() {
-            let (first, last) = (range[0], range[1]);
-            if first == last {
-                continue;
-            }
+        for (expert, first, last) in self.owned() {
             matmul(
                 &mut out[first * outer..last * outer],
                 MatRef::row_major(&x[first * inner..last * inner], last - first, inner),
-                MatRef::row_major(
-                    &w[expert * inner * outer..(expert + 1) * inner * outer],
-                    inner,
-                    outer,
-                ),
+                expert_weight(w, expert, inner, outer),
                 false,
             );
         }
@@ -103,20 +104,11 @@ impl Groups {
         (_, inner, outer): (usize, usize, usize),
         accumulate: bool,
     ) {
-        for (expert, range) in self.offsets.windows(2).enumerate() {
-            let (first, last) = (range[0], range[1]);
-            if first == last {
-                continue;
-            }
+        for (expert, first, last) in self.owned() {
             matmul(
                 &mut grad_x[first * inner..last * inner],
                 MatRef::row_major(&grad[first * outer..last * outer], last - first, outer),
-                MatRef::row_major(
-                    &w[expert * inner * outer..(expert + 1) * inner * outer],
-                    inner,
-                    outer,
-                )
-                .t(),
+                expert_weight(w, expert, inner, outer).t(),
                 accumulate,
             );
         }
@@ -130,11 +122,7 @@ impl Groups {
         (_, inner, outer): (usize, usize, usize),
     ) -> Vec<T> {
         let mut grad_w = vec![T::ZERO; self.experts() * inner * outer];
-        for (expert, range) in self.offsets.windows(2).enumerate() {
-            let (first, last) = (range[0], range[1]);
-            if first == last {
-                continue;
-            }
+        for (expert, first, last) in self.owned() {
             matmul(
                 &mut grad_w[expert * inner * outer..(expert + 1) * inner * outer],
                 MatRef::row_major(&x[first * inner..last * inner], last - first, inner).t(),
@@ -144,6 +132,15 @@ impl Groups {
         }
         grad_w
     }
+}
+
+/// Expert `expert`'s `[in, out]` matrix inside a stacked `[experts, in, out]` weight.
+fn expert_weight<T>(w: &[T], expert: usize, inner: usize, outer: usize) -> MatRef<'_, T> {
+    MatRef::row_major(
+        &w[expert * inner * outer..(expert + 1) * inner * outer],
+        inner,
+        outer,
+    )
 }
 
 /// `x.apply_op2(&w, GroupedMatmul(groups))`: `[rows, in]` x `[experts, in, out]` -> `[rows, out]`.
