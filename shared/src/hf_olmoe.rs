@@ -10,13 +10,16 @@ use serde::{Deserialize, Serialize};
 /// The blob each trainer checkpoint carries: its model configuration, as JSON.
 pub const MODEL_BLOB: &str = "model.json";
 
-/// The model configuration the trainer writes into [`MODEL_BLOB`].
+/// The model configuration: the trainer's `[model]` section, and what it writes into
+/// [`MODEL_BLOB`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelSpec {
     pub vocab_size: usize,
     pub d_model: usize,
     pub layers: usize,
     pub heads: usize,
+    /// 1 gives the dense variant (one expert, top-1).
     pub experts: usize,
     pub top_k: usize,
     pub expert_ffn: usize,

@@ -61,23 +61,9 @@ pub struct RunConfig {
     pub seed: u64,
 }
 
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ModelConfig {
-    pub vocab_size: usize,
-    pub d_model: usize,
-    pub layers: usize,
-    pub heads: usize,
-    /// 1 gives the dense variant (one expert, top-1).
-    pub experts: usize,
-    pub top_k: usize,
-    pub expert_ffn: usize,
-    pub seq_len: usize,
-    pub rope_theta: f64,
-    pub norm_eps: f64,
-    pub router_aux_coef: f64,
-    pub router_z_coef: f64,
-}
+/// The `[model]` section. It is also what every checkpoint stores as `model.json`, so the
+/// one definition lives with the format, in the shared crate.
+pub type ModelConfig = lazarus_shared::hf_olmoe::ModelSpec;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
