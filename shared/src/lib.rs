@@ -13,6 +13,7 @@ pub mod hf_olmoe;
 pub mod ids;
 pub mod safetensors_io;
 pub mod store;
+pub mod wire;
 
 pub use error::StoreError;
 pub use hash::ChunkHash;

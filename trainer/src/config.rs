@@ -105,6 +105,28 @@ pub struct CheckpointConfig {
     pub every: u64,
     /// `auto`: continue from the run's latest committed step if there is one; `never`.
     pub resume: String,
+    /// Unix socket of this node's `ckptd`. Empty: the trainer writes checkpoints through the
+    /// store itself. `LAZARUS_CKPTD_SOCKET` in the environment overrides it (one value per
+    /// node). With `ckptd`, `every` is the snapshot interval; the daemon decides which
+    /// snapshots become durable.
+    #[serde(default)]
+    pub ckptd: String,
+    /// With `ckptd`, when it is still busy with the previous snapshot: `skip` this snapshot
+    /// (counted in its metrics) or `wait` for it.
+    #[serde(default = "default_busy")]
+    pub busy: String,
+}
+
+fn default_busy() -> String {
+    "skip".into()
+}
+
+impl CheckpointConfig {
+    /// The `ckptd` socket in effect, if any.
+    pub fn ckptd_socket(&self) -> Option<std::path::PathBuf> {
+        let value = std::env::var("LAZARUS_CKPTD_SOCKET").unwrap_or_else(|_| self.ckptd.clone());
+        (!value.is_empty()).then(|| value.into())
+    }
 }
 
 impl Config {
@@ -242,6 +264,13 @@ impl Config {
         require(
             self.checkpoint.every > 0,
             "checkpoint.every must be positive".into(),
+        );
+        require(
+            matches!(self.checkpoint.busy.as_str(), "skip" | "wait"),
+            format!(
+                "checkpoint.busy {:?} must be \"skip\" or \"wait\"",
+                self.checkpoint.busy
+            ),
         );
         require(
             matches!(self.checkpoint.resume.as_str(), "auto" | "never"),

@@ -293,6 +293,63 @@ pub fn adamw(c: AdamWStep, params: &mut [f32], m: &mut [f32], v: &mut [f32], gra
     adamw_body(c, params, m, v, grads)
 }
 
+/// One shard piece of AdamW state: master weights and both moments.
+#[derive(Debug)]
+pub struct AdamWSlices<'a> {
+    pub params: &'a [f32],
+    pub m: &'a [f32],
+    pub v: &'a [f32],
+}
+
+/// The same, to write.
+#[derive(Debug)]
+pub struct AdamWSlicesMut<'a> {
+    pub params: &'a mut [f32],
+    pub m: &'a mut [f32],
+    pub v: &'a mut [f32],
+}
+
+#[inline(always)]
+fn adamw_into_body(c: AdamWStep, old: &AdamWSlices<'_>, grads: &[f32], new: &mut AdamWSlicesMut<'_>) {
+    let (one_minus_beta1, one_minus_beta2) = (1.0 - c.beta1, 1.0 - c.beta2);
+    let old_state = old.params.iter().zip(old.m).zip(old.v).zip(grads);
+    let new_state = new.params.iter_mut().zip(new.m.iter_mut()).zip(new.v.iter_mut());
+    for ((((p, m), v), g), ((p_out, m_out), v_out)) in old_state.zip(new_state) {
+        // The same operations in the same order as `adamw_body`: bit-identical results.
+        let g = *g * c.grad_scale;
+        let m = c.beta1 * *m + one_minus_beta1 * g;
+        let v = c.beta2 * *v + one_minus_beta2 * (g * g);
+        let denom = v.sqrt() / c.correction2_sqrt + c.eps;
+        *p_out = *p * c.decay - c.step_size * (m / denom);
+        *m_out = m;
+        *v_out = v;
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn adamw_into_avx2(c: AdamWStep, old: &AdamWSlices<'_>, grads: &[f32], new: &mut AdamWSlicesMut<'_>) {
+    adamw_into_body(c, old, grads, new)
+}
+
+/// AdamW from one copy of the state into another (a snapshot slot), so the old copy stays
+/// intact. Computes exactly what [`adamw`] computes in place.
+pub fn adamw_into(c: AdamWStep, old: &AdamWSlices<'_>, grads: &[f32], new: &mut AdamWSlicesMut<'_>) {
+    let n = grads.len();
+    assert!(
+        [old.params.len(), old.m.len(), old.v.len(), new.params.len(), new.m.len(), new.v.len()]
+            .iter()
+            .all(|len| *len == n),
+        "AdamW slices differ in length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU was just checked to support AVX2.
+        return unsafe { adamw_into_avx2(c, old, grads, new) };
+    }
+    adamw_into_body(c, old, grads, new)
+}
+
 /// Row-wise softmax pieces for one element type.
 pub trait SoftmaxRow: Element {
     /// The row's log-sum-exp, in f64.

@@ -14,4 +14,5 @@ pub mod loss;
 pub mod model;
 pub mod norm;
 pub mod optim;
+pub mod snapshot;
 pub mod train;

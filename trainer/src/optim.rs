@@ -18,8 +18,9 @@ use rayon::prelude::*;
 
 use crate::config::TrainConfig;
 use crate::dist::{even_bounds, Group, World};
-use crate::kernels::{adamw, AdamWStep};
+use crate::kernels::{adamw, adamw_into, AdamWSlices, AdamWSlicesMut, AdamWStep};
 use crate::model::Model;
+use crate::snapshot::StateMemory;
 
 /// Elements per parallel work item of the update (and per partial sum of the norm).
 const BLOCK: usize = 1 << 16;
@@ -40,7 +41,8 @@ pub struct Slot {
     pub global_offset: usize,
 }
 
-/// One sharded range of the flat buffer: its group, the split, and this rank's state.
+/// One sharded range of the flat buffer: its group, the split, and where this rank's state
+/// lives in the state memory.
 #[derive(Clone, Debug)]
 pub struct Shard {
     pub group: Group,
@@ -48,16 +50,51 @@ pub struct Shard {
     pub bounds: Vec<usize>,
     /// This rank's part.
     pub mine: Range<usize>,
-    pub params: Vec<f32>,
-    pub exp_avg: Vec<f32>,
-    pub exp_avg_sq: Vec<f32>,
+    /// Element offset of this part's master weights in the state memory; the first moments
+    /// follow, then the second moments, `mine.len()` elements each.
+    pub base: usize,
+}
+
+/// Which of a shard's three state arrays.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Part {
+    Params,
+    ExpAvg,
+    ExpAvgSq,
+}
+
+impl Part {
+    pub const ALL: [Part; 3] = [Part::Params, Part::ExpAvg, Part::ExpAvgSq];
+
+    /// The suffix of the stored tensor's name.
+    pub fn suffix(self) -> &'static str {
+        match self {
+            Part::Params => "",
+            Part::ExpAvg => ".exp_avg",
+            Part::ExpAvgSq => ".exp_avg_sq",
+        }
+    }
+
+    fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl Shard {
+    /// Element range of `part`'s `local` elements (relative to `mine.start`) in the state.
+    pub fn range(&self, part: Part, local: Range<usize>) -> Range<usize> {
+        let start = self.base + part.index() * self.mine.len();
+        start + local.start..start + local.end
+    }
 }
 
 /// Optimizer state: this rank's shards of the master weights and moments.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct AdamW {
     pub slots: Vec<Slot>,
     pub shards: Vec<Shard>,
+    /// The shards' state, in one or more copies (see [`StateMemory`]).
+    pub memory: StateMemory,
     /// Elements of the local flat buffer.
     pub len: usize,
     /// Updates applied so far (the bias-correction step).
@@ -136,6 +173,7 @@ impl AdamW {
             .map(|s| s.len)
             .sum::<usize>();
         let mut shards = Vec::new();
+        let mut state = Vec::new();
         for (group, range) in [
             (Group::World, 0..dense_len),
             (Group::ExpertData, dense_len..flat.len()),
@@ -146,18 +184,20 @@ impl AdamW {
                 .map(|b| range.start + b)
                 .collect();
             let mine = bounds[me]..bounds[me + 1];
+            let base = state.len();
+            state.extend_from_slice(&flat[mine.clone()]);
+            state.resize(state.len() + 2 * mine.len(), 0.0);
             shards.push(Shard {
                 group,
-                params: flat[mine.clone()].to_vec(),
-                exp_avg: vec![0.0; mine.len()],
-                exp_avg_sq: vec![0.0; mine.len()],
                 bounds,
                 mine,
+                base,
             });
         }
         Ok(Self {
             slots,
             shards,
+            memory: StateMemory::heap(state),
             len: flat.len(),
             step: 0,
             world,
@@ -197,6 +237,16 @@ impl AdamW {
             let end = (slot.offset + slot.len).min(shard.mine.end);
             (start < end).then_some((slot, start..end))
         })
+    }
+
+    /// `part` of `shard`, for its `local` elements, in the current state.
+    pub fn part(&self, shard: &Shard, part: Part, local: Range<usize>) -> &[f32] {
+        &self.memory.current()[shard.range(part, local)]
+    }
+
+    /// The elements of state memory (three per local shard element).
+    pub fn state_len(&self) -> usize {
+        self.memory.current().len()
     }
 
     /// Clips the gradients to `grad_clip` by global norm, applies one AdamW update at `lr`, and
@@ -248,8 +298,10 @@ impl AdamW {
         let correction2_sqrt = (1.0 - self.beta2.powi(self.step as i32)).sqrt();
         let step_size = lr / correction1;
         let (beta1, beta2, eps) = (self.beta1, self.beta2, self.eps);
-        let mut shards = std::mem::take(&mut self.shards);
-        for (shard, grads) in shards.iter_mut().zip(&shard_grads) {
+        let shards = std::mem::take(&mut self.shards);
+        let mut memory = std::mem::replace(&mut self.memory, StateMemory::heap(Vec::new()));
+        let mut target = memory.begin_update();
+        for (shard, grads) in shards.iter().zip(&shard_grads) {
             let pieces: Vec<(f64, Range<usize>)> = self
                 .pieces(shard)
                 .map(|(slot, range)| (slot.weight_decay, range))
@@ -265,14 +317,54 @@ impl AdamW {
                     step_size: step_size as f32,
                     correction2_sqrt: correction2_sqrt as f32,
                 };
-                shard.params[local.clone()]
-                    .par_chunks_mut(BLOCK)
-                    .zip(shard.exp_avg[local.clone()].par_chunks_mut(BLOCK))
-                    .zip(shard.exp_avg_sq[local.clone()].par_chunks_mut(BLOCK))
-                    .zip(grads[local].par_chunks(BLOCK))
-                    .for_each(|(((params, m), v), grads)| adamw(constants, params, m, v, grads));
+                let [p, m, v] = Part::ALL.map(|part| shard.range(part, local.clone()));
+                let grads = &grads[local];
+                match &mut target {
+                    crate::snapshot::UpdateTarget::InPlace(state) => {
+                        let (params, m, v) = three_mut(state, p, m, v);
+                        params
+                            .par_chunks_mut(BLOCK)
+                            .zip(m.par_chunks_mut(BLOCK))
+                            .zip(v.par_chunks_mut(BLOCK))
+                            .zip(grads.par_chunks(BLOCK))
+                            .for_each(|(((params, m), v), grads)| {
+                                adamw(constants, params, m, v, grads)
+                            });
+                    }
+                    crate::snapshot::UpdateTarget::Copy { from, to } => {
+                        let old = (&from[p.clone()], &from[m.clone()], &from[v.clone()]);
+                        let (params, m_out, v_out) = three_mut(to, p, m, v);
+                        params
+                            .par_chunks_mut(BLOCK)
+                            .zip(m_out.par_chunks_mut(BLOCK))
+                            .zip(v_out.par_chunks_mut(BLOCK))
+                            .zip(old.0.par_chunks(BLOCK))
+                            .zip(old.1.par_chunks(BLOCK))
+                            .zip(old.2.par_chunks(BLOCK))
+                            .zip(grads.par_chunks(BLOCK))
+                            .for_each(|((((((params, m_out), v_out), p0), m0), v0), grads)| {
+                                adamw_into(
+                                    constants,
+                                    &AdamWSlices {
+                                        params: p0,
+                                        m: m0,
+                                        v: v0,
+                                    },
+                                    grads,
+                                    &mut AdamWSlicesMut {
+                                        params,
+                                        m: m_out,
+                                        v: v_out,
+                                    },
+                                )
+                            });
+                    }
+                }
             }
         }
+        drop(target);
+        memory.finish_update();
+        self.memory = memory;
         self.shards = shards;
         self.grads = flat;
         self.write_to(model)?;
@@ -288,7 +380,8 @@ impl AdamW {
         for shard in &self.shards {
             let range = shard.bounds[0]..shard.bounds[shard.bounds.len() - 1];
             let relative: Vec<usize> = shard.bounds.iter().map(|b| b - range.start).collect();
-            let whole = self.world.all_gather(shard.group, &shard.params, &relative);
+            let params = self.part(shard, Part::Params, 0..shard.mine.len());
+            let whole = self.world.all_gather(shard.group, params, &relative);
             flat[range].copy_from_slice(&whole);
         }
         let parameters = model.parameters();
@@ -301,6 +394,23 @@ impl AdamW {
         }
         Ok(())
     }
+}
+
+/// Three disjoint ranges of one buffer, in increasing order, borrowed mutably together.
+fn three_mut(
+    buffer: &mut [f32],
+    a: Range<usize>,
+    b: Range<usize>,
+    c: Range<usize>,
+) -> (&mut [f32], &mut [f32], &mut [f32]) {
+    assert!(a.end <= b.start && b.end <= c.start, "parts overlap");
+    let (head, rest) = buffer.split_at_mut(b.start);
+    let (middle, tail) = rest.split_at_mut(c.start - b.start);
+    (
+        &mut head[a],
+        &mut middle[..b.end - b.start],
+        &mut tail[..c.end - c.start],
+    )
 }
 
 #[cfg(test)]
@@ -341,7 +451,7 @@ mod tests {
             .find(|s| s.name == "lm_head")
             .unwrap()
             .clone();
-        let before = optim.shards[0].params[slot.offset];
+        let before = optim.part(&optim.shards[0], Part::Params, 0..slot.offset + 1)[slot.offset];
         let g = f64::from(
             grads
                 .get(&model.lm_head)
@@ -355,7 +465,7 @@ mod tests {
         // Step 1: m = (1-b1) g, v = (1-b2) g^2; corrected m/sqrt(v) = g/|g|.
         let expected = f64::from(before) * (1.0 - 0.1 * config.train.weight_decay)
             - 0.1 * g / (g.abs() + config.train.eps);
-        let after = optim.shards[0].params[slot.offset];
+        let after = optim.part(&optim.shards[0], Part::Params, 0..slot.offset + 1)[slot.offset];
         assert!(
             (f64::from(after) - expected).abs() < 1e-6,
             "{after} vs {expected}"

@@ -29,7 +29,9 @@ use crate::config::Config;
 use crate::data::{Dataset, Sampler};
 use crate::dist::{Group, World};
 use crate::model::Model;
-use crate::optim::{learning_rate, AdamW, Slot};
+use crate::optim::{learning_rate, AdamW, Part, Slot};
+use crate::snapshot::{Ckptd, StateMemory};
+use lazarus_shared::wire::SlotTensor;
 
 /// Bad configuration or a run that must not be touched (exit 2).
 #[derive(Debug, thiserror::Error)]
@@ -115,6 +117,25 @@ fn bytes_to_floats(bytes: &[u8]) -> Vec<f32> {
 /// stored flattened as a 1-D global tensor of which this rank writes the slice its optimizer
 /// shard holds. Any layout can read any other layout's slices back by region.
 fn checkpoint_tensors(optim: &AdamW) -> Vec<TensorData> {
+    slot_layout(optim)
+        .0
+        .into_iter()
+        .map(|t| {
+            let start = t.offset as usize / 4;
+            TensorData {
+                name: t.name,
+                dtype: t.dtype,
+                global_shape: t.global_shape,
+                slice: t.slice,
+                data: floats_to_bytes(&optim.memory.current()[start..start + t.bytes as usize / 4]),
+            }
+        })
+        .collect()
+}
+
+/// The same tensors as [`checkpoint_tensors`], as byte ranges of the state memory (what a
+/// `ckptd` slot holds), and the slot's size.
+fn slot_layout(optim: &AdamW) -> (Vec<SlotTensor>, u64) {
     let mut tensors = Vec::new();
     for shard in &optim.shards {
         for (slot, range) in optim.pieces(shard) {
@@ -123,22 +144,20 @@ fn checkpoint_tensors(optim: &AdamW) -> Vec<TensorData> {
                 start: (slot.global_offset + range.start - slot.offset) as u64,
                 len: range.len() as u64,
             }];
-            for (suffix, buffer) in [
-                ("", &shard.params),
-                (".exp_avg", &shard.exp_avg),
-                (".exp_avg_sq", &shard.exp_avg_sq),
-            ] {
-                tensors.push(TensorData {
-                    name: format!("{}{suffix}", slot.name),
+            for part in Part::ALL {
+                let elements = shard.range(part, local.clone());
+                tensors.push(SlotTensor {
+                    name: format!("{}{}", slot.name, part.suffix()),
                     dtype: StoredDType::F32,
                     global_shape: vec![slot.global_len as u64],
                     slice: slice.clone(),
-                    data: floats_to_bytes(&buffer[local.clone()]),
+                    offset: 4 * elements.start as u64,
+                    bytes: 4 * elements.len() as u64,
                 });
             }
         }
     }
-    tensors
+    (tensors, 4 * optim.state_len() as u64)
 }
 
 /// Holds the training state and the things it reads and writes.
@@ -151,6 +170,11 @@ struct Session {
     runtime: tokio::runtime::Runtime,
     bases: Option<DeltaBases>,
     state: TrainerState,
+    /// The node's `ckptd`, when snapshots go through it.
+    ckptd: Option<Ckptd>,
+    /// How long the last snapshot held the training loop.
+    last_stall: std::time::Duration,
+    skipped_snapshots: u64,
 }
 
 impl Session {
@@ -160,16 +184,7 @@ impl Session {
         let key = StepKey::new(self.state.step, timeline);
         let tensors = checkpoint_tensors(&self.optim);
         let blobs = if self.world.rank == 0 {
-            vec![
-                (
-                    "trainer.json".into(),
-                    Bytes::from(serde_json::to_vec(&self.state)?),
-                ),
-                (
-                    hf_olmoe::MODEL_BLOB.into(),
-                    Bytes::from(serde_json::to_vec(&self.config.model)?),
-                ),
-            ]
+            self.blobs()?
         } else {
             Vec::new()
         };
@@ -211,8 +226,8 @@ impl Session {
                 .block_on(checkpoint.read_blob(0, "trainer.json"))?,
         )
         .context("trainer.json in the checkpoint")?;
-        let mut shards = std::mem::take(&mut self.optim.shards);
-        for shard in &mut shards {
+        let shards = std::mem::take(&mut self.optim.shards);
+        for shard in &shards {
             let pieces: Vec<(Slot, std::ops::Range<usize>)> = self
                 .optim
                 .pieces(shard)
@@ -239,12 +254,12 @@ impl Session {
                         self.runtime
                             .block_on(checkpoint.read_region(&name, &region, &()))?;
                     let values = bytes_to_floats(&bytes);
-                    let buffer = match suffix {
-                        "" => &mut shard.params,
-                        ".exp_avg" => &mut shard.exp_avg,
-                        _ => &mut shard.exp_avg_sq,
-                    };
-                    buffer[local.clone()].copy_from_slice(&values);
+                    let part = Part::ALL
+                        .into_iter()
+                        .find(|p| p.suffix() == suffix)
+                        .expect("a known suffix");
+                    self.optim.memory.current_mut()[shard.range(part, local.clone())]
+                        .copy_from_slice(&values);
                 }
             }
         }
@@ -255,6 +270,137 @@ impl Session {
         self.bases = None;
         self.state = state;
         Ok(Some(latest.step))
+    }
+
+    fn blobs(&self) -> Result<Vec<(String, Bytes)>> {
+        Ok(vec![
+            (
+                "trainer.json".into(),
+                Bytes::from(serde_json::to_vec(&self.state)?),
+            ),
+            (
+                hf_olmoe::MODEL_BLOB.into(),
+                Bytes::from(serde_json::to_vec(&self.config.model)?),
+            ),
+        ])
+    }
+
+    /// Connects to the node's `ckptd`, moves the optimizer state into its slots, and restores
+    /// the step it serves (from T0, T1 or T2), if any. Returns the step and tier.
+    fn attach_ckptd(
+        &mut self,
+        socket: &Path,
+        run: &RunId,
+        restore: bool,
+    ) -> Result<Option<(u64, lazarus_shared::wire::Tier)>> {
+        let (tensors, slot_bytes) = slot_layout(&self.optim);
+        let mut ckptd = Ckptd::connect(
+            socket,
+            run.clone(),
+            self.world.rank as u32,
+            self.world.size as u32,
+            tensors,
+            slot_bytes,
+        )?;
+        let restored = if restore { ckptd.restore()? } else { None };
+        let held = ckptd.held.clone();
+        let fresh = self.optim.memory.current().to_vec();
+        self.optim.memory = StateMemory::mapped(
+            &ckptd.slots,
+            held,
+            &fresh,
+            restored.as_ref().map(|r| r.slot),
+        )?;
+        let result = match restored {
+            Some(restored) => {
+                let trainer = restored
+                    .blobs
+                    .iter()
+                    .find(|(name, _)| name == "trainer.json")
+                    .ok_or_else(|| anyhow::anyhow!("ckptd served step {} without trainer.json", restored.step))?;
+                let state: TrainerState = serde_json::from_slice(&trainer.1)
+                    .context("trainer.json from ckptd")?;
+                if state.step != restored.step {
+                    bail!("ckptd served step {} but its trainer.json says {}", restored.step, state.step);
+                }
+                self.optim.step = state.optimizer_step;
+                self.optim.write_to(&self.model)?;
+                self.state = state;
+                Some((restored.step, restored.tier))
+            }
+            None => None,
+        };
+        self.ckptd = Some(ckptd);
+        Ok(result)
+    }
+
+    /// Tells `ckptd` which slots it holds before an update writes one.
+    fn refresh_held(&mut self) {
+        if let Some(ckptd) = self.ckptd.as_mut() {
+            if ckptd.poll(self.state.step).is_ok() {
+                self.optim.memory.set_held(ckptd.held.clone());
+            }
+        }
+    }
+
+    /// Hands the current state to `ckptd` if every rank's daemon is free (all ranks snapshot
+    /// the same steps, or none does). `last`: the run's final snapshot, which waits for a busy
+    /// daemon and asks for a durable commit.
+    fn snapshot(&mut self, last: bool) -> Result<bool> {
+        let started = Instant::now();
+        let wait = last || self.config.checkpoint.busy == "wait";
+        let deadline = Instant::now() + std::time::Duration::from_secs(600);
+        let step = self.state.step;
+        let ckptd = self.ckptd.as_mut().expect("snapshot needs ckptd");
+        let any_busy = |ckptd: &mut Ckptd, world: &World| {
+            let busy = ckptd.poll(step).unwrap_or(true);
+            if world.size > 1 {
+                world.sum_u64(Group::World, &[u64::from(busy)])[0] > 0
+            } else {
+                busy
+            }
+        };
+        let mut busy = any_busy(ckptd, &self.world);
+        while busy && wait && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            busy = any_busy(ckptd, &self.world);
+        }
+        let mut accepted = false;
+        if !busy {
+            let slot = self.optim.memory.current_slot();
+            let (specs, stall) = (Session::blobs_of(&self.state, &self.config)?, self.last_stall);
+            accepted = ckptd
+                .snapshot(step, slot, last, &specs, stall)
+                .unwrap_or(false);
+            if accepted {
+                self.optim.memory.hold(slot);
+            }
+        }
+        if !accepted {
+            self.skipped_snapshots += 1;
+        }
+        self.last_stall = started.elapsed();
+        Ok(accepted)
+    }
+
+    fn blobs_of(state: &TrainerState, config: &Config) -> Result<Vec<(String, Bytes)>> {
+        Ok(vec![
+            ("trainer.json".into(), Bytes::from(serde_json::to_vec(state)?)),
+            (
+                hf_olmoe::MODEL_BLOB.into(),
+                Bytes::from(serde_json::to_vec(&config.model)?),
+            ),
+        ])
+    }
+
+    /// Waits (bounded) until this rank's daemon has finished with everything handed over.
+    fn drain_ckptd(&mut self) {
+        let deadline = Instant::now() + std::time::Duration::from_secs(600);
+        if let Some(ckptd) = self.ckptd.as_mut() {
+            while Instant::now() < deadline && ckptd.poll(self.state.step).unwrap_or(false) {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+        }
     }
 
     fn validate(&self, dataset: &Dataset) -> Result<Option<f64>> {
@@ -375,11 +521,20 @@ pub fn train(
             samples_seen: 0,
             optimizer_step: 0,
         },
+        ckptd: None,
+        last_stall: std::time::Duration::ZERO,
+        skipped_snapshots: 0,
     };
-    let resumed_from = if config.checkpoint.resume == "auto" {
-        session.resume()?
-    } else {
-        None
+    let mut restored_tier = None;
+    let resumed_from = match config.checkpoint.ckptd_socket() {
+        Some(socket) => {
+            let restored =
+                session.attach_ckptd(&socket, &run_id, config.checkpoint.resume == "auto")?;
+            restored_tier = restored.map(|(_, tier)| tier);
+            restored.map(|(step, _)| step)
+        }
+        None if config.checkpoint.resume == "auto" => session.resume()?,
+        None => None,
     };
     writeln!(
         log,
@@ -387,7 +542,12 @@ pub fn train(
         optimizer_bytes / 1_000_000,
         dataset.train.len(),
         resumed_from
-            .map(|s| format!(", resumed from step {s}"))
+            .map(|s| format!(
+                ", resumed from step {s}{}",
+                restored_tier
+                    .map(|t| format!(" ({} via ckptd)", t.name()))
+                    .unwrap_or_default()
+            ))
             .unwrap_or_default()
     )?;
     if world.size > 1 {
@@ -472,6 +632,7 @@ pub fn train(
         let timer = Instant::now();
         let grads = forward.loss.backward()?;
         phase_seconds[1] += timer.elapsed().as_secs_f64();
+        session.refresh_held();
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
         let update = session.optim.update(&session.model, &grads, lr)?;
@@ -547,7 +708,13 @@ pub fn train(
             phase_seconds = [0.0; 3];
         }
         if step % config.checkpoint.every == 0 {
-            last_checkpoint = Some(session.checkpoint()?);
+            if session.ckptd.is_some() {
+                if session.snapshot(step == config.train.steps)? {
+                    last_checkpoint = Some(step);
+                }
+            } else {
+                last_checkpoint = Some(session.checkpoint()?);
+            }
         }
     }
     if world.ep > 1 {
@@ -559,7 +726,23 @@ pub fn train(
             bytes as f64 / 1e6 / seconds.max(1e-9)
         )?;
     }
-    if last_checkpoint != Some(session.state.step) && session.state.step > 0 {
+    if session.ckptd.is_some() {
+        if last_checkpoint != Some(session.state.step)
+            && session.state.step > 0
+            && session.snapshot(true)?
+        {
+            last_checkpoint = Some(session.state.step);
+        }
+        // Leave once the daemon has the last snapshot in T0 and T1 and, as asked, in T2.
+        session.drain_ckptd();
+        world.barrier();
+        writeln!(
+            log,
+            "ckptd: {} snapshots skipped while the daemon was busy; last stall {:.3} ms",
+            session.skipped_snapshots,
+            session.last_stall.as_secs_f64() * 1000.0
+        )?;
+    } else if last_checkpoint != Some(session.state.step) && session.state.step > 0 {
         last_checkpoint = Some(session.checkpoint()?);
     }
     Ok(Summary {

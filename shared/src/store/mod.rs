@@ -41,7 +41,9 @@ pub use index::{ChunkIndex, ChunkInfo, IndexStats};
 pub use lock::LockGuard;
 pub use reader::{Checkpoint, TensorInfo};
 pub use verify::{Problem, VerifyOptions, VerifyReport};
-pub use writer::{DeltaBases, ShardInput, TensorData};
+pub use writer::{
+    ByteSource, DeltaBases, ShardInput, SourceRange, SourcedShard, SourcedTensor, TensorData,
+};
 
 use crate::error::StoreError;
 use crate::format::{self, Object, RunInfo};

@@ -181,7 +181,7 @@ impl RunStore {
     /// Downloads and verifies one referenced chunk, checking its length too.
     async fn fetch_ref(
         &self,
-        chunk: &ChunkRef,
+        chunk: ChunkRef,
         context: &ChunkContext,
         progress: &dyn Progress,
     ) -> Result<Vec<u8>, StoreError> {
@@ -211,6 +211,7 @@ impl RunStore {
         stream::iter(
             chunks
                 .iter()
+                .cloned()
                 .map(|chunk| self.fetch_ref(chunk, context, progress)),
         )
         .buffered(self.store.options.download_concurrency.max(1))
@@ -421,6 +422,7 @@ impl Checkpoint {
             entry
                 .chunks
                 .iter()
+                .cloned()
                 .map(|chunk| self.run.fetch_ref(chunk, &context, progress)),
         )
         .buffered(self.run.store.options.download_concurrency.max(1));

@@ -12,6 +12,7 @@
 //! earlier has finished deleting by the time the re-check runs.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -56,6 +57,123 @@ impl TensorData {
     }
 }
 
+/// Where a writer reads raw bytes from: memory, or a file it reads piece by piece (`ckptd`'s
+/// shm slots), so that writing a shard holds only the chunks in flight in memory.
+pub trait ByteSource: Send + Sync + 'static {
+    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes>;
+    /// Names the source in errors.
+    fn describe(&self) -> String;
+}
+
+impl ByteSource for Bytes {
+    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
+        let start = offset as usize;
+        if start + len > self.len() {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "read past the end of a buffer",
+            ));
+        }
+        Ok(self.slice(start..start + len))
+    }
+
+    fn describe(&self) -> String {
+        "memory".into()
+    }
+}
+
+/// A byte range of a [`ByteSource`].
+#[derive(Clone)]
+pub struct SourceRange {
+    pub source: Arc<dyn ByteSource>,
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl std::fmt::Debug for SourceRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}[{}..{}]",
+            self.source.describe(),
+            self.offset,
+            self.offset + self.len
+        )
+    }
+}
+
+impl From<Bytes> for SourceRange {
+    fn from(bytes: Bytes) -> Self {
+        let len = bytes.len() as u64;
+        Self {
+            source: Arc::new(bytes),
+            offset: 0,
+            len,
+        }
+    }
+}
+
+impl SourceRange {
+    /// `len` bytes from `offset` within this range.
+    pub fn sub(&self, offset: u64, len: u64) -> Self {
+        debug_assert!(offset + len <= self.len);
+        Self {
+            source: self.source.clone(),
+            offset: self.offset + offset,
+            len,
+        }
+    }
+
+    pub fn read(&self) -> Result<Bytes, StoreError> {
+        self.source
+            .read_at(self.offset, self.len as usize)
+            .map_err(|cause| StoreError::Io {
+                path: format!("{self:?}"),
+                cause,
+            })
+    }
+
+    /// Reads on a blocking thread.
+    async fn load(&self) -> Result<Bytes, StoreError> {
+        let range = self.clone();
+        tokio::task::spawn_blocking(move || range.read())
+            .await
+            .expect("reading does not panic")
+    }
+}
+
+/// A tensor whose bytes are read from a source while it is written.
+#[derive(Clone, Debug)]
+pub struct SourcedTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub global_shape: Vec<u64>,
+    pub slice: Vec<DimRange>,
+    pub data: SourceRange,
+}
+
+impl From<TensorData> for SourcedTensor {
+    fn from(t: TensorData) -> Self {
+        Self {
+            name: t.name,
+            dtype: t.dtype,
+            global_shape: t.global_shape,
+            slice: t.slice,
+            data: t.data.into(),
+        }
+    }
+}
+
+/// What one rank stores for one step, read from sources.
+#[derive(Clone, Debug)]
+pub struct SourcedShard {
+    pub step: StepKey,
+    pub rank: Rank,
+    pub world_size: u32,
+    pub tensors: Vec<SourcedTensor>,
+    pub blobs: Vec<(String, Bytes)>,
+}
+
 /// What one rank stores for one step.
 #[derive(Clone, Debug)]
 pub struct ShardInput {
@@ -71,12 +189,12 @@ pub struct ShardInput {
 /// tensor.
 #[derive(Clone, Debug, Default)]
 pub struct DeltaBases {
-    tensors: HashMap<String, (Bytes, Vec<ChunkRef>)>,
+    tensors: HashMap<String, (SourceRange, Vec<ChunkRef>)>,
 }
 
 impl DeltaBases {
-    pub fn insert(&mut self, name: String, raw: Bytes, chunks: Vec<ChunkRef>) {
-        self.tensors.insert(name, (raw, chunks));
+    pub fn insert(&mut self, name: String, raw: impl Into<SourceRange>, chunks: Vec<ChunkRef>) {
+        self.tensors.insert(name, (raw.into(), chunks));
     }
 
     fn base_for(
@@ -85,19 +203,20 @@ impl DeltaBases {
         chunk_index: usize,
         offset: usize,
         len: usize,
-    ) -> Option<(Bytes, ChunkRef)> {
+    ) -> Option<(SourceRange, ChunkRef)> {
         let (raw, chunks) = self.tensors.get(name)?;
         let chunk = chunks.get(chunk_index)?;
-        (chunk.raw_len as usize == len && offset + len <= raw.len())
-            .then(|| (raw.slice(offset..offset + len), chunk.clone()))
+        (chunk.raw_len as usize == len && (offset + len) as u64 <= raw.len)
+            .then(|| (raw.sub(offset as u64, len as u64), chunk.clone()))
     }
 }
 
+#[derive(Clone)]
 struct ChunkJob {
     item: usize,
-    raw: Bytes,
+    raw: SourceRange,
     element_bytes: usize,
-    base: Option<(Bytes, ChunkRef)>,
+    base: Option<(SourceRange, ChunkRef)>,
 }
 
 struct ChunkDone {
@@ -112,6 +231,24 @@ impl RunStore {
     pub async fn write_shard(
         &self,
         input: ShardInput,
+        bases: Option<&DeltaBases>,
+        progress: &dyn Progress,
+    ) -> Result<ShardManifest, StoreError> {
+        let input = SourcedShard {
+            step: input.step,
+            rank: input.rank,
+            world_size: input.world_size,
+            tensors: input.tensors.into_iter().map(Into::into).collect(),
+            blobs: input.blobs,
+        };
+        self.write_shard_sourced(input, bases, progress).await
+    }
+
+    /// [`RunStore::write_shard`] for tensors read from sources: at most `upload_concurrency`
+    /// chunks are in memory at once (and their delta bases).
+    pub async fn write_shard_sourced(
+        &self,
+        input: SourcedShard,
         bases: Option<&DeltaBases>,
         progress: &dyn Progress,
     ) -> Result<ShardManifest, StoreError> {
@@ -146,7 +283,7 @@ impl RunStore {
                 dtype: tensor.dtype,
                 global_shape: tensor.global_shape.clone(),
                 slice: tensor.slice.clone(),
-                raw_bytes: tensor.data.len() as u64,
+                raw_bytes: tensor.data.len,
                 chunks: Vec::new(),
             };
             entry
@@ -155,17 +292,18 @@ impl RunStore {
                     reason: error.to_string(),
                 })?;
             let item = tensors.len();
-            for (index, offset) in (0..tensor.data.len()).step_by(chunk_bytes).enumerate() {
-                let len = chunk_bytes.min(tensor.data.len() - offset);
+            let tensor_len = tensor.data.len as usize;
+            for (index, offset) in (0..tensor_len).step_by(chunk_bytes).enumerate() {
+                let len = chunk_bytes.min(tensor_len - offset);
                 let base = bases.and_then(|b| b.base_for(&tensor.name, index, offset, len));
                 jobs.push(ChunkJob {
                     item,
-                    raw: tensor.data.slice(offset..offset + len),
+                    raw: tensor.data.sub(offset as u64, len as u64),
                     element_bytes: tensor.dtype.element_bytes(),
                     base,
                 });
             }
-            total_bytes += tensor.data.len() as u64;
+            total_bytes += tensor_len as u64;
             tensors.push(entry);
         }
         for (name, data) in &input.blobs {
@@ -174,7 +312,7 @@ impl RunStore {
                 let len = chunk_bytes.min(data.len() - offset);
                 jobs.push(ChunkJob {
                     item,
-                    raw: data.slice(offset..offset + len),
+                    raw: SourceRange::from(data.clone()).sub(offset as u64, len as u64),
                     element_bytes: 1,
                     base: None,
                 });
@@ -190,12 +328,12 @@ impl RunStore {
 
         let concurrency = self.store.options.upload_concurrency.max(1);
         let done: Vec<ChunkDone> =
-            stream::iter(jobs.iter().map(|job| self.store_chunk(job, progress)))
+            stream::iter(jobs.iter().cloned().map(|job| self.store_chunk(job, progress)))
                 .buffered(concurrency)
                 .try_collect()
                 .await?;
         let mut uploaded_bytes = 0;
-        let mut raw_by_hash: HashMap<ChunkHash, Bytes> = HashMap::new();
+        let mut raw_by_hash: HashMap<ChunkHash, SourceRange> = HashMap::new();
         for (job, chunk) in jobs.iter().zip(done) {
             uploaded_bytes += chunk.uploaded_bytes;
             raw_by_hash
@@ -246,14 +384,15 @@ impl RunStore {
     /// Hashes one chunk, and uploads it unless storage already has it.
     async fn store_chunk(
         &self,
-        job: &ChunkJob,
+        job: ChunkJob,
         progress: &dyn Progress,
     ) -> Result<ChunkDone, StoreError> {
-        let raw = job.raw.clone();
-        let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&raw))
+        let raw = job.raw.load().await?;
+        let hashed = raw.clone();
+        let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed))
             .await
             .expect("hashing does not panic");
-        let raw_len = job.raw.len() as u64;
+        let raw_len = raw.len() as u64;
         if let Some(existing) = self.known_chunk(hash).await? {
             progress.advance(raw_len);
             let reference = ChunkRef {
@@ -269,8 +408,10 @@ impl RunStore {
                 uploaded_bytes: 0,
             });
         }
-        let raw = job.raw.clone();
-        let base = job.base.clone();
+        let base = match &job.base {
+            Some((range, chunk)) => Some((range.load().await?, chunk.clone())),
+            None => None,
+        };
         let policy = CodecPolicy {
             element_bytes: job.element_bytes,
             zstd_level: self.store.options.zstd_level,
@@ -396,7 +537,7 @@ impl RunStore {
     async fn recheck_chunks(
         &self,
         manifest: &mut ShardManifest,
-        raw_by_hash: &HashMap<ChunkHash, Bytes>,
+        raw_by_hash: &HashMap<ChunkHash, SourceRange>,
     ) -> Result<usize, StoreError> {
         self.wait_for_gc().await?;
         let mut needed: HashSet<ChunkHash> = HashSet::new();
@@ -437,7 +578,16 @@ impl RunStore {
                 let raw = raw_by_hash
                     .get(&chunk.hash)
                     .expect("every referenced chunk came from this write")
-                    .clone();
+                    .load()
+                    .await?;
+                if ChunkHash::of(&raw) != chunk.hash {
+                    return Err(StoreError::BadRequest {
+                        reason: format!(
+                            "the source of chunk {} changed while the shard was written",
+                            chunk.hash.short()
+                        ),
+                    });
+                }
                 let hash = chunk.hash;
                 let level = self.store.options.zstd_level;
                 let encoded = tokio::task::spawn_blocking(move || {

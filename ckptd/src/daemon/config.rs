@@ -1,0 +1,269 @@
+//! `ckptd`'s configuration: a TOML file, with command-line flags overriding it.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, ValueEnum};
+use lazarus_shared::RunId;
+use serde::Deserialize;
+
+#[derive(Clone, Copy, Debug, Default, ValueEnum, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+/// Flags; each overrides the same key of the config file.
+#[derive(Debug, Parser)]
+#[command(
+    name = "ckptd",
+    version,
+    about = "Per-node checkpoint daemon: takes snapshots from local ranks, replicates them to a buddy node, streams them to storage and commits steps"
+)]
+pub struct Cli {
+    /// TOML file with the keys below (flags override it).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// This node's id (letters, digits, '.', '_', '-').
+    #[arg(long)]
+    pub node: Option<String>,
+    /// The run this daemon serves.
+    #[arg(long)]
+    pub run: Option<String>,
+    /// Checkpoint store URL: file:///path or s3://bucket/prefix.
+    #[arg(long)]
+    pub store: Option<String>,
+    /// Directory in shared memory (e.g. under /dev/shm) for snapshot slots and replicas.
+    #[arg(long)]
+    pub shm_dir: Option<PathBuf>,
+    /// Unix socket the local ranks connect to.
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Socket mode: 600 (the job's user only) or 660 (and its group).
+    #[arg(long)]
+    pub socket_mode: Option<String>,
+    /// TCP address for buddies, the leader and `ckptctl status`.
+    #[arg(long)]
+    pub listen: Option<SocketAddr>,
+    /// The leader's TCP address.
+    #[arg(long)]
+    pub leader: Option<SocketAddr>,
+    /// This daemon is the leader.
+    #[arg(long)]
+    pub lead: bool,
+    /// The buddy node's TCP address: where this node's snapshots are replicated (T1).
+    #[arg(long)]
+    pub buddy: Option<SocketAddr>,
+    /// File holding the per-job key that authenticates TCP messages.
+    #[arg(long)]
+    pub key_file: Option<PathBuf>,
+    /// Address of the Prometheus /metrics endpoint.
+    #[arg(long)]
+    pub metrics: Option<SocketAddr>,
+    /// Most bytes of snapshot slots and replicas this daemon keeps in shared memory.
+    #[arg(long)]
+    pub memory_budget_bytes: Option<u64>,
+    /// Chunks uploaded at once.
+    #[arg(long)]
+    pub upload_concurrency: Option<usize>,
+    /// Make a memory-committed step durable every this many steps.
+    #[arg(long)]
+    pub durable_every_steps: Option<u64>,
+    /// ... or when this many seconds passed since the last durable commit.
+    #[arg(long)]
+    pub durable_every_seconds: Option<f64>,
+    /// Delta-encode chunks against the previous durable step (keeps a copy of it in shm).
+    #[arg(long)]
+    pub delta: Option<bool>,
+    #[arg(long, value_enum)]
+    pub log_format: Option<LogFormat>,
+}
+
+/// The config file. Every key is optional here; [`Config::resolve`] says which are required.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct File {
+    node: Option<String>,
+    run: Option<String>,
+    store: Option<String>,
+    shm_dir: Option<PathBuf>,
+    socket: Option<PathBuf>,
+    socket_mode: Option<String>,
+    listen: Option<SocketAddr>,
+    leader: Option<SocketAddr>,
+    lead: Option<bool>,
+    buddy: Option<SocketAddr>,
+    key_file: Option<PathBuf>,
+    metrics: Option<SocketAddr>,
+    memory_budget_bytes: Option<u64>,
+    upload_concurrency: Option<usize>,
+    durable_every_steps: Option<u64>,
+    durable_every_seconds: Option<f64>,
+    delta: Option<bool>,
+    log_format: Option<LogFormat>,
+}
+
+/// A validated configuration.
+#[derive(Clone, Debug)]
+pub struct Config {
+    pub node: String,
+    pub run: RunId,
+    pub store: String,
+    pub shm_dir: PathBuf,
+    pub socket: PathBuf,
+    pub socket_mode: u32,
+    pub listen: SocketAddr,
+    pub leader: SocketAddr,
+    pub lead: bool,
+    pub buddy: Option<SocketAddr>,
+    pub key_file: PathBuf,
+    pub metrics: Option<SocketAddr>,
+    pub memory_budget_bytes: u64,
+    pub upload_concurrency: usize,
+    pub durable_every_steps: u64,
+    pub durable_every_seconds: f64,
+    pub delta: bool,
+    pub log_format: LogFormat,
+}
+
+/// A config that cannot be used (exit 2).
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl Config {
+    pub fn resolve(cli: &Cli) -> Result<Self, ConfigError> {
+        let file = match &cli.config {
+            Some(path) => read_file(path)?,
+            None => File::default(),
+        };
+        let missing = |key: &str| {
+            ConfigError(format!(
+                "ckptd needs `{key}`: set it in the config file or pass --{}",
+                key.replace('_', "-")
+            ))
+        };
+        let node = cli.node.clone().or(file.node).ok_or_else(|| missing("node"))?;
+        let node_ok = !node.is_empty()
+            && node.len() <= 64
+            && node
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b));
+        if !node_ok {
+            return Err(ConfigError(format!(
+                "node {node:?}: use 1 to 64 letters, digits, '.', '_' or '-'"
+            )));
+        }
+        let run_text = cli.run.clone().or(file.run).ok_or_else(|| missing("run"))?;
+        let run: RunId = run_text
+            .parse()
+            .map_err(|e: lazarus_shared::ids::BadRunId| ConfigError(e.to_string()))?;
+        let store = cli
+            .store
+            .clone()
+            .or(file.store)
+            .ok_or_else(|| missing("store"))?;
+        if !(store.starts_with("file://") || store.starts_with("s3://")) {
+            return Err(ConfigError(format!(
+                "store {store:?}: ckptd needs a store every node shares (file:///shared/path or s3://bucket/prefix)"
+            )));
+        }
+        let shm_dir = cli
+            .shm_dir
+            .clone()
+            .or(file.shm_dir)
+            .ok_or_else(|| missing("shm_dir"))?;
+        let socket = cli
+            .socket
+            .clone()
+            .or(file.socket)
+            .ok_or_else(|| missing("socket"))?;
+        let socket_mode = match cli
+            .socket_mode
+            .clone()
+            .or(file.socket_mode)
+            .as_deref()
+            .unwrap_or("600")
+        {
+            "600" | "0600" => 0o600,
+            "660" | "0660" => 0o660,
+            other => {
+                return Err(ConfigError(format!(
+                    "socket_mode {other:?}: use 600 or 660"
+                )))
+            }
+        };
+        let listen = cli
+            .listen
+            .or(file.listen)
+            .ok_or_else(|| missing("listen"))?;
+        let leader = cli
+            .leader
+            .or(file.leader)
+            .ok_or_else(|| missing("leader"))?;
+        let lead = cli.lead || file.lead.unwrap_or(false);
+        let key_file = cli
+            .key_file
+            .clone()
+            .or(file.key_file)
+            .ok_or_else(|| missing("key_file"))?;
+        let durable_every_steps = cli
+            .durable_every_steps
+            .or(file.durable_every_steps)
+            .unwrap_or(100);
+        if durable_every_steps == 0 {
+            return Err(ConfigError(
+                "durable_every_steps must be at least 1".into(),
+            ));
+        }
+        let durable_every_seconds = cli
+            .durable_every_seconds
+            .or(file.durable_every_seconds)
+            .unwrap_or(1800.0);
+        if !(durable_every_seconds > 0.0) {
+            return Err(ConfigError(
+                "durable_every_seconds must be above 0".into(),
+            ));
+        }
+        let upload_concurrency = cli
+            .upload_concurrency
+            .or(file.upload_concurrency)
+            .unwrap_or(4);
+        if upload_concurrency == 0 || upload_concurrency > 256 {
+            return Err(ConfigError(
+                "upload_concurrency must be 1 to 256".into(),
+            ));
+        }
+        Ok(Self {
+            node,
+            run,
+            store,
+            shm_dir,
+            socket,
+            socket_mode,
+            listen,
+            leader,
+            lead,
+            buddy: cli.buddy.or(file.buddy),
+            key_file,
+            metrics: cli.metrics.or(file.metrics),
+            memory_budget_bytes: cli
+                .memory_budget_bytes
+                .or(file.memory_budget_bytes)
+                .unwrap_or(64 << 30),
+            upload_concurrency,
+            durable_every_steps,
+            durable_every_seconds,
+            delta: cli.delta.or(file.delta).unwrap_or(true),
+            log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
+        })
+    }
+}
+
+fn read_file(path: &Path) -> Result<File, ConfigError> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ConfigError(format!("cannot read config {}: {e}", path.display())))?;
+    toml::from_str(&text).map_err(|e| ConfigError(format!("config {}: {e}", path.display())))
+}

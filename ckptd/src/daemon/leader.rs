@@ -1,0 +1,537 @@
+//! The leader's bookkeeping (memory commits, durable decisions, commit records, the job's
+//! status), and every node's link to the leader.
+//!
+//! Each node keeps one authenticated TCP connection to the leader (the leader too, to
+//! itself). Over it the node reports ranks, replicated snapshots and stored shards; the leader
+//! pushes memory commits back. A leader that restarts rebuilds what it needs from the nodes'
+//! hellos: each node lists the T0 step of each of its ranks, and re-sends what is pending.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Result};
+use lazarus_shared::store::RunStore;
+use lazarus_shared::wire::{
+    self, ClusterStatus, Message, NodeStatus, RankStatus, RunStatus, T0Entry,
+};
+use lazarus_shared::{Rank, RunId, StepKey};
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, Mutex};
+
+use super::metrics::Metrics;
+use super::{node, Config, Daemon};
+
+#[derive(Debug)]
+struct RankInfo {
+    node: String,
+    pid: u32,
+    step: u64,
+    seen: Instant,
+}
+
+#[derive(Debug)]
+struct NodeInfo {
+    address: String,
+    seen: Instant,
+    t0: Vec<T0Entry>,
+    sender: mpsc::UnboundedSender<Message>,
+}
+
+#[derive(Debug)]
+struct State {
+    world_size: u32,
+    ranks: HashMap<Rank, RankInfo>,
+    replicated: BTreeMap<u64, (BTreeSet<Rank>, bool)>,
+    memory_step: Option<u64>,
+    memory_at: HashMap<u64, Instant>,
+    stored: BTreeMap<StepKey, BTreeSet<Rank>>,
+    durable_step: Option<StepKey>,
+    last_durable: Instant,
+    nodes: BTreeMap<String, NodeInfo>,
+}
+
+#[derive(Debug)]
+pub struct Leader {
+    cfg: Config,
+    run: RunStore,
+    metrics: Arc<Metrics>,
+    state: Mutex<State>,
+}
+
+impl Leader {
+    pub fn new(cfg: Config, run: RunStore, metrics: Arc<Metrics>) -> Self {
+        Self {
+            cfg,
+            run,
+            metrics,
+            state: Mutex::new(State {
+                world_size: 0,
+                ranks: HashMap::new(),
+                replicated: BTreeMap::new(),
+                memory_step: None,
+                memory_at: HashMap::new(),
+                stored: BTreeMap::new(),
+                durable_step: None,
+                last_durable: Instant::now(),
+                nodes: BTreeMap::new(),
+            }),
+        }
+    }
+
+    /// A node's connection: its hello, then reports, with memory commits pushed back.
+    pub async fn node_session(
+        self: Arc<Self>,
+        daemon: &Arc<Daemon>,
+        stream: TcpStream,
+        hello: Message,
+        from: SocketAddr,
+    ) -> Result<()> {
+        let Message::NodeHello { node, address, t0 } = hello else {
+            bail!("expected a hello");
+        };
+        let (mut reader, mut writer) = stream.into_split();
+        let (sender, mut outbox) = mpsc::unbounded_channel::<Message>();
+        {
+            let mut state = self.state.lock().await;
+            // A restarted leader learns the memory-committed step from what the nodes hold.
+            for entry in &t0 {
+                if entry.run == self.cfg.run && state.world_size == 0 {
+                    state.world_size = entry.world_size;
+                }
+            }
+            state.nodes.insert(
+                node.clone(),
+                NodeInfo {
+                    address,
+                    seen: Instant::now(),
+                    t0: t0.clone(),
+                    sender,
+                },
+            );
+            self.recover_memory_step(&mut state);
+        }
+        tracing::info!(%node, %from, "node connected");
+        let key = daemon.key.clone();
+        let writer_task = tokio::spawn(async move {
+            while let Some(message) = outbox.recv().await {
+                if wire::write_frame(&mut writer, &message, &[], Some(&key))
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+            }
+        });
+        let result = loop {
+            let frame = match wire::read_frame(&mut reader, Some(&daemon.key)).await {
+                Ok(frame) => frame,
+                Err(error) => break Err(error.into()),
+            };
+            if let Err(error) = self.handle(&node, frame.message).await {
+                break Err(error);
+            }
+        };
+        writer_task.abort();
+        tracing::info!(%node, "node disconnected");
+        result
+    }
+
+    /// When every rank of the world reports the same T0 step, that step is memory-committed.
+    fn recover_memory_step(&self, state: &mut State) {
+        if state.world_size == 0 {
+            return;
+        }
+        let mut steps: HashMap<Rank, u64> = HashMap::new();
+        for node in state.nodes.values() {
+            for entry in &node.t0 {
+                if entry.run == self.cfg.run && entry.world_size == state.world_size {
+                    steps.insert(entry.rank, entry.step);
+                }
+            }
+        }
+        if steps.len() == state.world_size as usize {
+            let first = *steps.values().next().expect("not empty");
+            if steps.values().all(|s| *s == first) && state.memory_step < Some(first) {
+                state.memory_step = Some(first);
+                self.metrics.memory_step.set(first as i64);
+                tracing::info!(step = first, "memory-committed step recovered from the nodes");
+            }
+        }
+    }
+
+    async fn handle(&self, node: &str, message: Message) -> Result<()> {
+        let mut state = self.state.lock().await;
+        if let Some(info) = state.nodes.get_mut(node) {
+            info.seen = Instant::now();
+        }
+        match message {
+            Message::RankUp {
+                run,
+                rank,
+                world_size,
+                pid,
+                ..
+            } => {
+                self.check_run(&run)?;
+                if state.world_size != world_size {
+                    tracing::info!(old = state.world_size, new = world_size, "new world size");
+                    state.world_size = world_size;
+                    state.ranks.clear();
+                    state.replicated.clear();
+                    state.stored.clear();
+                    state.memory_step = None;
+                }
+                state.ranks.insert(
+                    rank,
+                    RankInfo {
+                        node: node.to_string(),
+                        pid,
+                        step: 0,
+                        seen: Instant::now(),
+                    },
+                );
+            }
+            Message::Replicated {
+                run,
+                rank,
+                world_size,
+                step,
+                durable_requested,
+                ..
+            } => {
+                self.check_run(&run)?;
+                if world_size != state.world_size {
+                    return Ok(());
+                }
+                if let Some(info) = state.ranks.get_mut(&rank) {
+                    info.step = info.step.max(step);
+                    info.seen = Instant::now();
+                }
+                let entry = state.replicated.entry(step).or_default();
+                entry.0.insert(rank);
+                entry.1 |= durable_requested;
+                if entry.0.len() == world_size as usize {
+                    let requested = entry.1;
+                    state.replicated = state.replicated.split_off(&(step + 1));
+                    if state.memory_step.is_none_or(|m| m < step) {
+                        state.memory_step = Some(step);
+                    }
+                    self.metrics.memory_step.set(step as i64);
+                    let durable = requested
+                        || step % self.cfg.durable_every_steps == 0
+                        || state.last_durable.elapsed().as_secs_f64()
+                            >= self.cfg.durable_every_seconds;
+                    if durable {
+                        state.last_durable = Instant::now();
+                        state.memory_at.insert(step, Instant::now());
+                    }
+                    tracing::debug!(step, durable, "memory-committed");
+                    let push = Message::MemoryCommitted {
+                        run: self.cfg.run.clone(),
+                        step,
+                        durable,
+                    };
+                    for node in state.nodes.values() {
+                        let _ = node.sender.send(push.clone());
+                    }
+                }
+            }
+            Message::Stored {
+                run,
+                rank,
+                world_size,
+                step,
+                ..
+            } => {
+                self.check_run(&run)?;
+                if world_size != state.world_size {
+                    return Ok(());
+                }
+                let ranks = state.stored.entry(step).or_default();
+                ranks.insert(rank);
+                if ranks.len() == world_size as usize {
+                    state.stored.remove(&step);
+                    let started = state.memory_at.remove(&step.step);
+                    let run = self.run.clone();
+                    let metrics = self.metrics.clone();
+                    // The commit record goes out without holding the state.
+                    tokio::spawn(async move {
+                        match run.commit(step, world_size).await {
+                            Ok(_) => {
+                                metrics.durable_step.set(step.step as i64);
+                                if let Some(started) = started {
+                                    metrics
+                                        .commit_latency_seconds
+                                        .observe(started.elapsed().as_secs_f64());
+                                }
+                                tracing::info!(%step, "durable commit");
+                            }
+                            Err(error) => {
+                                metrics.error("commit");
+                                tracing::error!(%step, %error, "commit failed");
+                            }
+                        }
+                    });
+                    state.durable_step = Some(step);
+                }
+            }
+            Message::NodeHeartbeat { ranks, .. } => {
+                for (rank, step) in ranks {
+                    if let Some(info) = state.ranks.get_mut(&rank) {
+                        info.step = info.step.max(step);
+                        info.seen = Instant::now();
+                    }
+                }
+            }
+            other => bail!("unexpected {other:?} from node {node}"),
+        }
+        Ok(())
+    }
+
+    fn check_run(&self, run: &RunId) -> Result<()> {
+        if *run != self.cfg.run {
+            bail!("report for run {run}; this job's run is {}", self.cfg.run);
+        }
+        Ok(())
+    }
+
+    pub async fn which_step(&self, run: &RunId, world_size: u32) -> Result<Message> {
+        self.check_run(run)?;
+        let memory = {
+            let state = self.state.lock().await;
+            (state.world_size == world_size)
+                .then_some(state.memory_step)
+                .flatten()
+        };
+        let durable = self.run.latest().await.unwrap_or(None);
+        Ok(Message::StepChoice { memory, durable })
+    }
+
+    pub async fn status(&self) -> ClusterStatus {
+        let durable = self.run.latest().await.unwrap_or(None);
+        let state = self.state.lock().await;
+        let mut ranks: Vec<RankStatus> = state
+            .ranks
+            .iter()
+            .map(|(rank, info)| RankStatus {
+                rank: *rank,
+                node: info.node.clone(),
+                pid: info.pid,
+                step: info.step,
+                last_seen_ms_ago: info.seen.elapsed().as_millis() as u64,
+            })
+            .collect();
+        ranks.sort_by_key(|r| r.rank);
+        ClusterStatus {
+            leader: self.cfg.node.clone(),
+            nodes: state
+                .nodes
+                .iter()
+                .map(|(name, info)| NodeStatus {
+                    node: name.clone(),
+                    address: info.address.clone(),
+                    last_seen_ms_ago: info.seen.elapsed().as_millis() as u64,
+                    ranks: ranks
+                        .iter()
+                        .filter(|r| r.node == *name)
+                        .map(|r| r.rank)
+                        .collect(),
+                    t0_steps: info
+                        .t0
+                        .iter()
+                        .map(|e| (e.run.clone(), e.step))
+                        .collect(),
+                })
+                .collect(),
+            runs: vec![RunStatus {
+                run: self.cfg.run.clone(),
+                world_size: state.world_size,
+                ranks,
+                memory_step: state.memory_step,
+                durable_step: durable.or(state.durable_step),
+            }],
+        }
+    }
+}
+
+/// A node's link to the leader: reconnects until it works, says hello with what the node
+/// holds, re-sends pending reports, forwards new ones and applies pushed memory commits.
+pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Message>) {
+    let mut heartbeat = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        let stream = match TcpStream::connect(daemon.cfg.leader).await {
+            Ok(stream) => stream,
+            Err(error) => {
+                tracing::debug!(%error, leader = %daemon.cfg.leader, "leader not reachable yet");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        let _ = stream.set_nodelay(true);
+        let (mut reader, mut writer) = stream.into_split();
+        let (hello, resend) = hello(&daemon).await;
+        let key = daemon.key.clone();
+        let mut ok = wire::write_frame(&mut writer, &hello, &[], Some(&key))
+            .await
+            .is_ok();
+        for message in resend {
+            ok = ok
+                && wire::write_frame(&mut writer, &message, &[], Some(&key))
+                    .await
+                    .is_ok();
+        }
+        if !ok {
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            continue;
+        }
+        tracing::info!(leader = %daemon.cfg.leader, "linked to the leader");
+        let pushes = {
+            let daemon = daemon.clone();
+            tokio::spawn(async move {
+                loop {
+                    match wire::read_frame(&mut reader, Some(&daemon.key)).await {
+                        Ok(frame) => match frame.message {
+                            Message::MemoryCommitted { run, step, durable }
+                                if run == daemon.cfg.run =>
+                            {
+                                node::memory_committed(&daemon, step, durable).await;
+                            }
+                            other => {
+                                tracing::warn!(?other, "unexpected message from the leader");
+                                daemon.metrics.rejected("unexpected");
+                            }
+                        },
+                        Err(error) => {
+                            if !matches!(error, wire::WireError::Closed) {
+                                daemon.metrics.rejected(error.cause());
+                            }
+                            break;
+                        }
+                    }
+                }
+            })
+        };
+        loop {
+            let message = tokio::select! {
+                message = outbox.recv() => match message {
+                    Some(message) => message,
+                    None => return,
+                },
+                _ = heartbeat.tick() => heartbeat_message(&daemon).await,
+                _ = wait_finished(&pushes) => break,
+            };
+            if wire::write_frame(&mut writer, &message, &[], Some(&key))
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        pushes.abort();
+        tracing::warn!(leader = %daemon.cfg.leader, "lost the leader; reconnecting");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+async fn wait_finished(task: &tokio::task::JoinHandle<()>) {
+    while !task.is_finished() {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+async fn heartbeat_message(daemon: &Daemon) -> Message {
+    let ranks = daemon.ranks.lock().await;
+    Message::NodeHeartbeat {
+        node: daemon.cfg.node.clone(),
+        ranks: ranks.values().map(|s| (s.rank, s.last_step)).collect(),
+    }
+}
+
+/// The hello, and the reports to send again (the old link may have lost them).
+async fn hello(daemon: &Daemon) -> (Message, Vec<Message>) {
+    let ranks = daemon.ranks.lock().await;
+    let mut t0 = Vec::new();
+    let mut resend = Vec::new();
+    for state in ranks.values() {
+        if let Some(snap) = &state.t0 {
+            t0.push(T0Entry {
+                run: daemon.cfg.run.clone(),
+                rank: state.rank,
+                world_size: state.world_size,
+                step: snap.step,
+            });
+        }
+        if state.pid != 0 {
+            resend.push(Message::RankUp {
+                node: daemon.cfg.node.clone(),
+                run: daemon.cfg.run.clone(),
+                rank: state.rank,
+                world_size: state.world_size,
+                pid: state.pid,
+            });
+        }
+        if let Some(pending) = &state.pending {
+            resend.push(Message::Replicated {
+                node: daemon.cfg.node.clone(),
+                run: daemon.cfg.run.clone(),
+                rank: state.rank,
+                world_size: state.world_size,
+                step: pending.step,
+                durable_requested: pending.durable_requested,
+            });
+        }
+    }
+    (
+        Message::NodeHello {
+            node: daemon.cfg.node.clone(),
+            address: daemon.cfg.listen.to_string(),
+            t0,
+        },
+        resend,
+    )
+}
+
+/// Asks the leader which step a world of `world_size` restores: (memory step, durable step).
+pub async fn which_step(
+    daemon: &Daemon,
+    world_size: u32,
+) -> Result<(Option<u64>, Option<StepKey>)> {
+    let reply = request(
+        daemon,
+        daemon.cfg.leader,
+        &Message::WhichStep {
+            run: daemon.cfg.run.clone(),
+            world_size,
+        },
+    )
+    .await?;
+    match reply {
+        Message::StepChoice { memory, durable } => Ok((memory, durable)),
+        other => bail!("the leader answered {other:?}"),
+    }
+}
+
+/// One authenticated request and its answer.
+pub async fn request(daemon: &Daemon, to: SocketAddr, message: &Message) -> Result<Message> {
+    request_with_key(&daemon.key, to, message).await
+}
+
+pub async fn request_with_key(
+    key: &wire::JobKey,
+    to: SocketAddr,
+    message: &Message,
+) -> Result<Message> {
+    let mut stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(to))
+        .await
+        .map_err(|_| anyhow!("{to} did not accept within 5 s"))??;
+    wire::write_frame(&mut stream, message, &[], Some(key)).await?;
+    let frame = tokio::time::timeout(
+        Duration::from_secs(30),
+        wire::read_frame(&mut stream, Some(key)),
+    )
+    .await
+    .map_err(|_| anyhow!("{to} did not answer within 30 s"))??;
+    Ok(frame.message)
+}

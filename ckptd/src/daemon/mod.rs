@@ -1,0 +1,165 @@
+//! `ckptd`: the per-node checkpoint daemon (DESIGN.md sections 1, 2 and 5).
+//!
+//! One daemon runs per node. Local ranks register over a Unix socket and hand snapshots over
+//! in shm slot files the daemon owns (T0). The daemon hashes each snapshot, replicates it to
+//! its buddy node's daemon over authenticated TCP (T1), and reports to the leader daemon. The
+//! leader memory-commits a step once every rank has it in T0 and T1, and decides which steps
+//! become durable; the nodes then upload those through the store library (T2), and the leader
+//! writes the commit record once every rank's shard manifest is stored.
+//!
+//! Tasks: the Unix-socket server ([`node`]), the TCP server for buddies, the leader and
+//! `ckptctl status` ([`peer`]), the link to the leader ([`leader::link`]), and the metrics
+//! endpoint ([`metrics`]).
+
+pub mod config;
+pub mod leader;
+pub mod metrics;
+pub mod node;
+pub mod peer;
+
+use std::collections::HashMap;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use lazarus_shared::store::{OpenMode, RunStore, Store, StoreOptions};
+use lazarus_shared::wire::{JobKey, Message};
+use lazarus_shared::Rank;
+use tokio::sync::{mpsc, Mutex};
+
+pub use config::{Cli, Config, ConfigError, LogFormat};
+use metrics::Metrics;
+use node::RankState;
+
+/// Raw bytes per chunk of a slot, for T0 verification and T1 replication.
+pub const SLOT_CHUNK_BYTES: u64 = 4 << 20;
+/// Slot files per rank: the committed T0, the one in flight, and the rank's working copy.
+pub const SLOTS_PER_RANK: u32 = 3;
+
+/// Everything the daemon's tasks share.
+#[derive(Debug)]
+pub struct Daemon {
+    pub cfg: Config,
+    pub key: JobKey,
+    pub run: RunStore,
+    pub ranks: Mutex<HashMap<Rank, RankState>>,
+    /// Serialises writes of buddy replicas.
+    pub replicas: Mutex<()>,
+    pub to_leader: mpsc::UnboundedSender<Message>,
+    pub leader: Option<Arc<leader::Leader>>,
+    pub metrics: Arc<Metrics>,
+}
+
+/// Exit codes: 0 stopped by a signal, 1 a runtime failure, 2 bad configuration.
+pub fn main(cli: Cli) -> ExitCode {
+    let cfg = match Config::resolve(&cli) {
+        Ok(cfg) => cfg,
+        Err(error) => {
+            eprintln!("ckptd: {error}");
+            return ExitCode::from(2);
+        }
+    };
+    init_logging(cfg.log_format);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("ckptd: cannot start: {error}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(cfg)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("ckptd: {error:#}");
+            let usage = error.downcast_ref::<ConfigError>().is_some()
+                || error.downcast_ref::<lazarus_shared::wire::WireError>().is_some();
+            ExitCode::from(if usage { 2 } else { 1 })
+        }
+    }
+}
+
+fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LAZARUS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match format {
+        LogFormat::Human => builder.init(),
+        LogFormat::Json => builder.json().init(),
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+pub async fn run(cfg: Config) -> Result<()> {
+    let key = JobKey::from_file(&cfg.key_file)?;
+    std::fs::create_dir_all(&cfg.shm_dir).map_err(|e| {
+        ConfigError(format!(
+            "cannot create shm_dir {}: {e}",
+            cfg.shm_dir.display()
+        ))
+    })?;
+    let store = Store::open(
+        &cfg.store,
+        OpenMode::CreateIfMissing,
+        StoreOptions {
+            upload_concurrency: cfg.upload_concurrency,
+            ..StoreOptions::default()
+        },
+    )
+    .await
+    .map_err(|e| ConfigError(format!("cannot use store {}: {e}", cfg.store)))?;
+    let run = store.run(&cfg.run);
+    let metrics = Arc::new(Metrics::new());
+    if let Some(address) = cfg.metrics {
+        let bound = metrics::serve(address, metrics.clone())
+            .map_err(|e| ConfigError(format!("cannot serve metrics on {address}: {e}")))?;
+        tracing::info!(%bound, "metrics at /metrics");
+    }
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
+    let unix = node::bind_socket(&cfg)?;
+    let (to_leader, from_node) = mpsc::unbounded_channel();
+    let leader = cfg
+        .lead
+        .then(|| Arc::new(leader::Leader::new(cfg.clone(), run.clone(), metrics.clone())));
+    let daemon = Arc::new(Daemon {
+        ranks: Mutex::new(node::load_ranks(&cfg)?),
+        replicas: Mutex::new(()),
+        cfg,
+        key,
+        run,
+        to_leader,
+        leader,
+        metrics,
+    });
+    if daemon.cfg.buddy.is_none() {
+        tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");
+    }
+    tracing::info!(
+        node = %daemon.cfg.node,
+        run = %daemon.cfg.run,
+        listen = %daemon.cfg.listen,
+        leader = %daemon.cfg.leader,
+        lead = daemon.cfg.lead,
+        socket = %daemon.cfg.socket.display(),
+        "ckptd ready"
+    );
+    tokio::spawn(peer::serve(daemon.clone(), listener));
+    tokio::spawn(node::serve(daemon.clone(), unix));
+    tokio::spawn(leader::link(daemon.clone(), from_node));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .context("installing the SIGTERM handler")?;
+    tokio::select! {
+        _ = term.recv() => {}
+        _ = tokio::signal::ctrl_c() => {}
+    }
+    tracing::info!("stopping");
+    let _ = std::fs::remove_file(&daemon.cfg.socket);
+    Ok(())
+}

@@ -1,0 +1,950 @@
+//! The node side: local ranks over the Unix socket, their shm slots (T0), the snapshot
+//! pipeline (hash, replicate to the buddy, report to the leader, upload durable steps), and
+//! restores from T0, T1 or T2.
+//!
+//! A rank owns nothing in shm: its three slot files belong to the daemon. A slot the daemon
+//! *holds* (the committed T0, the snapshot in flight, a restore) is read-only for the rank;
+//! the rank's optimizer writes its next state into a slot that is not held, so handing a
+//! snapshot over is telling the daemon which slot holds which step. The held set is only ever
+//! shrunk after `state.json` says which slot is T0, so a daemon restarted at any moment
+//! never hands out a slot the rank may still be writing, nor forgets its T0.
+
+use std::collections::HashMap;
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::Bytes;
+use lazarus_shared::format::ChunkRef;
+use lazarus_shared::store::{
+    ByteSource, DeltaBases, Progress, SourceRange, SourcedShard, SourcedTensor,
+};
+use lazarus_shared::wire::{self, Message, SlotTensor, Tier, WireError};
+use lazarus_shared::{ChunkHash, Rank, StepKey};
+use serde::{Deserialize, Serialize};
+use tokio::net::{UnixListener, UnixStream};
+
+use super::{peer, Config, ConfigError, Daemon, SLOTS_PER_RANK, SLOT_CHUNK_BYTES};
+
+/// A snapshot the daemon holds: which slot, which step, the chunk hashes of the slot.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Snap {
+    pub step: u64,
+    pub slot: u32,
+    pub hashes: Vec<ChunkHash>,
+    pub blobs: Vec<(String, Vec<u8>)>,
+    pub durable_requested: bool,
+}
+
+/// The previous durable step's data, kept in `base` for delta encoding.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Base {
+    pub step: u64,
+    /// Per tensor, in slot order, the chunks the store wrote.
+    pub chunks: Vec<Vec<ChunkRef>>,
+}
+
+/// What survives a daemon restart (`state.json` in the rank's directory).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Persisted {
+    rank: Rank,
+    world_size: u32,
+    slot_bytes: u64,
+    tensors: Vec<SlotTensor>,
+    t0: Option<Snap>,
+    base: Option<Base>,
+}
+
+/// One local rank.
+#[derive(Debug)]
+pub struct RankState {
+    pub rank: Rank,
+    pub world_size: u32,
+    pub pid: u32,
+    pub slot_bytes: u64,
+    pub tensors: Vec<SlotTensor>,
+    pub dir: PathBuf,
+    /// The committed snapshot: memory-committed, or restored.
+    pub t0: Option<Snap>,
+    /// Replicated and reported, waiting for the leader's memory commit.
+    pub pending: Option<Snap>,
+    /// The slot being hashed and replicated.
+    pub working: Option<u32>,
+    pub uploading: bool,
+    pub base: Option<Base>,
+    pub last_step: u64,
+    pub last_seen: Instant,
+}
+
+impl RankState {
+    pub fn slot_path(&self, slot: u32) -> PathBuf {
+        self.dir.join(format!("slot-{slot}"))
+    }
+
+    /// Slots the rank must not write.
+    pub fn held(&self) -> Vec<u32> {
+        let mut held: Vec<u32> = [
+            self.t0.as_ref().map(|s| s.slot),
+            self.pending.as_ref().map(|s| s.slot),
+            self.working,
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        held.sort_unstable();
+        held.dedup();
+        held
+    }
+
+    pub fn busy(&self) -> bool {
+        self.pending.is_some() || self.working.is_some() || self.uploading
+    }
+
+    fn free_slot(&self) -> Option<u32> {
+        let held = self.held();
+        (0..SLOTS_PER_RANK).find(|s| !held.contains(s))
+    }
+
+    fn persist(&self) -> Result<()> {
+        let state = Persisted {
+            rank: self.rank,
+            world_size: self.world_size,
+            slot_bytes: self.slot_bytes,
+            tensors: self.tensors.clone(),
+            t0: self.t0.clone(),
+            base: self.base.clone(),
+        };
+        let path = self.dir.join("state.json");
+        let tmp = self.dir.join("state.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&state)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))?;
+        Ok(())
+    }
+}
+
+fn ranks_dir(cfg: &Config) -> PathBuf {
+    cfg.shm_dir.join(cfg.run.as_str()).join("ranks")
+}
+
+/// Reloads what an earlier life of this daemon held in shm.
+pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
+    let mut ranks = HashMap::new();
+    let dir = ranks_dir(cfg);
+    let Ok(entries) = std::fs::read_dir(&dir) else {
+        return Ok(ranks);
+    };
+    for entry in entries.flatten() {
+        let path = entry.path().join("state.json");
+        let Ok(bytes) = std::fs::read(&path) else {
+            continue;
+        };
+        match serde_json::from_slice::<Persisted>(&bytes) {
+            Ok(state) => {
+                tracing::info!(rank = state.rank, t0 = ?state.t0.as_ref().map(|s| s.step), "found T0 from an earlier life");
+                ranks.insert(
+                    state.rank,
+                    RankState {
+                        rank: state.rank,
+                        world_size: state.world_size,
+                        pid: 0,
+                        slot_bytes: state.slot_bytes,
+                        tensors: state.tensors,
+                        dir: entry.path(),
+                        t0: state.t0,
+                        pending: None,
+                        working: None,
+                        uploading: false,
+                        base: state.base,
+                        last_step: 0,
+                        last_seen: Instant::now(),
+                    },
+                );
+            }
+            Err(error) => tracing::warn!(path = %path.display(), %error, "ignoring unreadable rank state"),
+        }
+    }
+    Ok(ranks)
+}
+
+pub fn bind_socket(cfg: &Config) -> Result<std::os::unix::net::UnixListener> {
+    if let Some(parent) = cfg.socket.parent() {
+        std::fs::create_dir_all(parent).map_err(|e| {
+            ConfigError(format!("cannot create {}: {e}", parent.display()))
+        })?;
+    }
+    // A socket file left by a dead daemon is replaced; a live one answers and is kept.
+    if std::os::unix::net::UnixStream::connect(&cfg.socket).is_ok() {
+        bail!(ConfigError(format!(
+            "another ckptd is listening on {}",
+            cfg.socket.display()
+        )));
+    }
+    let _ = std::fs::remove_file(&cfg.socket);
+    let listener = std::os::unix::net::UnixListener::bind(&cfg.socket)
+        .map_err(|e| ConfigError(format!("cannot bind {}: {e}", cfg.socket.display())))?;
+    std::fs::set_permissions(
+        &cfg.socket,
+        std::fs::Permissions::from_mode(cfg.socket_mode),
+    )?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+pub async fn serve(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixListener) {
+    let listener = match UnixListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(error) => {
+            tracing::error!(%error, "cannot serve the local socket");
+            return;
+        }
+    };
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                let daemon = daemon.clone();
+                tokio::spawn(async move {
+                    if let Err(error) = session(&daemon, stream).await {
+                        if !matches!(error.downcast_ref::<WireError>(), Some(WireError::Closed)) {
+                            tracing::warn!(error = %format!("{error:#}"), "local session ended");
+                        }
+                    }
+                });
+            }
+            Err(error) => {
+                tracing::warn!(%error, "accept on the local socket");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    }
+}
+
+/// One rank's connection: `Register` first, then requests, one answer each.
+async fn session(daemon: &Arc<Daemon>, mut stream: UnixStream) -> Result<()> {
+    let mut rank: Option<Rank> = None;
+    loop {
+        let frame = wire::read_frame(&mut stream, None).await?;
+        let (reply, payload) = match (frame.message, rank) {
+            (
+                Message::Register {
+                    run,
+                    rank: r,
+                    world_size,
+                    pid,
+                    slot_bytes,
+                    tensors,
+                },
+                _,
+            ) => match register(daemon, run, r, world_size, pid, slot_bytes, tensors).await {
+                Ok(reply) => {
+                    rank = Some(r);
+                    (reply, Vec::new())
+                }
+                Err(error) => (refused(&error), Vec::new()),
+            },
+            (Message::Restore, Some(r)) => match restore(daemon, r).await {
+                Ok(reply) => reply,
+                Err(error) => {
+                    daemon.metrics.error("restore");
+                    (refused(&error), Vec::new())
+                }
+            },
+            (
+                Message::Snapshot {
+                    step,
+                    slot,
+                    durable,
+                    blobs,
+                    stall_us,
+                },
+                Some(r),
+            ) => {
+                daemon.metrics.stall_seconds.observe(stall_us as f64 / 1e6);
+                let blobs = wire::unpack_blobs(&blobs, &frame.payload)?;
+                (
+                    snapshot(daemon, r, step, slot, durable, blobs).await?,
+                    Vec::new(),
+                )
+            }
+            (Message::Poll { step }, Some(r)) => {
+                let mut ranks = daemon.ranks.lock().await;
+                let state = ranks.get_mut(&r).ok_or_else(|| anyhow!("rank {r} vanished"))?;
+                state.last_step = step;
+                state.last_seen = Instant::now();
+                (
+                    Message::Held {
+                        held: state.held(),
+                        busy: state.busy(),
+                        accepted: false,
+                    },
+                    Vec::new(),
+                )
+            }
+            (other, None) => {
+                bail!("a rank sent {} before registering", kind(&other))
+            }
+            (other, Some(_)) => bail!("unexpected {} on the local socket", kind(&other)),
+        };
+        wire::write_frame(&mut stream, &reply, &payload, None).await?;
+    }
+}
+
+fn kind(message: &Message) -> String {
+    serde_json::to_value(message)
+        .ok()
+        .and_then(|v| v["type"].as_str().map(String::from))
+        .unwrap_or_else(|| "a message".into())
+}
+
+fn refused(error: &anyhow::Error) -> Message {
+    tracing::warn!(error = %format!("{error:#}"), "refused a rank's request");
+    Message::Refused {
+        reason: format!("{error:#}"),
+    }
+}
+
+fn check_layout(slot_bytes: u64, tensors: &[SlotTensor]) -> Result<()> {
+    for t in tensors {
+        let expected: u64 = t.slice.iter().map(|d| d.len).product::<u64>()
+            * t.dtype.element_bytes() as u64;
+        if t.bytes != expected || t.offset.checked_add(t.bytes).is_none_or(|end| end > slot_bytes)
+        {
+            bail!(
+                "tensor {} ({} bytes at {}) does not fit its slice or the {slot_bytes}-byte slot",
+                t.name,
+                t.bytes,
+                t.offset
+            );
+        }
+    }
+    Ok(())
+}
+
+async fn register(
+    daemon: &Arc<Daemon>,
+    run: lazarus_shared::RunId,
+    rank: Rank,
+    world_size: u32,
+    pid: u32,
+    slot_bytes: u64,
+    tensors: Vec<SlotTensor>,
+) -> Result<Message> {
+    if run != daemon.cfg.run {
+        bail!(
+            "this ckptd serves run {}, not {run}; start the trainer with run.id = {} or use that run's ckptd",
+            daemon.cfg.run,
+            daemon.cfg.run
+        );
+    }
+    if world_size == 0 || rank >= world_size {
+        bail!("rank {rank} is outside world size {world_size}");
+    }
+    check_layout(slot_bytes, &tensors)?;
+    let mut ranks = daemon.ranks.lock().await;
+    let others: u64 = ranks
+        .values()
+        .filter(|s| s.rank != rank)
+        .map(|s| s.slot_bytes * u64::from(SLOTS_PER_RANK))
+        .sum();
+    let needed = slot_bytes * u64::from(SLOTS_PER_RANK) * if daemon.cfg.delta { 4 } else { 3 } / 3;
+    if others + needed > daemon.cfg.memory_budget_bytes {
+        bail!(
+            "rank {rank} needs {needed} bytes of shm slots; with the other ranks that is over memory_budget_bytes {}",
+            daemon.cfg.memory_budget_bytes
+        );
+    }
+    let reuse = ranks.get(&rank).is_some_and(|s| {
+        s.world_size == world_size && s.slot_bytes == slot_bytes && s.tensors == tensors
+    });
+    if let Some(old) = ranks.get(&rank).filter(|_| !reuse) {
+        tracing::info!(rank, "layout changed: dropping the rank's old slots");
+        let _ = std::fs::remove_dir_all(&old.dir);
+        ranks.remove(&rank);
+    }
+    let dir = ranks_dir(&daemon.cfg).join(format!("rank-{rank}"));
+    let state = match ranks.remove(&rank) {
+        Some(mut state) => {
+            state.pid = pid;
+            state.last_seen = Instant::now();
+            state
+        }
+        None => {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            RankState {
+                rank,
+                world_size,
+                pid,
+                slot_bytes,
+                tensors,
+                dir: dir.clone(),
+                t0: None,
+                pending: None,
+                working: None,
+                uploading: false,
+                base: None,
+                last_step: 0,
+                last_seen: Instant::now(),
+            }
+        }
+    };
+    for slot in 0..SLOTS_PER_RANK {
+        let path = state.slot_path(slot);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .read(true)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("creating {}", path.display()))?;
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(daemon.cfg.socket_mode))?;
+        if file.metadata()?.len() != slot_bytes {
+            file.set_len(slot_bytes)
+                .with_context(|| format!("sizing {} (is shm full?)", path.display()))?;
+        }
+    }
+    state.persist()?;
+    let reply = Message::Registered {
+        slots: (0..SLOTS_PER_RANK)
+            .map(|s| state.slot_path(s).display().to_string())
+            .collect(),
+        held: state.held(),
+    };
+    tracing::info!(rank, world_size, pid, slot_bytes, reused = reuse, "rank registered");
+    ranks.insert(rank, state);
+    let _ = daemon.to_leader.send(Message::RankUp {
+        node: daemon.cfg.node.clone(),
+        run: daemon.cfg.run.clone(),
+        rank,
+        world_size,
+        pid,
+    });
+    Ok(reply)
+}
+
+async fn snapshot(
+    daemon: &Arc<Daemon>,
+    rank: Rank,
+    step: u64,
+    slot: u32,
+    durable: bool,
+    blobs: Vec<(String, Bytes)>,
+) -> Result<Message> {
+    let mut ranks = daemon.ranks.lock().await;
+    let state = ranks
+        .get_mut(&rank)
+        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+    state.last_step = step;
+    state.last_seen = Instant::now();
+    if slot >= SLOTS_PER_RANK || state.held().contains(&slot) {
+        return Ok(Message::Refused {
+            reason: format!("slot {slot} is not the rank's to hand over"),
+        });
+    }
+    if state.busy() {
+        daemon.metrics.snapshots_skipped.inc();
+        return Ok(Message::Held {
+            held: state.held(),
+            busy: true,
+            accepted: false,
+        });
+    }
+    state.working = Some(slot);
+    daemon.metrics.snapshots.inc();
+    let reply = Message::Held {
+        held: state.held(),
+        busy: true,
+        accepted: true,
+    };
+    let job = Job {
+        rank,
+        world_size: state.world_size,
+        step,
+        slot,
+        path: state.slot_path(slot),
+        slot_bytes: state.slot_bytes,
+        tensors: state.tensors.clone(),
+        blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
+        durable,
+    };
+    drop(ranks);
+    tokio::spawn(process(daemon.clone(), job));
+    Ok(reply)
+}
+
+struct Job {
+    rank: Rank,
+    world_size: u32,
+    step: u64,
+    slot: u32,
+    path: PathBuf,
+    slot_bytes: u64,
+    tensors: Vec<SlotTensor>,
+    blobs: Vec<(String, Vec<u8>)>,
+    durable: bool,
+}
+
+/// Hashes and replicates one snapshot, then reports it to the leader.
+async fn process(daemon: Arc<Daemon>, job: Job) {
+    let started = Instant::now();
+    let result = replicate(&daemon, &job).await;
+    let mut ranks = daemon.ranks.lock().await;
+    let Some(state) = ranks.get_mut(&job.rank) else {
+        return;
+    };
+    state.working = None;
+    match result {
+        Ok(hashes) => {
+            daemon
+                .metrics
+                .replicate_seconds
+                .observe(started.elapsed().as_secs_f64());
+            state.pending = Some(Snap {
+                step: job.step,
+                slot: job.slot,
+                hashes,
+                blobs: job.blobs,
+                durable_requested: job.durable,
+            });
+            let _ = daemon.to_leader.send(Message::Replicated {
+                node: daemon.cfg.node.clone(),
+                run: daemon.cfg.run.clone(),
+                rank: job.rank,
+                world_size: job.world_size,
+                step: job.step,
+                durable_requested: job.durable,
+            });
+        }
+        Err(error) => {
+            daemon.metrics.error("replicate");
+            tracing::warn!(rank = job.rank, step = job.step, error = %format!("{error:#}"), "snapshot not replicated; the rank keeps its previous T0");
+        }
+    }
+}
+
+/// A slot file read piece by piece.
+#[derive(Debug)]
+pub struct SlotFile {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl SlotFile {
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            file: std::fs::File::open(path)?,
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+impl ByteSource for SlotFile {
+    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
+        let mut buffer = vec![0u8; len];
+        self.file.read_exact_at(&mut buffer, offset)?;
+        Ok(Bytes::from(buffer))
+    }
+
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+}
+
+/// Chunk `index` of a slot, read on a blocking thread.
+pub async fn read_chunk(file: &Arc<SlotFile>, slot_bytes: u64, index: u64) -> Result<Bytes> {
+    let offset = index * SLOT_CHUNK_BYTES;
+    let len = SLOT_CHUNK_BYTES.min(slot_bytes - offset) as usize;
+    let file = file.clone();
+    Ok(tokio::task::spawn_blocking(move || file.read_at(offset, len)).await??)
+}
+
+pub fn chunk_count(slot_bytes: u64) -> u64 {
+    slot_bytes.div_ceil(SLOT_CHUNK_BYTES)
+}
+
+/// Reads the slot chunk by chunk, hashing each and streaming it to the buddy (T1).
+async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
+    let file = Arc::new(SlotFile::open(&job.path)?);
+    let mut sender = match daemon.cfg.buddy {
+        Some(buddy) => Some(
+            peer::ReplicaSender::begin(
+                daemon,
+                buddy,
+                Message::ReplicaBegin {
+                    from_node: daemon.cfg.node.clone(),
+                    run: daemon.cfg.run.clone(),
+                    rank: job.rank,
+                    world_size: job.world_size,
+                    step: job.step,
+                    slot_bytes: job.slot_bytes,
+                    chunk_bytes: SLOT_CHUNK_BYTES,
+                    tensors: job.tensors.clone(),
+                    blobs: Vec::new(),
+                },
+                &job.blobs,
+            )
+            .await?,
+        ),
+        None => None,
+    };
+    let mut hashes = Vec::new();
+    for index in 0..chunk_count(job.slot_bytes) {
+        let data = read_chunk(&file, job.slot_bytes, index).await?;
+        let hashed = data.clone();
+        let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed)).await?;
+        if let Some(sender) = sender.as_mut() {
+            sender.data(index as u32, hash, &data).await?;
+            daemon.metrics.bytes_replicated.inc_by(data.len() as u64);
+        }
+        hashes.push(hash);
+    }
+    if let Some(sender) = sender {
+        sender.end(hashes.clone()).await?;
+    }
+    Ok(hashes)
+}
+
+/// The leader memory-committed `step`: it becomes every local rank's T0, and is uploaded if
+/// `durable`.
+pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
+    let mut ranks = daemon.ranks.lock().await;
+    for state in ranks.values_mut() {
+        if state.pending.as_ref().is_none_or(|p| p.step != step) {
+            continue;
+        }
+        state.t0 = state.pending.take();
+        if let Err(error) = state.persist() {
+            daemon.metrics.error("state");
+            tracing::error!(error = %format!("{error:#}"), "cannot record T0");
+        }
+        if durable && !state.uploading {
+            state.uploading = true;
+            tokio::spawn(upload(daemon.clone(), state.rank));
+        }
+    }
+}
+
+struct Counting<'a>(&'a super::metrics::Metrics);
+
+impl Progress for Counting<'_> {
+    fn advance(&self, bytes: u64) {
+        self.0.bytes_raw.inc_by(bytes);
+    }
+}
+
+/// Uploads a rank's T0 through the store library and tells the leader its manifest is stored.
+async fn upload(daemon: Arc<Daemon>, rank: Rank) {
+    let result = upload_inner(&daemon, rank).await;
+    let mut ranks = daemon.ranks.lock().await;
+    if let Some(state) = ranks.get_mut(&rank) {
+        state.uploading = false;
+        match result {
+            Ok((step, base)) => {
+                if let Some(base) = base {
+                    state.base = Some(base);
+                }
+                if let Err(error) = state.persist() {
+                    tracing::error!(error = %format!("{error:#}"), "cannot record the delta base");
+                }
+                let _ = daemon.to_leader.send(Message::Stored {
+                    node: daemon.cfg.node.clone(),
+                    run: daemon.cfg.run.clone(),
+                    rank,
+                    world_size: state.world_size,
+                    step,
+                });
+            }
+            Err(error) => {
+                daemon.metrics.error("upload");
+                tracing::warn!(rank, error = %format!("{error:#}"), "durable upload failed; the next durable step tries again");
+            }
+        }
+    }
+}
+
+async fn upload_inner(daemon: &Arc<Daemon>, rank: Rank) -> Result<(StepKey, Option<Base>)> {
+    let (snap, path, dir, tensors, world_size, base, slot_bytes) = {
+        let ranks = daemon.ranks.lock().await;
+        let state = ranks.get(&rank).ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+        let snap = state.t0.clone().ok_or_else(|| anyhow!("no T0 to upload"))?;
+        (
+            snap.clone(),
+            state.slot_path(snap.slot),
+            state.dir.clone(),
+            state.tensors.clone(),
+            state.world_size,
+            state.base.clone(),
+            state.slot_bytes,
+        )
+    };
+    let started = Instant::now();
+    let timeline = daemon.run.current_timeline().await?;
+    let key = StepKey::new(snap.step, timeline);
+    let source: Arc<dyn ByteSource> = Arc::new(SlotFile::open(&path)?);
+    let range = |t: &SlotTensor, source: &Arc<dyn ByteSource>| SourceRange {
+        source: source.clone(),
+        offset: t.offset,
+        len: t.bytes,
+    };
+    let base_path = dir.join("base");
+    let bases = match (&base, daemon.cfg.delta) {
+        (Some(base), true) if base.chunks.len() == tensors.len() => {
+            let base_source: Arc<dyn ByteSource> = Arc::new(SlotFile::open(&base_path)?);
+            let mut bases = DeltaBases::default();
+            for (tensor, chunks) in tensors.iter().zip(&base.chunks) {
+                bases.insert(
+                    tensor.name.clone(),
+                    range(tensor, &base_source),
+                    chunks.clone(),
+                );
+            }
+            Some(bases)
+        }
+        _ => None,
+    };
+    let shard = SourcedShard {
+        step: key,
+        rank,
+        world_size,
+        tensors: tensors
+            .iter()
+            .map(|t| SourcedTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                global_shape: t.global_shape.clone(),
+                slice: t.slice.clone(),
+                data: range(t, &source),
+            })
+            .collect(),
+        blobs: snap
+            .blobs
+            .iter()
+            .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
+            .collect(),
+    };
+    let manifest = daemon
+        .run
+        .write_shard_sourced(shard, bases.as_ref(), &Counting(&daemon.metrics))
+        .await?;
+    daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);
+    daemon
+        .metrics
+        .upload_bytes_per_second
+        .set(manifest.raw_bytes() as f64 / started.elapsed().as_secs_f64().max(1e-9));
+    tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), uploaded = manifest.uploaded_bytes, seconds = started.elapsed().as_secs_f64(), "shard stored");
+    let new_base = if daemon.cfg.delta {
+        let tmp = dir.join("base.tmp");
+        let from = path.clone();
+        let to = tmp.clone();
+        tokio::task::spawn_blocking(move || copy_file(&from, &to, slot_bytes)).await??;
+        std::fs::rename(&tmp, &base_path)?;
+        Some(Base {
+            step: snap.step,
+            chunks: manifest.tensors.iter().map(|t| t.chunks.clone()).collect(),
+        })
+    } else {
+        None
+    };
+    Ok((key, new_base))
+}
+
+/// Copies `len` bytes in slot-chunk pieces (bounded memory).
+fn copy_file(from: &Path, to: &Path, len: u64) -> std::io::Result<()> {
+    let source = std::fs::File::open(from)?;
+    let target = std::fs::File::create(to)?;
+    target.set_len(len)?;
+    let mut buffer = vec![0u8; SLOT_CHUNK_BYTES as usize];
+    let mut offset = 0;
+    while offset < len {
+        let n = SLOT_CHUNK_BYTES.min(len - offset) as usize;
+        source.read_exact_at(&mut buffer[..n], offset)?;
+        target.write_all_at(&buffer[..n], offset)?;
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+/// Re-hashes a slot against the hashes taken when it was handed over.
+async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> Result<()> {
+    if chunk_count(slot_bytes) != hashes.len() as u64 {
+        bail!("{} chunks recorded for a {slot_bytes}-byte slot", hashes.len());
+    }
+    let file = Arc::new(SlotFile::open(path)?);
+    for (index, expected) in hashes.iter().enumerate() {
+        let data = read_chunk(&file, slot_bytes, index as u64).await?;
+        let found = tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?;
+        if found != *expected {
+            bail!(
+                "{} chunk {index}: hashes to {}, recorded {}",
+                path.display(),
+                found.short(),
+                expected.short()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Picks the step to restore (the leader's choice), and serves it from T0, T1 or T2.
+async fn restore(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Message, Vec<u8>)> {
+    // Let the previous life's snapshot finish: its memory commit may still arrive.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let (world_size, slot_bytes, tensors) = loop {
+        {
+            let ranks = daemon.ranks.lock().await;
+            let state = ranks.get(&rank).ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+            if state.working.is_none() && !state.uploading || Instant::now() > deadline {
+                break (state.world_size, state.slot_bytes, state.tensors.clone());
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    let (memory, durable) = match super::leader::which_step(daemon, world_size).await {
+        Ok(choice) => choice,
+        Err(error) => {
+            tracing::warn!(error = %format!("{error:#}"), "the leader did not answer; restoring the latest durable step");
+            (None, daemon.run.latest().await?)
+        }
+    };
+    let use_memory = match (memory, durable) {
+        (Some(m), Some(d)) => m >= d.step,
+        (Some(_), None) => true,
+        _ => false,
+    };
+    let mut ranks = daemon.ranks.lock().await;
+    let state = ranks
+        .get_mut(&rank)
+        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+    if use_memory {
+        let m = memory.expect("checked");
+        // T0: the committed slot, or a replicated snapshot whose commit arrived late.
+        let candidate = [state.t0.clone(), state.pending.clone()]
+            .into_iter()
+            .flatten()
+            .find(|s| s.step == m);
+        if let Some(snap) = candidate {
+            match verify_slot(&state.slot_path(snap.slot), slot_bytes, &snap.hashes).await {
+                Ok(()) => {
+                    state.t0 = Some(snap);
+                    state.pending = None;
+                    state.persist()?;
+                    return Ok(served(daemon, state, Tier::T0));
+                }
+                Err(error) => {
+                    daemon.metrics.error("t0_corrupt");
+                    tracing::warn!(rank, step = m, error = %format!("{error:#}"), "T0 does not verify; trying the buddy");
+                }
+            }
+        }
+        state.pending = None;
+        if state.t0.as_ref().is_some_and(|t| t.step != m) {
+            state.t0 = None;
+        }
+        let slot = state.free_slot().ok_or_else(|| anyhow!("no free slot"))?;
+        let path = state.slot_path(slot);
+        match peer::fetch_replica(daemon, rank, m, world_size, slot_bytes, &tensors, &path).await {
+            Ok((hashes, blobs)) => {
+                state.t0 = Some(Snap {
+                    step: m,
+                    slot,
+                    hashes,
+                    blobs,
+                    durable_requested: false,
+                });
+                state.persist()?;
+                return Ok(served(daemon, state, Tier::T1));
+            }
+            Err(error) => {
+                daemon.metrics.error("t1_unavailable");
+                tracing::warn!(rank, step = m, error = %format!("{error:#}"), "no replica at the buddy; trying storage");
+            }
+        }
+    }
+    state.pending = None;
+    let Some(durable) = durable else {
+        if use_memory {
+            bail!("step {} is memory-committed but neither this node (T0), the buddy (T1) nor storage has it for rank {rank}", memory.unwrap_or_default());
+        }
+        state.t0 = None;
+        state.persist()?;
+        return Ok((
+            Message::Restored {
+                step: None,
+                slot: None,
+                tier: None,
+                blobs: Vec::new(),
+                held: state.held(),
+            },
+            Vec::new(),
+        ));
+    };
+    state.t0 = None;
+    let slot = state.free_slot().ok_or_else(|| anyhow!("no free slot"))?;
+    let path = state.slot_path(slot);
+    let (hashes, blobs) = read_from_store(daemon, durable, slot_bytes, &tensors, &path).await?;
+    state.t0 = Some(Snap {
+        step: durable.step,
+        slot,
+        hashes,
+        blobs,
+        durable_requested: false,
+    });
+    state.persist()?;
+    Ok(served(daemon, state, Tier::T2))
+}
+
+fn served(daemon: &Daemon, state: &RankState, tier: Tier) -> (Message, Vec<u8>) {
+    let snap = state.t0.as_ref().expect("just set");
+    daemon.metrics.restored(tier.name());
+    tracing::info!(rank = state.rank, step = snap.step, tier = tier.name(), "restore served");
+    let blobs: Vec<(String, Bytes)> = snap
+        .blobs
+        .iter()
+        .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
+        .collect();
+    let (specs, payload) = wire::pack_blobs(&blobs);
+    (
+        Message::Restored {
+            step: Some(snap.step),
+            slot: Some(snap.slot),
+            tier: Some(tier),
+            blobs: specs,
+            held: state.held(),
+        },
+        payload,
+    )
+}
+
+/// Reads this rank's regions of a durable step into `path` (any layout the step was written
+/// in), then hashes the slot.
+async fn read_from_store(
+    daemon: &Arc<Daemon>,
+    step: StepKey,
+    slot_bytes: u64,
+    tensors: &[SlotTensor],
+    path: &Path,
+) -> Result<(Vec<ChunkHash>, Vec<(String, Vec<u8>)>)> {
+    let checkpoint = daemon.run.open_checkpoint(step).await?;
+    let file = std::fs::OpenOptions::new().write(true).open(path)?;
+    for tensor in tensors {
+        let data = checkpoint.read_region(&tensor.name, &tensor.slice, &()).await?;
+        if data.len() as u64 != tensor.bytes {
+            bail!("{}: read {} bytes, expected {}", tensor.name, data.len(), tensor.bytes);
+        }
+        file.write_all_at(&data, tensor.offset)?;
+    }
+    let mut blobs = Vec::new();
+    for name in ["trainer.json", lazarus_shared::hf_olmoe::MODEL_BLOB] {
+        if checkpoint.manifest(0)?.blob(name).is_some() {
+            blobs.push((name.to_string(), checkpoint.read_blob(0, name).await?));
+        }
+    }
+    let source = Arc::new(SlotFile::open(path)?);
+    let mut hashes = Vec::new();
+    for index in 0..chunk_count(slot_bytes) {
+        let data = read_chunk(&source, slot_bytes, index).await?;
+        hashes.push(tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?);
+    }
+    Ok((hashes, blobs))
+}

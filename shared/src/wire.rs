@@ -1,0 +1,560 @@
+//! The wire protocol between a trainer rank and its node's `ckptd` (Unix socket), and between
+//! `ckptd`s (TCP: buddy replication, reports to the leader, `ckptctl status`).
+//!
+//! A frame is
+//!
+//! ```text
+//! "LZW1" | header length (u32 LE) | payload length (u32 LE) | header (JSON) | payload | MAC
+//! ```
+//!
+//! where the MAC is 32 bytes of blake3 keyed with the job key over everything before it. Frames
+//! between `ckptd`s must carry a valid MAC; frames on the Unix socket, which only the job's
+//! user can open, carry 32 zero bytes. Both lengths are bounded before anything is allocated,
+//! and a frame is parsed only after its MAC checks out, so a forged or garbled frame changes
+//! nothing: the reader returns an error and the caller drops the connection.
+
+use std::io::{Read, Write};
+use std::path::Path;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::format::{DType, DimRange};
+use crate::hash::ChunkHash;
+use crate::ids::{Rank, RunId, StepKey};
+
+pub const MAGIC: [u8; 4] = *b"LZW1";
+/// Largest header accepted (JSON).
+pub const HEADER_MAX: usize = 1 << 20;
+/// Largest payload accepted: one chunk of replica data, or a snapshot's blobs.
+pub const PAYLOAD_MAX: usize = 16 << 20;
+const PREFIX: usize = 12;
+const MAC: usize = 32;
+
+/// Why a frame was refused. Every variant ends the connection it came from.
+#[derive(Debug, thiserror::Error)]
+pub enum WireError {
+    #[error("connection closed")]
+    Closed,
+    #[error("i/o: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("not a Lazarus frame (bad magic)")]
+    BadMagic,
+    #[error("{what} of {len} bytes is over the limit of {max}")]
+    TooLarge {
+        what: &'static str,
+        len: usize,
+        max: usize,
+    },
+    #[error("authentication failed (wrong job key, or a forged or garbled frame)")]
+    BadMac,
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    #[error("bad job key file {path}: {reason}")]
+    BadKey { path: String, reason: String },
+}
+
+impl WireError {
+    /// A short label for metrics.
+    pub fn cause(&self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Io(_) => "io",
+            Self::BadMagic => "bad_magic",
+            Self::TooLarge { .. } => "too_large",
+            Self::BadMac => "bad_mac",
+            Self::Malformed(_) => "malformed",
+            Self::BadKey { .. } => "bad_key",
+        }
+    }
+}
+
+/// The per-job secret that authenticates `ckptd`-to-`ckptd` frames.
+#[derive(Clone)]
+pub struct JobKey([u8; 32]);
+
+impl std::fmt::Debug for JobKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("JobKey(..)")
+    }
+}
+
+impl JobKey {
+    /// Derives the key from a key file's contents (at least 16 bytes, e.g. 32 random bytes or
+    /// 64 hex characters; surrounding whitespace is ignored).
+    pub fn from_file(path: &Path) -> Result<Self, WireError> {
+        let bad = |reason: String| WireError::BadKey {
+            path: path.display().to_string(),
+            reason,
+        };
+        let bytes = std::fs::read(path).map_err(|e| bad(e.to_string()))?;
+        let trimmed = bytes.trim_ascii();
+        if trimmed.len() < 16 {
+            return Err(bad(format!(
+                "{} bytes of key material; use at least 16 (e.g. `head -c 32 /dev/urandom | xxd -p -c 64`)",
+                trimmed.len()
+            )));
+        }
+        Ok(Self::derive(trimmed))
+    }
+
+    pub fn derive(material: &[u8]) -> Self {
+        Self(blake3::derive_key("lazarus ckptd job key v1", material))
+    }
+
+    fn mac(&self, body: &[u8]) -> [u8; 32] {
+        *blake3::keyed_hash(&self.0, body).as_bytes()
+    }
+}
+
+/// One tensor (or its slice) in a rank's snapshot slot, at a byte offset of the slot.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SlotTensor {
+    pub name: String,
+    pub dtype: DType,
+    pub global_shape: Vec<u64>,
+    pub slice: Vec<DimRange>,
+    pub offset: u64,
+    pub bytes: u64,
+}
+
+/// A small named blob carried in a frame's payload (`trainer.json`, `model.json`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct BlobSpec {
+    pub name: String,
+    pub len: u32,
+}
+
+/// Where a restore was served from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Tier {
+    /// The node's own shm slot.
+    T0,
+    /// The buddy node's replica.
+    T1,
+    /// The object store.
+    T2,
+}
+
+impl Tier {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::T0 => "t0",
+            Self::T1 => "t1",
+            Self::T2 => "t2",
+        }
+    }
+}
+
+/// What the leader knows about one rank.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankStatus {
+    pub rank: Rank,
+    pub node: String,
+    pub pid: u32,
+    /// Newest step the rank reported (heartbeat or snapshot).
+    pub step: u64,
+    pub last_seen_ms_ago: u64,
+}
+
+/// What the leader knows about one node.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeStatus {
+    pub node: String,
+    pub address: String,
+    pub last_seen_ms_ago: u64,
+    pub ranks: Vec<Rank>,
+    /// The newest step this node holds in T0, per run.
+    pub t0_steps: Vec<(RunId, u64)>,
+}
+
+/// The leader's view of the job (`ckptctl status`).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterStatus {
+    pub leader: String,
+    pub nodes: Vec<NodeStatus>,
+    pub runs: Vec<RunStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunStatus {
+    pub run: RunId,
+    pub world_size: u32,
+    pub ranks: Vec<RankStatus>,
+    pub memory_step: Option<u64>,
+    pub durable_step: Option<StepKey>,
+}
+
+/// Every message, on either socket. The header of a frame is one of these as JSON.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "type", deny_unknown_fields)]
+pub enum Message {
+    // ---- rank -> node ckptd (Unix socket) ----
+    /// A rank starts (or restarts). The daemon answers `Registered` with its slot files.
+    Register {
+        run: RunId,
+        rank: Rank,
+        world_size: u32,
+        pid: u32,
+        slot_bytes: u64,
+        tensors: Vec<SlotTensor>,
+    },
+    /// Which step should this rank start from? The daemon answers `Restored`.
+    Restore,
+    /// Slot `slot` holds step `step`; payload = the blobs. Answer: `Held`, with `accepted`.
+    Snapshot {
+        step: u64,
+        slot: u32,
+        durable: bool,
+        blobs: Vec<BlobSpec>,
+        /// How long the previous snapshot stalled the training loop.
+        stall_us: u64,
+    },
+    /// Heartbeat and question: which slots may the rank not write? Answer: `Held`.
+    Poll { step: u64 },
+
+    // ---- node ckptd -> rank ----
+    Registered {
+        slots: Vec<String>,
+        held: Vec<u32>,
+    },
+    /// `slot` holds `step` (from `tier`); payload = the blobs. No step: start fresh.
+    Restored {
+        step: Option<u64>,
+        slot: Option<u32>,
+        tier: Option<Tier>,
+        blobs: Vec<BlobSpec>,
+        held: Vec<u32>,
+    },
+    /// `busy`: the daemon is still working on an earlier snapshot.
+    Held {
+        held: Vec<u32>,
+        busy: bool,
+        accepted: bool,
+    },
+    Refused { reason: String },
+
+    // ---- ckptd <-> ckptd (TCP, authenticated) ----
+    /// A rank's snapshot follows as `ReplicaData` frames, one per chunk, then `ReplicaEnd`.
+    /// Payload = the blobs.
+    ReplicaBegin {
+        from_node: String,
+        run: RunId,
+        rank: Rank,
+        world_size: u32,
+        step: u64,
+        slot_bytes: u64,
+        chunk_bytes: u64,
+        tensors: Vec<SlotTensor>,
+        blobs: Vec<BlobSpec>,
+    },
+    /// Payload = chunk `index` of the slot, which hashes to `hash`.
+    ReplicaData { index: u32, hash: ChunkHash },
+    /// Every chunk was sent; `chunks` lists their hashes in order.
+    ReplicaEnd { chunks: Vec<ChunkHash> },
+    /// Send the replica of (run, rank) at `step` back, as `ReplicaBegin`.. `ReplicaEnd`.
+    FetchReplica { run: RunId, rank: Rank, step: u64 },
+    Ack { ok: bool, reason: String },
+
+    // ---- node ckptd -> leader ----
+    /// A node (re)connects; it lists what it holds so a restarted leader can rebuild its state.
+    NodeHello {
+        node: String,
+        address: String,
+        t0: Vec<T0Entry>,
+    },
+    /// A rank registered at its node.
+    RankUp {
+        node: String,
+        run: RunId,
+        rank: Rank,
+        world_size: u32,
+        pid: u32,
+    },
+    /// A rank's snapshot of `step` is in T0 and T1.
+    Replicated {
+        node: String,
+        run: RunId,
+        rank: Rank,
+        world_size: u32,
+        step: u64,
+        durable_requested: bool,
+    },
+    /// A rank's shard manifest of `step` is stored.
+    Stored {
+        node: String,
+        run: RunId,
+        rank: Rank,
+        world_size: u32,
+        step: StepKey,
+    },
+    NodeHeartbeat { node: String, ranks: Vec<(Rank, u64)> },
+    /// Which step should a relaunched world of `world_size` restore?
+    WhichStep { run: RunId, world_size: u32 },
+    StatusRequest,
+
+    // ---- leader -> node ckptd ----
+    /// Every rank of `run` has `step` in T0 and T1; upload it if `durable`.
+    MemoryCommitted {
+        run: RunId,
+        step: u64,
+        durable: bool,
+    },
+    StepChoice {
+        memory: Option<u64>,
+        durable: Option<StepKey>,
+    },
+    Status(ClusterStatus),
+}
+
+/// A rank's T0 content, as a node reports it to the leader.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct T0Entry {
+    pub run: RunId,
+    pub rank: Rank,
+    pub world_size: u32,
+    pub step: u64,
+}
+
+/// A decoded frame.
+#[derive(Clone, Debug)]
+pub struct Frame {
+    pub message: Message,
+    pub payload: Bytes,
+}
+
+/// Encodes one frame; `key` None writes a zero MAC (Unix socket only).
+pub fn encode(message: &Message, payload: &[u8], key: Option<&JobKey>) -> Vec<u8> {
+    let header = serde_json::to_vec(message).expect("messages serialise");
+    let mut out = Vec::with_capacity(PREFIX + header.len() + payload.len() + MAC);
+    out.extend_from_slice(&MAGIC);
+    out.extend_from_slice(&(header.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&header);
+    out.extend_from_slice(payload);
+    let mac = key.map(|k| k.mac(&out)).unwrap_or([0; 32]);
+    out.extend_from_slice(&mac);
+    out
+}
+
+/// Checks the prefix and returns (header length, payload length).
+fn parse_prefix(prefix: &[u8; PREFIX]) -> Result<(usize, usize), WireError> {
+    if prefix[..4] != MAGIC {
+        return Err(WireError::BadMagic);
+    }
+    let header = u32::from_le_bytes([prefix[4], prefix[5], prefix[6], prefix[7]]) as usize;
+    let payload = u32::from_le_bytes([prefix[8], prefix[9], prefix[10], prefix[11]]) as usize;
+    if header > HEADER_MAX {
+        return Err(WireError::TooLarge {
+            what: "header",
+            len: header,
+            max: HEADER_MAX,
+        });
+    }
+    if payload > PAYLOAD_MAX {
+        return Err(WireError::TooLarge {
+            what: "payload",
+            len: payload,
+            max: PAYLOAD_MAX,
+        });
+    }
+    Ok((header, payload))
+}
+
+/// Verifies the MAC over `body` (prefix, header, payload) and parses the header.
+fn parse_body(
+    mut body: Vec<u8>,
+    header_len: usize,
+    key: Option<&JobKey>,
+) -> Result<Frame, WireError> {
+    let mac_start = body.len() - MAC;
+    let mac: [u8; 32] = body[mac_start..].try_into().expect("32 bytes");
+    if let Some(key) = key {
+        let expected = key.mac(&body[..mac_start]);
+        // Constant time is not needed against a local attacker who could read the key file,
+        // but blake3's Hash comparison gives it anyway.
+        if blake3::Hash::from(expected) != blake3::Hash::from(mac) {
+            return Err(WireError::BadMac);
+        }
+    }
+    body.truncate(mac_start);
+    let message: Message = serde_json::from_slice(&body[PREFIX..PREFIX + header_len])
+        .map_err(|e| WireError::Malformed(e.to_string()))?;
+    let payload = Bytes::from(body).slice(PREFIX + header_len..);
+    Ok(Frame { message, payload })
+}
+
+/// Reads one frame (blocking).
+pub fn read_frame_sync(reader: &mut impl Read, key: Option<&JobKey>) -> Result<Frame, WireError> {
+    let mut prefix = [0u8; PREFIX];
+    match reader.read_exact(&mut prefix) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let (header, payload) = parse_prefix(&prefix)?;
+    let mut body = vec![0u8; PREFIX + header + payload + MAC];
+    body[..PREFIX].copy_from_slice(&prefix);
+    reader.read_exact(&mut body[PREFIX..])?;
+    parse_body(body, header, key)
+}
+
+/// Writes one frame (blocking).
+pub fn write_frame_sync(
+    writer: &mut impl Write,
+    message: &Message,
+    payload: &[u8],
+    key: Option<&JobKey>,
+) -> Result<(), WireError> {
+    writer.write_all(&encode(message, payload, key))?;
+    writer.flush()?;
+    Ok(())
+}
+
+/// Reads one frame.
+pub async fn read_frame(
+    reader: &mut (impl AsyncRead + Unpin),
+    key: Option<&JobKey>,
+) -> Result<Frame, WireError> {
+    let mut prefix = [0u8; PREFIX];
+    match reader.read_exact(&mut prefix).await {
+        Ok(_) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Err(WireError::Closed),
+        Err(e) => return Err(e.into()),
+    }
+    let (header, payload) = parse_prefix(&prefix)?;
+    let mut body = vec![0u8; PREFIX + header + payload + MAC];
+    body[..PREFIX].copy_from_slice(&prefix);
+    reader.read_exact(&mut body[PREFIX..]).await?;
+    parse_body(body, header, key)
+}
+
+/// Writes one frame.
+pub async fn write_frame(
+    writer: &mut (impl AsyncWrite + Unpin),
+    message: &Message,
+    payload: &[u8],
+    key: Option<&JobKey>,
+) -> Result<(), WireError> {
+    writer.write_all(&encode(message, payload, key)).await?;
+    writer.flush().await?;
+    Ok(())
+}
+
+/// Concatenates named blobs into one payload, with their specs.
+pub fn pack_blobs(blobs: &[(String, Bytes)]) -> (Vec<BlobSpec>, Vec<u8>) {
+    let specs = blobs
+        .iter()
+        .map(|(name, data)| BlobSpec {
+            name: name.clone(),
+            len: data.len() as u32,
+        })
+        .collect();
+    let payload = blobs.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+    (specs, payload)
+}
+
+/// Splits a payload back into named blobs; an error if the lengths do not add up.
+pub fn unpack_blobs(specs: &[BlobSpec], payload: &Bytes) -> Result<Vec<(String, Bytes)>, WireError> {
+    let total: usize = specs.iter().map(|s| s.len as usize).sum();
+    if total != payload.len() {
+        return Err(WireError::Malformed(format!(
+            "blobs declare {total} bytes, payload has {}",
+            payload.len()
+        )));
+    }
+    let mut offset = 0;
+    Ok(specs
+        .iter()
+        .map(|spec| {
+            let data = payload.slice(offset..offset + spec.len as usize);
+            offset += spec.len as usize;
+            (spec.name.clone(), data)
+        })
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> Message {
+        Message::Replicated {
+            node: "n1".into(),
+            run: "run-a".parse().unwrap(),
+            rank: 3,
+            world_size: 4,
+            step: 17,
+            durable_requested: false,
+        }
+    }
+
+    #[test]
+    fn frames_round_trip_with_and_without_a_key() {
+        let key = JobKey::derive(b"0123456789abcdef0123");
+        for key in [None, Some(&key)] {
+            let bytes = encode(&sample(), b"payload", key);
+            let frame = read_frame_sync(&mut bytes.as_slice(), key).unwrap();
+            assert_eq!(frame.message, sample());
+            assert_eq!(&frame.payload[..], b"payload");
+        }
+    }
+
+    #[test]
+    fn a_wrong_key_or_any_flipped_byte_is_refused() {
+        let key = JobKey::derive(b"the right key material");
+        let other = JobKey::derive(b"the wrong key material");
+        let bytes = encode(&sample(), b"payload", Some(&key));
+        assert!(matches!(
+            read_frame_sync(&mut bytes.as_slice(), Some(&other)),
+            Err(WireError::BadMac)
+        ));
+        // An unauthenticated frame is refused by a reader that needs a key.
+        let plain = encode(&sample(), b"payload", None);
+        assert!(matches!(
+            read_frame_sync(&mut plain.as_slice(), Some(&key)),
+            Err(WireError::BadMac)
+        ));
+        for i in 12..bytes.len() {
+            let mut garbled = bytes.clone();
+            garbled[i] ^= 0x01;
+            assert!(
+                read_frame_sync(&mut garbled.as_slice(), Some(&key)).is_err(),
+                "byte {i} flipped was accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn oversized_frames_are_refused_before_allocating() {
+        let mut bytes = encode(&sample(), b"", None);
+        bytes[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            read_frame_sync(&mut bytes.as_slice(), None),
+            Err(WireError::TooLarge { what: "payload", .. })
+        ));
+        let mut bytes = encode(&sample(), b"", None);
+        bytes[4..8].copy_from_slice(&(HEADER_MAX as u32 + 1).to_le_bytes());
+        assert!(matches!(
+            read_frame_sync(&mut bytes.as_slice(), None),
+            Err(WireError::TooLarge { what: "header", .. })
+        ));
+        assert!(matches!(
+            read_frame_sync(&mut &b"GET / HTTP/1.1\r\n\r\n"[..], None),
+            Err(WireError::BadMagic)
+        ));
+    }
+
+    #[test]
+    fn blobs_pack_and_unpack() {
+        let blobs = vec![
+            ("a".to_string(), Bytes::from_static(b"xyz")),
+            ("b".to_string(), Bytes::new()),
+        ];
+        let (specs, payload) = pack_blobs(&blobs);
+        assert_eq!(unpack_blobs(&specs, &Bytes::from(payload)).unwrap(), blobs);
+        assert!(unpack_blobs(&specs, &Bytes::from_static(b"xy")).is_err());
+    }
+}

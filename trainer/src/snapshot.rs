@@ -1,0 +1,363 @@
+//! The optimizer's state memory and the hand-off to the node's `ckptd`.
+//!
+//! Without `ckptd`, the state is one heap buffer updated in place. With `ckptd`, it lives in
+//! the daemon's three shm slot files, mapped here. The daemon *holds* some slots (its
+//! committed T0, the snapshot it is working on); the trainer never writes a held slot. Each
+//! optimizer update reads the current slot and writes the next state into a free one (or in
+//! place when the current slot is not held), so after an update the new state already sits in
+//! a slot the daemon can read: a snapshot is a message naming that slot, whatever the state's
+//! size.
+
+use std::io;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::Bytes;
+use lazarus_shared::wire::{self, Message, SlotTensor, Tier};
+
+enum Buffer {
+    Heap(Vec<f32>),
+    Mapped(memmap2::MmapMut),
+}
+
+impl Buffer {
+    fn as_slice(&self) -> &[f32] {
+        match self {
+            Buffer::Heap(v) => v,
+            Buffer::Mapped(m) => bytemuck::cast_slice(&m[..]),
+        }
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        match self {
+            Buffer::Heap(v) => v,
+            Buffer::Mapped(m) => bytemuck::cast_slice_mut(&mut m[..]),
+        }
+    }
+}
+
+/// Where an update writes.
+#[derive(Debug)]
+pub enum UpdateTarget<'a> {
+    /// The current state, in place.
+    InPlace(&'a mut [f32]),
+    /// From the current state into a free slot.
+    Copy { from: &'a [f32], to: &'a mut [f32] },
+}
+
+/// One or more copies of the optimizer state, and which one is current.
+pub struct StateMemory {
+    buffers: Vec<Buffer>,
+    current: usize,
+    /// Buffers the daemon holds: read-only here.
+    held: Vec<usize>,
+    next: usize,
+}
+
+impl std::fmt::Debug for StateMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StateMemory")
+            .field("buffers", &self.buffers.len())
+            .field("current", &self.current)
+            .field("held", &self.held)
+            .finish()
+    }
+}
+
+impl StateMemory {
+    /// One heap buffer, updated in place.
+    pub fn heap(state: Vec<f32>) -> Self {
+        Self {
+            buffers: vec![Buffer::Heap(state)],
+            current: 0,
+            held: Vec::new(),
+            next: 0,
+        }
+    }
+
+    /// Maps the daemon's slot files; the state moves into a slot the daemon does not hold,
+    /// unless `restored` names the slot that already holds it.
+    pub fn mapped(
+        paths: &[PathBuf],
+        held: Vec<usize>,
+        state: &[f32],
+        restored: Option<usize>,
+    ) -> Result<Self> {
+        let mut buffers = Vec::with_capacity(paths.len());
+        for path in paths {
+            let file = std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(path)
+                .with_context(|| format!("opening snapshot slot {}", path.display()))?;
+            let bytes = file.metadata()?.len();
+            if bytes != (state.len() * 4) as u64 {
+                bail!(
+                    "snapshot slot {} has {bytes} bytes; this rank's state needs {}",
+                    path.display(),
+                    state.len() * 4
+                );
+            }
+            // SAFETY: the slot file belongs to this rank's ckptd, which only reads the slots
+            // this process handed over and does not truncate them while the rank is
+            // registered. The trainer writes only slots the daemon does not hold.
+            #[allow(unsafe_code)]
+            let map = unsafe { memmap2::MmapMut::map_mut(&file) }
+                .with_context(|| format!("mapping {}", path.display()))?;
+            buffers.push(Buffer::Mapped(map));
+        }
+        let current = match restored {
+            Some(slot) => slot,
+            None => {
+                let free = (0..buffers.len())
+                    .find(|i| !held.contains(i))
+                    .ok_or_else(|| anyhow!("ckptd holds every snapshot slot"))?;
+                buffers[free].as_mut_slice().copy_from_slice(state);
+                free
+            }
+        };
+        Ok(Self {
+            buffers,
+            current,
+            held,
+            next: current,
+        })
+    }
+
+    pub fn current(&self) -> &[f32] {
+        self.buffers[self.current].as_slice()
+    }
+
+    /// The current state, to write; only while the daemon does not hold it.
+    pub fn current_mut(&mut self) -> &mut [f32] {
+        assert!(
+            !self.held.contains(&self.current),
+            "the current state is held by ckptd"
+        );
+        self.buffers[self.current].as_mut_slice()
+    }
+
+    pub fn current_slot(&self) -> usize {
+        self.current
+    }
+
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.buffers[0], Buffer::Mapped(_))
+    }
+
+    /// What the daemon holds now. It may only shrink to what it said, never below a slot
+    /// this process handed over and has not heard back about.
+    pub fn set_held(&mut self, held: Vec<usize>) {
+        self.held = held;
+    }
+
+    pub fn hold(&mut self, slot: usize) {
+        if !self.held.contains(&slot) {
+            self.held.push(slot);
+        }
+    }
+
+    /// Picks where the next state goes: in place if the daemon does not hold the current
+    /// slot, else a free slot.
+    pub fn begin_update(&mut self) -> UpdateTarget<'_> {
+        let current = self.current;
+        if !self.held.contains(&current) {
+            self.next = current;
+            return UpdateTarget::InPlace(self.buffers[current].as_mut_slice());
+        }
+        let next = (0..self.buffers.len())
+            .find(|i| *i != current && !self.held.contains(i))
+            .expect("ckptd holds at most two of three slots");
+        self.next = next;
+        let (from, to) = if current < next {
+            let (a, b) = self.buffers.split_at_mut(next);
+            (&a[current], &mut b[0])
+        } else {
+            let (a, b) = self.buffers.split_at_mut(current);
+            (&b[0], &mut a[next])
+        };
+        UpdateTarget::Copy {
+            from: from.as_slice(),
+            to: to.as_mut_slice(),
+        }
+    }
+
+    pub fn finish_update(&mut self) {
+        self.current = self.next;
+    }
+}
+
+/// A restore the daemon served.
+#[derive(Debug)]
+pub struct Restored {
+    pub step: u64,
+    pub slot: usize,
+    pub tier: Tier,
+    pub blobs: Vec<(String, Bytes)>,
+}
+
+/// The rank's connection to its node's `ckptd` (Unix socket, one request at a time).
+#[derive(Debug)]
+pub struct Ckptd {
+    socket: PathBuf,
+    stream: Option<UnixStream>,
+    register: Message,
+    /// When the link broke, for rate-limiting reconnects.
+    broken_at: Option<Instant>,
+    pub slots: Vec<PathBuf>,
+    pub held: Vec<usize>,
+}
+
+fn held_slots(held: &[u32]) -> Vec<usize> {
+    held.iter().map(|s| *s as usize).collect()
+}
+
+impl Ckptd {
+    /// Connects and registers this rank's slot layout.
+    pub fn connect(
+        socket: &Path,
+        run: lazarus_shared::RunId,
+        rank: u32,
+        world_size: u32,
+        tensors: Vec<SlotTensor>,
+        slot_bytes: u64,
+    ) -> Result<Self> {
+        let register = Message::Register {
+            run,
+            rank,
+            world_size,
+            pid: std::process::id(),
+            slot_bytes,
+            tensors,
+        };
+        let mut client = Self {
+            socket: socket.to_path_buf(),
+            stream: None,
+            register,
+            broken_at: None,
+            slots: Vec::new(),
+            held: Vec::new(),
+        };
+        client.reconnect().with_context(|| {
+            format!(
+                "cannot reach ckptd at {} (is it running on this node? without it, leave checkpoint.ckptd unset)",
+                socket.display()
+            )
+        })?;
+        Ok(client)
+    }
+
+    fn reconnect(&mut self) -> Result<()> {
+        let mut stream = UnixStream::connect(&self.socket)?;
+        stream.set_read_timeout(Some(Duration::from_secs(300)))?;
+        wire::write_frame_sync(&mut stream, &self.register, &[], None)?;
+        match wire::read_frame_sync(&mut stream, None)?.message {
+            Message::Registered { slots, held } => {
+                self.slots = slots.into_iter().map(PathBuf::from).collect();
+                self.held = held_slots(&held);
+            }
+            Message::Refused { reason } => bail!("ckptd refused the rank: {reason}"),
+            other => bail!("ckptd answered {other:?} to Register"),
+        }
+        self.stream = Some(stream);
+        self.broken_at = None;
+        Ok(())
+    }
+
+    /// One request and its answer. A broken link is retried (with a re-registration) at
+    /// most once a second; until it works, this returns an error and the caller carries on.
+    fn call(&mut self, message: &Message, payload: &[u8]) -> Result<wire::Frame> {
+        if self.stream.is_none() {
+            if self
+                .broken_at
+                .is_some_and(|at| at.elapsed() < Duration::from_secs(1))
+            {
+                bail!("ckptd link is down");
+            }
+            if let Err(error) = self.reconnect() {
+                self.broken_at = Some(Instant::now());
+                return Err(error.context("ckptd link is down"));
+            }
+            tracing::info!("reconnected to ckptd");
+        }
+        let stream = self.stream.as_mut().expect("connected");
+        let result = wire::write_frame_sync(stream, message, payload, None)
+            .and_then(|()| wire::read_frame_sync(stream, None));
+        match result {
+            Ok(frame) => Ok(frame),
+            Err(error) => {
+                self.stream = None;
+                self.broken_at = Some(Instant::now());
+                Err(anyhow!("ckptd link broke: {error}"))
+            }
+        }
+    }
+
+    /// Which step to start from, and the slot that holds it.
+    pub fn restore(&mut self) -> Result<Option<Restored>> {
+        let frame = self.call(&Message::Restore, &[])?;
+        match frame.message {
+            Message::Restored {
+                step: Some(step),
+                slot: Some(slot),
+                tier: Some(tier),
+                blobs,
+                held,
+            } => {
+                self.held = held_slots(&held);
+                Ok(Some(Restored {
+                    step,
+                    slot: slot as usize,
+                    tier,
+                    blobs: wire::unpack_blobs(&blobs, &frame.payload)?,
+                }))
+            }
+            Message::Restored { held, .. } => {
+                self.held = held_slots(&held);
+                Ok(None)
+            }
+            Message::Refused { reason } => bail!("ckptd could not restore: {reason}"),
+            other => bail!("ckptd answered {other:?} to Restore"),
+        }
+    }
+
+    /// Heartbeat; returns whether the daemon is busy. Updates `held`.
+    pub fn poll(&mut self, step: u64) -> Result<bool> {
+        match self.call(&Message::Poll { step }, &[])?.message {
+            Message::Held { held, busy, .. } => {
+                self.held = held_slots(&held);
+                Ok(busy)
+            }
+            other => bail!("ckptd answered {other:?} to Poll"),
+        }
+    }
+
+    /// Hands `slot` (holding `step`) over. Returns whether the daemon took it.
+    pub fn snapshot(
+        &mut self,
+        step: u64,
+        slot: usize,
+        durable: bool,
+        blobs: &[(String, Bytes)],
+        stall: Duration,
+    ) -> Result<bool> {
+        let (specs, payload) = wire::pack_blobs(blobs);
+        let message = Message::Snapshot {
+            step,
+            slot: slot as u32,
+            durable,
+            blobs: specs,
+            stall_us: stall.as_micros() as u64,
+        };
+        match self.call(&message, &payload)?.message {
+            Message::Held { held, accepted, .. } => {
+                self.held = held_slots(&held);
+                Ok(accepted)
+            }
+            Message::Refused { reason } => Err(io::Error::other(reason).into()),
+            other => bail!("ckptd answered {other:?} to Snapshot"),
+        }
+    }
+}
