@@ -213,7 +213,13 @@ pub enum Message {
         stall_us: u64,
     },
     /// Heartbeat and question: which slots may the rank not write? Answer: `Held`.
-    Poll { step: u64 },
+    Poll {
+        step: u64,
+    },
+    /// The ranks skipped the snapshot of `step` because a daemon was busy. Answer: `Held`.
+    Skipped {
+        step: u64,
+    },
 
     // ---- node ckptd -> rank ----
     Registered {
@@ -234,7 +240,9 @@ pub enum Message {
         busy: bool,
         accepted: bool,
     },
-    Refused { reason: String },
+    Refused {
+        reason: String,
+    },
 
     // ---- ckptd <-> ckptd (TCP, authenticated) ----
     /// A rank's snapshot follows as `ReplicaData` frames, one per chunk, then `ReplicaEnd`.
@@ -251,12 +259,24 @@ pub enum Message {
         blobs: Vec<BlobSpec>,
     },
     /// Payload = chunk `index` of the slot, which hashes to `hash`.
-    ReplicaData { index: u32, hash: ChunkHash },
+    ReplicaData {
+        index: u32,
+        hash: ChunkHash,
+    },
     /// Every chunk was sent; `chunks` lists their hashes in order.
-    ReplicaEnd { chunks: Vec<ChunkHash> },
+    ReplicaEnd {
+        chunks: Vec<ChunkHash>,
+    },
     /// Send the replica of (run, rank) at `step` back, as `ReplicaBegin`.. `ReplicaEnd`.
-    FetchReplica { run: RunId, rank: Rank, step: u64 },
-    Ack { ok: bool, reason: String },
+    FetchReplica {
+        run: RunId,
+        rank: Rank,
+        step: u64,
+    },
+    Ack {
+        ok: bool,
+        reason: String,
+    },
 
     // ---- node ckptd -> leader ----
     /// A node (re)connects; it lists what it holds so a restarted leader can rebuild its state.
@@ -290,9 +310,15 @@ pub enum Message {
         world_size: u32,
         step: StepKey,
     },
-    NodeHeartbeat { node: String, ranks: Vec<(Rank, u64)> },
+    NodeHeartbeat {
+        node: String,
+        ranks: Vec<(Rank, u64)>,
+    },
     /// Which step should a relaunched world of `world_size` restore?
-    WhichStep { run: RunId, world_size: u32 },
+    WhichStep {
+        run: RunId,
+        world_size: u32,
+    },
     StatusRequest,
 
     // ---- leader -> node ckptd ----
@@ -457,7 +483,10 @@ pub fn pack_blobs(blobs: &[(String, Bytes)]) -> (Vec<BlobSpec>, Vec<u8>) {
 }
 
 /// Splits a payload back into named blobs; an error if the lengths do not add up.
-pub fn unpack_blobs(specs: &[BlobSpec], payload: &Bytes) -> Result<Vec<(String, Bytes)>, WireError> {
+pub fn unpack_blobs(
+    specs: &[BlobSpec],
+    payload: &Bytes,
+) -> Result<Vec<(String, Bytes)>, WireError> {
     let total: usize = specs.iter().map(|s| s.len as usize).sum();
     if total != payload.len() {
         return Err(WireError::Malformed(format!(
@@ -533,7 +562,10 @@ mod tests {
         bytes[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
         assert!(matches!(
             read_frame_sync(&mut bytes.as_slice(), None),
-            Err(WireError::TooLarge { what: "payload", .. })
+            Err(WireError::TooLarge {
+                what: "payload",
+                ..
+            })
         ));
         let mut bytes = encode(&sample(), b"", None);
         bytes[4..8].copy_from_slice(&(HEADER_MAX as u32 + 1).to_le_bytes());

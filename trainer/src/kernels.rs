@@ -310,10 +310,19 @@ pub struct AdamWSlicesMut<'a> {
 }
 
 #[inline(always)]
-fn adamw_into_body(c: AdamWStep, old: &AdamWSlices<'_>, grads: &[f32], new: &mut AdamWSlicesMut<'_>) {
+fn adamw_into_body(
+    c: AdamWStep,
+    old: &AdamWSlices<'_>,
+    grads: &[f32],
+    new: &mut AdamWSlicesMut<'_>,
+) {
     let (one_minus_beta1, one_minus_beta2) = (1.0 - c.beta1, 1.0 - c.beta2);
     let old_state = old.params.iter().zip(old.m).zip(old.v).zip(grads);
-    let new_state = new.params.iter_mut().zip(new.m.iter_mut()).zip(new.v.iter_mut());
+    let new_state = new
+        .params
+        .iter_mut()
+        .zip(new.m.iter_mut())
+        .zip(new.v.iter_mut());
     for ((((p, m), v), g), ((p_out, m_out), v_out)) in old_state.zip(new_state) {
         // The same operations in the same order as `adamw_body`: bit-identical results.
         let g = *g * c.grad_scale;
@@ -328,18 +337,35 @@ fn adamw_into_body(c: AdamWStep, old: &AdamWSlices<'_>, grads: &[f32], new: &mut
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn adamw_into_avx2(c: AdamWStep, old: &AdamWSlices<'_>, grads: &[f32], new: &mut AdamWSlicesMut<'_>) {
+fn adamw_into_avx2(
+    c: AdamWStep,
+    old: &AdamWSlices<'_>,
+    grads: &[f32],
+    new: &mut AdamWSlicesMut<'_>,
+) {
     adamw_into_body(c, old, grads, new)
 }
 
 /// AdamW from one copy of the state into another (a snapshot slot), so the old copy stays
 /// intact. Computes exactly what [`adamw`] computes in place.
-pub fn adamw_into(c: AdamWStep, old: &AdamWSlices<'_>, grads: &[f32], new: &mut AdamWSlicesMut<'_>) {
+pub fn adamw_into(
+    c: AdamWStep,
+    old: &AdamWSlices<'_>,
+    grads: &[f32],
+    new: &mut AdamWSlicesMut<'_>,
+) {
     let n = grads.len();
     assert!(
-        [old.params.len(), old.m.len(), old.v.len(), new.params.len(), new.m.len(), new.v.len()]
-            .iter()
-            .all(|len| *len == n),
+        [
+            old.params.len(),
+            old.m.len(),
+            old.v.len(),
+            new.params.len(),
+            new.m.len(),
+            new.v.len()
+        ]
+        .iter()
+        .all(|len| *len == n),
         "AdamW slices differ in length"
     );
     #[cfg(target_arch = "x86_64")]

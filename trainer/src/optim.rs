@@ -362,7 +362,6 @@ impl AdamW {
                 }
             }
         }
-        drop(target);
         memory.finish_update();
         self.memory = memory;
         self.shards = shards;

@@ -334,6 +334,17 @@ impl Ckptd {
         }
     }
 
+    /// Tells the daemon the ranks skipped `step` (it counts skips in its metrics).
+    pub fn skipped(&mut self, step: u64) -> Result<()> {
+        match self.call(&Message::Skipped { step }, &[])?.message {
+            Message::Held { held, .. } => {
+                self.held = held_slots(&held);
+                Ok(())
+            }
+            other => bail!("ckptd answered {other:?} to Skipped"),
+        }
+    }
+
     /// Hands `slot` (holding `step`) over. Returns whether the daemon took it.
     pub fn snapshot(
         &mut self,

@@ -317,11 +317,17 @@ impl Session {
                     .blobs
                     .iter()
                     .find(|(name, _)| name == "trainer.json")
-                    .ok_or_else(|| anyhow::anyhow!("ckptd served step {} without trainer.json", restored.step))?;
-                let state: TrainerState = serde_json::from_slice(&trainer.1)
-                    .context("trainer.json from ckptd")?;
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("ckptd served step {} without trainer.json", restored.step)
+                    })?;
+                let state: TrainerState =
+                    serde_json::from_slice(&trainer.1).context("trainer.json from ckptd")?;
                 if state.step != restored.step {
-                    bail!("ckptd served step {} but its trainer.json says {}", restored.step, state.step);
+                    bail!(
+                        "ckptd served step {} but its trainer.json says {}",
+                        restored.step,
+                        state.step
+                    );
                 }
                 self.optim.step = state.optimizer_step;
                 self.optim.write_to(&self.model)?;
@@ -368,7 +374,10 @@ impl Session {
         let mut accepted = false;
         if !busy {
             let slot = self.optim.memory.current_slot();
-            let (specs, stall) = (Session::blobs_of(&self.state, &self.config)?, self.last_stall);
+            let (specs, stall) = (
+                Session::blobs_of(&self.state, &self.config)?,
+                self.last_stall,
+            );
             accepted = ckptd
                 .snapshot(step, slot, last, &specs, stall)
                 .unwrap_or(false);
@@ -378,6 +387,7 @@ impl Session {
         }
         if !accepted {
             self.skipped_snapshots += 1;
+            let _ = ckptd.skipped(step);
         }
         self.last_stall = started.elapsed();
         Ok(accepted)
@@ -385,7 +395,10 @@ impl Session {
 
     fn blobs_of(state: &TrainerState, config: &Config) -> Result<Vec<(String, Bytes)>> {
         Ok(vec![
-            ("trainer.json".into(), Bytes::from(serde_json::to_vec(state)?)),
+            (
+                "trainer.json".into(),
+                Bytes::from(serde_json::to_vec(state)?),
+            ),
             (
                 hf_olmoe::MODEL_BLOB.into(),
                 Bytes::from(serde_json::to_vec(&config.model)?),

@@ -73,7 +73,70 @@ pub async fn run(cli: Cli) -> Result<()> {
             gc(&cli, run, &policy, bars).await
         }
         Command::Index { action } => index(&cli, action, bars).await,
+        Command::Status { leader, key_file } => status(&cli, *leader, key_file).await,
     }
+}
+
+async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::Path) -> Result<()> {
+    use lazarus_shared::wire::{JobKey, Message};
+    let key = JobKey::from_file(key_file).map_err(|e| UsageError(e.to_string()))?;
+    let reply = crate::daemon::leader::request_with_key(&key, leader, &Message::StatusRequest)
+        .await
+        .with_context(|| format!("asking the leader ckptd at {leader}"))?;
+    let Message::Status(status) = reply else {
+        bail!("the leader answered {reply:?}");
+    };
+    if cli.json {
+        output::json(&status);
+        return Ok(());
+    }
+    println!("leader: {}", status.leader);
+    let rows: Vec<Vec<String>> = status
+        .nodes
+        .iter()
+        .map(|n| {
+            vec![
+                n.node.clone(),
+                n.address.clone(),
+                format!("{:.1}s ago", n.last_seen_ms_ago as f64 / 1000.0),
+                n.ranks
+                    .iter()
+                    .map(|r| r.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+                n.t0_steps
+                    .iter()
+                    .map(|(_, s)| s.to_string())
+                    .collect::<Vec<_>>()
+                    .join(","),
+            ]
+        })
+        .collect();
+    output::table(&["NODE", "ADDRESS", "SEEN", "RANKS", "T0 STEPS"], &rows);
+    for run in &status.runs {
+        println!(
+            "run {}: world size {}, memory-committed step {}, durable step {}",
+            run.run,
+            run.world_size,
+            run.memory_step.map_or("-".into(), |s| s.to_string()),
+            run.durable_step.map_or("-".into(), |s| s.to_string())
+        );
+        let rows: Vec<Vec<String>> = run
+            .ranks
+            .iter()
+            .map(|r| {
+                vec![
+                    r.rank.to_string(),
+                    r.node.clone(),
+                    r.pid.to_string(),
+                    r.step.to_string(),
+                    format!("{:.1}s ago", r.last_seen_ms_ago as f64 / 1000.0),
+                ]
+            })
+            .collect();
+        output::table(&["RANK", "NODE", "PID", "STEP", "SEEN"], &rows);
+    }
+    Ok(())
 }
 
 fn run_id(text: &str) -> Result<RunId> {

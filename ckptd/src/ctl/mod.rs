@@ -126,6 +126,15 @@ pub enum Command {
         #[arg(long)]
         reason: String,
     },
+    /// The running job as its leader ckptd sees it: nodes, ranks, memory and durable steps.
+    Status {
+        /// The leader ckptd's TCP address.
+        #[arg(long, env = "LAZARUS_LEADER")]
+        leader: std::net::SocketAddr,
+        /// The job key file the daemons use.
+        #[arg(long, env = "LAZARUS_KEY_FILE")]
+        key_file: PathBuf,
+    },
     /// Delete steps outside the retention policy and chunks nothing retained references.
     Gc {
         run: String,

@@ -77,6 +77,10 @@ pub struct Cli {
     /// Delta-encode chunks against the previous durable step (keeps a copy of it in shm).
     #[arg(long)]
     pub delta: Option<bool>,
+    /// Drop a replicated snapshot whose memory commit has not come after this many seconds
+    /// (another rank's snapshot failed), so the next one can go.
+    #[arg(long)]
+    pub commit_timeout_seconds: Option<f64>,
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
 }
@@ -102,6 +106,7 @@ struct File {
     durable_every_steps: Option<u64>,
     durable_every_seconds: Option<f64>,
     delta: Option<bool>,
+    commit_timeout_seconds: Option<f64>,
     log_format: Option<LogFormat>,
 }
 
@@ -125,6 +130,7 @@ pub struct Config {
     pub durable_every_steps: u64,
     pub durable_every_seconds: f64,
     pub delta: bool,
+    pub commit_timeout_seconds: f64,
     pub log_format: LogFormat,
 }
 
@@ -145,7 +151,11 @@ impl Config {
                 key.replace('_', "-")
             ))
         };
-        let node = cli.node.clone().or(file.node).ok_or_else(|| missing("node"))?;
+        let node = cli
+            .node
+            .clone()
+            .or(file.node)
+            .ok_or_else(|| missing("node"))?;
         let node_ok = !node.is_empty()
             && node.len() <= 64
             && node
@@ -214,27 +224,28 @@ impl Config {
             .or(file.durable_every_steps)
             .unwrap_or(100);
         if durable_every_steps == 0 {
-            return Err(ConfigError(
-                "durable_every_steps must be at least 1".into(),
-            ));
+            return Err(ConfigError("durable_every_steps must be at least 1".into()));
         }
         let durable_every_seconds = cli
             .durable_every_seconds
             .or(file.durable_every_seconds)
             .unwrap_or(1800.0);
-        if !(durable_every_seconds > 0.0) {
-            return Err(ConfigError(
-                "durable_every_seconds must be above 0".into(),
-            ));
+        if durable_every_seconds.is_nan() || durable_every_seconds <= 0.0 {
+            return Err(ConfigError("durable_every_seconds must be above 0".into()));
+        }
+        let commit_timeout_seconds = cli
+            .commit_timeout_seconds
+            .or(file.commit_timeout_seconds)
+            .unwrap_or(10.0);
+        if commit_timeout_seconds.is_nan() || commit_timeout_seconds <= 0.0 {
+            return Err(ConfigError("commit_timeout_seconds must be above 0".into()));
         }
         let upload_concurrency = cli
             .upload_concurrency
             .or(file.upload_concurrency)
             .unwrap_or(4);
         if upload_concurrency == 0 || upload_concurrency > 256 {
-            return Err(ConfigError(
-                "upload_concurrency must be 1 to 256".into(),
-            ));
+            return Err(ConfigError("upload_concurrency must be 1 to 256".into()));
         }
         Ok(Self {
             node,
@@ -257,6 +268,7 @@ impl Config {
             durable_every_steps,
             durable_every_seconds,
             delta: cli.delta.or(file.delta).unwrap_or(true),
+            commit_timeout_seconds,
             log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
         })
     }

@@ -156,7 +156,10 @@ impl Leader {
             if steps.values().all(|s| *s == first) && state.memory_step < Some(first) {
                 state.memory_step = Some(first);
                 self.metrics.memory_step.set(first as i64);
-                tracing::info!(step = first, "memory-committed step recovered from the nodes");
+                tracing::info!(
+                    step = first,
+                    "memory-committed step recovered from the nodes"
+                );
             }
         }
     }
@@ -338,11 +341,7 @@ impl Leader {
                         .filter(|r| r.node == *name)
                         .map(|r| r.rank)
                         .collect(),
-                    t0_steps: info
-                        .t0
-                        .iter()
-                        .map(|e| (e.run.clone(), e.step))
-                        .collect(),
+                    t0_steps: info.t0.iter().map(|e| (e.run.clone(), e.step)).collect(),
                 })
                 .collect(),
             runs: vec![RunStatus {

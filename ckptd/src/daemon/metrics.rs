@@ -117,11 +117,7 @@ impl Metrics {
             "Newest durable step (commit record written)",
             m.durable_step.clone(),
         );
-        registry.register(
-            "restores",
-            "Restores served, by tier",
-            m.restores.clone(),
-        );
+        registry.register("restores", "Restores served, by tier", m.restores.clone());
         registry.register("errors", "Errors by cause", m.errors.clone());
         registry.register(
             "peer_messages_rejected",

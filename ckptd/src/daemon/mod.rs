@@ -76,7 +76,9 @@ pub fn main(cli: Cli) -> ExitCode {
         Err(error) => {
             eprintln!("ckptd: {error:#}");
             let usage = error.downcast_ref::<ConfigError>().is_some()
-                || error.downcast_ref::<lazarus_shared::wire::WireError>().is_some();
+                || error
+                    .downcast_ref::<lazarus_shared::wire::WireError>()
+                    .is_some();
             ExitCode::from(if usage { 2 } else { 1 })
         }
     }
@@ -125,9 +127,13 @@ pub async fn run(cfg: Config) -> Result<()> {
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
     let unix = node::bind_socket(&cfg)?;
     let (to_leader, from_node) = mpsc::unbounded_channel();
-    let leader = cfg
-        .lead
-        .then(|| Arc::new(leader::Leader::new(cfg.clone(), run.clone(), metrics.clone())));
+    let leader = cfg.lead.then(|| {
+        Arc::new(leader::Leader::new(
+            cfg.clone(),
+            run.clone(),
+            metrics.clone(),
+        ))
+    });
     let daemon = Arc::new(Daemon {
         ranks: Mutex::new(node::load_ranks(&cfg)?),
         replicas: Mutex::new(()),
@@ -153,13 +159,27 @@ pub async fn run(cfg: Config) -> Result<()> {
     tokio::spawn(peer::serve(daemon.clone(), listener));
     tokio::spawn(node::serve(daemon.clone(), unix));
     tokio::spawn(leader::link(daemon.clone(), from_node));
+    tokio::spawn(node::expire_pending(daemon.clone()));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
     }
-    tracing::info!("stopping");
+    tracing::info!("stopping: letting uploads in flight finish (up to 60 s)");
     let _ = std::fs::remove_file(&daemon.cfg.socket);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while std::time::Instant::now() < deadline {
+        if !daemon
+            .ranks
+            .lock()
+            .await
+            .values()
+            .any(|s| s.uploading || s.working.is_some())
+        {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
     Ok(())
 }

@@ -70,6 +70,7 @@ pub struct RankState {
     pub t0: Option<Snap>,
     /// Replicated and reported, waiting for the leader's memory commit.
     pub pending: Option<Snap>,
+    pub pending_at: Instant,
     /// The slot being hashed and replicated.
     pub working: Option<u32>,
     pub uploading: bool,
@@ -155,6 +156,7 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                         dir: entry.path(),
                         t0: state.t0,
                         pending: None,
+                        pending_at: Instant::now(),
                         working: None,
                         uploading: false,
                         base: state.base,
@@ -163,7 +165,9 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                     },
                 );
             }
-            Err(error) => tracing::warn!(path = %path.display(), %error, "ignoring unreadable rank state"),
+            Err(error) => {
+                tracing::warn!(path = %path.display(), %error, "ignoring unreadable rank state")
+            }
         }
     }
     Ok(ranks)
@@ -171,9 +175,8 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
 
 pub fn bind_socket(cfg: &Config) -> Result<std::os::unix::net::UnixListener> {
     if let Some(parent) = cfg.socket.parent() {
-        std::fs::create_dir_all(parent).map_err(|e| {
-            ConfigError(format!("cannot create {}: {e}", parent.display()))
-        })?;
+        std::fs::create_dir_all(parent)
+            .map_err(|e| ConfigError(format!("cannot create {}: {e}", parent.display())))?;
     }
     // A socket file left by a dead daemon is replaced; a live one answers and is kept.
     if std::os::unix::net::UnixStream::connect(&cfg.socket).is_ok() {
@@ -268,9 +271,25 @@ async fn session(daemon: &Arc<Daemon>, mut stream: UnixStream) -> Result<()> {
                     Vec::new(),
                 )
             }
+            (Message::Skipped { step }, Some(r)) => {
+                daemon.metrics.snapshots_skipped.inc();
+                tracing::debug!(rank = r, step, "snapshot skipped");
+                let ranks = daemon.ranks.lock().await;
+                let state = ranks.get(&r).ok_or_else(|| anyhow!("rank {r} vanished"))?;
+                (
+                    Message::Held {
+                        held: state.held(),
+                        busy: state.busy(),
+                        accepted: false,
+                    },
+                    Vec::new(),
+                )
+            }
             (Message::Poll { step }, Some(r)) => {
                 let mut ranks = daemon.ranks.lock().await;
-                let state = ranks.get_mut(&r).ok_or_else(|| anyhow!("rank {r} vanished"))?;
+                let state = ranks
+                    .get_mut(&r)
+                    .ok_or_else(|| anyhow!("rank {r} vanished"))?;
                 state.last_step = step;
                 state.last_seen = Instant::now();
                 (
@@ -307,9 +326,12 @@ fn refused(error: &anyhow::Error) -> Message {
 
 fn check_layout(slot_bytes: u64, tensors: &[SlotTensor]) -> Result<()> {
     for t in tensors {
-        let expected: u64 = t.slice.iter().map(|d| d.len).product::<u64>()
-            * t.dtype.element_bytes() as u64;
-        if t.bytes != expected || t.offset.checked_add(t.bytes).is_none_or(|end| end > slot_bytes)
+        let expected: u64 =
+            t.slice.iter().map(|d| d.len).product::<u64>() * t.dtype.element_bytes() as u64;
+        if t.bytes != expected
+            || t.offset
+                .checked_add(t.bytes)
+                .is_none_or(|end| end > slot_bytes)
         {
             bail!(
                 "tensor {} ({} bytes at {}) does not fit its slice or the {slot_bytes}-byte slot",
@@ -381,6 +403,7 @@ async fn register(
                 dir: dir.clone(),
                 t0: None,
                 pending: None,
+                pending_at: Instant::now(),
                 working: None,
                 uploading: false,
                 base: None,
@@ -398,7 +421,10 @@ async fn register(
             .write(true)
             .open(&path)
             .with_context(|| format!("creating {}", path.display()))?;
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(daemon.cfg.socket_mode))?;
+        std::fs::set_permissions(
+            &path,
+            std::fs::Permissions::from_mode(daemon.cfg.socket_mode),
+        )?;
         if file.metadata()?.len() != slot_bytes {
             file.set_len(slot_bytes)
                 .with_context(|| format!("sizing {} (is shm full?)", path.display()))?;
@@ -411,7 +437,14 @@ async fn register(
             .collect(),
         held: state.held(),
     };
-    tracing::info!(rank, world_size, pid, slot_bytes, reused = reuse, "rank registered");
+    tracing::info!(
+        rank,
+        world_size,
+        pid,
+        slot_bytes,
+        reused = reuse,
+        "rank registered"
+    );
     ranks.insert(rank, state);
     let _ = daemon.to_leader.send(Message::RankUp {
         node: daemon.cfg.node.clone(),
@@ -500,6 +533,7 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
                 .metrics
                 .replicate_seconds
                 .observe(started.elapsed().as_secs_f64());
+            state.pending_at = Instant::now();
             state.pending = Some(Snap {
                 step: job.step,
                 slot: job.slot,
@@ -605,6 +639,28 @@ async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
     Ok(hashes)
 }
 
+/// Drops replicated snapshots whose memory commit did not come in time (a rank elsewhere
+/// failed to snapshot that step), so that the ranks can hand over the next one.
+pub async fn expire_pending(daemon: Arc<Daemon>) {
+    let timeout = Duration::from_secs_f64(daemon.cfg.commit_timeout_seconds);
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let mut ranks = daemon.ranks.lock().await;
+        for state in ranks.values_mut() {
+            if state.pending.is_some() && state.pending_at.elapsed() > timeout {
+                let step = state.pending.take().map(|p| p.step);
+                daemon.metrics.error("memory_commit_timeout");
+                tracing::warn!(
+                    rank = state.rank,
+                    step,
+                    ?timeout,
+                    "no memory commit came; dropping the snapshot"
+                );
+            }
+        }
+    }
+}
+
 /// The leader memory-committed `step`: it becomes every local rank's T0, and is uploaded if
 /// `durable`.
 pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
@@ -666,7 +722,9 @@ async fn upload(daemon: Arc<Daemon>, rank: Rank) {
 async fn upload_inner(daemon: &Arc<Daemon>, rank: Rank) -> Result<(StepKey, Option<Base>)> {
     let (snap, path, dir, tensors, world_size, base, slot_bytes) = {
         let ranks = daemon.ranks.lock().await;
-        let state = ranks.get(&rank).ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+        let state = ranks
+            .get(&rank)
+            .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
         let snap = state.t0.clone().ok_or_else(|| anyhow!("no T0 to upload"))?;
         (
             snap.clone(),
@@ -768,7 +826,10 @@ fn copy_file(from: &Path, to: &Path, len: u64) -> std::io::Result<()> {
 /// Re-hashes a slot against the hashes taken when it was handed over.
 async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> Result<()> {
     if chunk_count(slot_bytes) != hashes.len() as u64 {
-        bail!("{} chunks recorded for a {slot_bytes}-byte slot", hashes.len());
+        bail!(
+            "{} chunks recorded for a {slot_bytes}-byte slot",
+            hashes.len()
+        );
     }
     let file = Arc::new(SlotFile::open(path)?);
     for (index, expected) in hashes.iter().enumerate() {
@@ -793,7 +854,9 @@ async fn restore(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Message, Vec<u8>)>
     let (world_size, slot_bytes, tensors) = loop {
         {
             let ranks = daemon.ranks.lock().await;
-            let state = ranks.get(&rank).ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+            let state = ranks
+                .get(&rank)
+                .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
             if state.working.is_none() && !state.uploading || Instant::now() > deadline {
                 break (state.world_size, state.slot_bytes, state.tensors.clone());
             }
@@ -897,7 +960,12 @@ async fn restore(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Message, Vec<u8>)>
 fn served(daemon: &Daemon, state: &RankState, tier: Tier) -> (Message, Vec<u8>) {
     let snap = state.t0.as_ref().expect("just set");
     daemon.metrics.restored(tier.name());
-    tracing::info!(rank = state.rank, step = snap.step, tier = tier.name(), "restore served");
+    tracing::info!(
+        rank = state.rank,
+        step = snap.step,
+        tier = tier.name(),
+        "restore served"
+    );
     let blobs: Vec<(String, Bytes)> = snap
         .blobs
         .iter()
@@ -928,9 +996,16 @@ async fn read_from_store(
     let checkpoint = daemon.run.open_checkpoint(step).await?;
     let file = std::fs::OpenOptions::new().write(true).open(path)?;
     for tensor in tensors {
-        let data = checkpoint.read_region(&tensor.name, &tensor.slice, &()).await?;
+        let data = checkpoint
+            .read_region(&tensor.name, &tensor.slice, &())
+            .await?;
         if data.len() as u64 != tensor.bytes {
-            bail!("{}: read {} bytes, expected {}", tensor.name, data.len(), tensor.bytes);
+            bail!(
+                "{}: read {} bytes, expected {}",
+                tensor.name,
+                data.len(),
+                tensor.bytes
+            );
         }
         file.write_all_at(&data, tensor.offset)?;
     }

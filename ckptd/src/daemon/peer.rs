@@ -85,7 +85,12 @@ async fn read(daemon: &Daemon, stream: &mut TcpStream) -> Result<wire::Frame> {
     )
 }
 
-async fn write(daemon: &Daemon, stream: &mut TcpStream, message: &Message, payload: &[u8]) -> Result<()> {
+async fn write(
+    daemon: &Daemon,
+    stream: &mut TcpStream,
+    message: &Message,
+    payload: &[u8],
+) -> Result<()> {
     Ok(wire::write_frame(stream, message, payload, Some(&daemon.key)).await?)
 }
 
@@ -127,7 +132,12 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
                 },
             };
             // A peer that broke the protocol gets no answer; one we could not serve does.
-            if result.as_ref().err().and_then(|e| e.downcast_ref::<WireError>()).is_none() {
+            if result
+                .as_ref()
+                .err()
+                .and_then(|e| e.downcast_ref::<WireError>())
+                .is_none()
+            {
                 write(daemon, &mut stream, &ack, &[]).await?;
             }
             result
@@ -139,7 +149,12 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             send_replica(daemon, &mut stream, rank, step).await
         }
         Message::NodeHello { .. } => match &daemon.leader {
-            Some(leader) => leader.clone().node_session(daemon, stream, first.message, from).await,
+            Some(leader) => {
+                leader
+                    .clone()
+                    .node_session(daemon, stream, first.message, from)
+                    .await
+            }
             None => bail!("a node said hello, but this daemon is not the leader"),
         },
         Message::WhichStep { run, world_size } => {
@@ -169,7 +184,11 @@ async fn receive_replica(
     chunk_bytes: u64,
 ) -> Result<()> {
     if meta.run != daemon.cfg.run {
-        bail!("replica of run {}, this daemon serves {}", meta.run, daemon.cfg.run);
+        bail!(
+            "replica of run {}, this daemon serves {}",
+            meta.run,
+            daemon.cfg.run
+        );
     }
     if chunk_bytes != SLOT_CHUNK_BYTES {
         bail!("replica chunks of {chunk_bytes} bytes, expected {SLOT_CHUNK_BYTES}");
@@ -197,9 +216,9 @@ async fn receive_replica(
         let frame = read(daemon, stream).await?;
         match frame.message {
             Message::ReplicaData { index, hash } => {
-                let slot = received
-                    .get_mut(index as usize)
-                    .ok_or_else(|| WireError::Malformed(format!("chunk index {index} out of range")))?;
+                let slot = received.get_mut(index as usize).ok_or_else(|| {
+                    WireError::Malformed(format!("chunk index {index} out of range"))
+                })?;
                 let offset = u64::from(index) * SLOT_CHUNK_BYTES;
                 let len = SLOT_CHUNK_BYTES.min(meta.slot_bytes - offset);
                 if frame.payload.len() as u64 != len {
@@ -211,7 +230,9 @@ async fn receive_replica(
                 let payload = frame.payload.clone();
                 let found = tokio::task::spawn_blocking(move || ChunkHash::of(&payload)).await?;
                 if found != hash {
-                    bail!(WireError::Malformed(format!("chunk {index} does not hash to its name")));
+                    bail!(WireError::Malformed(format!(
+                        "chunk {index} does not hash to its name"
+                    )));
                 }
                 let file = file.clone();
                 let payload = frame.payload;
@@ -221,7 +242,9 @@ async fn receive_replica(
             Message::ReplicaEnd { chunks } => {
                 let complete: Option<Vec<ChunkHash>> = received.iter().copied().collect();
                 if complete.as_ref() != Some(&chunks) {
-                    bail!(WireError::Malformed("replica ended incomplete or with other hashes".into()));
+                    bail!(WireError::Malformed(
+                        "replica ended incomplete or with other hashes".into()
+                    ));
                 }
                 meta.chunks = chunks;
                 break;
@@ -242,7 +265,9 @@ async fn receive_replica(
     }
     for rank_dir in std::fs::read_dir(dir.parent().expect("has a parent"))?.flatten() {
         for step_dir in std::fs::read_dir(rank_dir.path())?.flatten() {
-            held += std::fs::metadata(step_dir.path().join("data")).map(|m| m.len()).unwrap_or(0);
+            held += std::fs::metadata(step_dir.path().join("data"))
+                .map(|m| m.len())
+                .unwrap_or(0);
         }
     }
     daemon.metrics.replicas_held_bytes.set(held as i64);
@@ -251,7 +276,12 @@ async fn receive_replica(
 }
 
 /// Streams this daemon's replica of (rank, step) back to the asker.
-async fn send_replica(daemon: &Arc<Daemon>, stream: &mut TcpStream, rank: Rank, step: u64) -> Result<()> {
+async fn send_replica(
+    daemon: &Arc<Daemon>,
+    stream: &mut TcpStream,
+    rank: Rank,
+    step: u64,
+) -> Result<()> {
     let dir = replica_dir(daemon, rank).join(format!("step-{step}"));
     let meta: ReplicaMeta = match std::fs::read(dir.join("meta.json")) {
         Ok(bytes) => serde_json::from_slice(&bytes)?,
@@ -422,7 +452,9 @@ pub async fn fetch_replica(
             ..
         } => {
             if r != rank || w != world_size || s != step || b != slot_bytes || t != tensors {
-                bail!("the buddy's replica has another layout (rank {r} of {w}, step {s}, {b} bytes)");
+                bail!(
+                    "the buddy's replica has another layout (rank {r} of {w}, step {s}, {b} bytes)"
+                );
             }
             wire::unpack_blobs(&blobs, &first.payload)?
         }

@@ -327,11 +327,14 @@ impl RunStore {
         progress.set_total(total_bytes);
 
         let concurrency = self.store.options.upload_concurrency.max(1);
-        let done: Vec<ChunkDone> =
-            stream::iter(jobs.iter().cloned().map(|job| self.store_chunk(job, progress)))
-                .buffered(concurrency)
-                .try_collect()
-                .await?;
+        let done: Vec<ChunkDone> = stream::iter(
+            jobs.iter()
+                .cloned()
+                .map(|job| self.store_chunk(job, progress)),
+        )
+        .buffered(concurrency)
+        .try_collect()
+        .await?;
         let mut uploaded_bytes = 0;
         let mut raw_by_hash: HashMap<ChunkHash, SourceRange> = HashMap::new();
         for (job, chunk) in jobs.iter().zip(done) {

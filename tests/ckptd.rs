@@ -1,0 +1,456 @@
+//! `ckptd` end to end: daemons on 127.0.0.1 stand for nodes, trainer ranks run under a real
+//! `mpiexec`, one per node. Snapshots are handed over every step, replicated to the buddy,
+//! memory-committed by the leader, and made durable every few steps; restores come from the
+//! node (T0), the buddy (T1) or storage (T2), and must continue bit for bit.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::{bin, shared_data, Ctl, S3Server};
+
+/// A small model, one snapshot per step. The learning rate stays in its warm-up, where it
+/// depends on the step alone, so runs with different `train.steps` see the same rates.
+fn trainer_args(dir: &Path, run: &str, store: &str, steps: u64, busy: &str) -> Vec<String> {
+    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
+        .map(String::from)
+        .to_vec();
+    args.push(dir.join("metrics").display().to_string());
+    for set in [
+        format!("run.id={run}"),
+        "model.d_model=32".into(),
+        "model.layers=2".into(),
+        "model.heads=2".into(),
+        "model.experts=4".into(),
+        "model.expert_ffn=32".into(),
+        "model.seq_len=32".into(),
+        "train.micro_batch=2".into(),
+        format!("train.steps={steps}"),
+        "train.log_every=1".into(),
+        "train.warmup_steps=1000".into(),
+        "train.lr=0.5".into(),
+        "train.val_every=100000".into(),
+        "train.threads=1".into(),
+        "checkpoint.every=1".into(),
+        format!("checkpoint.busy={busy}"),
+        format!("checkpoint.store={store}"),
+        format!("data.path={}", dir.join("data").display()),
+    ] {
+        args.push("--set".into());
+        args.push(set);
+    }
+    args
+}
+
+fn prepared() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(bin("trainer"))
+        .args(["prepare", "--input"])
+        .arg(shared_data("tinyshakespeare.txt"))
+        .arg("--out")
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let path = dir.path().to_path_buf();
+    (dir, path)
+}
+
+/// The last loss logged for each step of `run`, as exact text (bit-for-bit comparisons).
+fn losses(dir: &Path, run: &str) -> std::collections::BTreeMap<u64, String> {
+    let text = std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
+        .expect("metrics");
+    text.lines()
+        .map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).unwrap();
+            (value["step"].as_u64().unwrap(), value["loss"].to_string())
+        })
+        .collect()
+}
+
+/// Waits until the store's latest durable step of `run` is `step`.
+fn wait_for_latest(ctl: &Ctl, run: &str, step: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let listed = ctl.json(&["list", run]);
+        if listed["latest"]["step"].as_u64() == Some(step) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "step {step} never became durable: {listed}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+fn committed_steps(ctl: &Ctl, run: &str) -> Vec<u64> {
+    let listed = ctl.json(&["list", run]);
+    listed["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["state"] == "committed")
+        .map(|s| s["step"]["step"].as_u64().unwrap())
+        .collect()
+}
+
+/// Starts the ranks on a long run, waits for `step`, and SIGKILLs rank 1. Returns once the
+/// launcher has ended the job.
+fn kill_rank_at(cluster: &Cluster, args: &[String], step: u64) {
+    let mut child = cluster
+        .mpiexec(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut ranks = String::new();
+    let wanted = format!("step {step:>6}");
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        if line.starts_with("ranks: ") {
+            ranks = line.clone();
+        }
+        if line.starts_with(&wanted) {
+            break;
+        }
+    }
+    let pid: u32 = ranks
+        .split("rank 1 = pid ")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|pid| pid.parse().ok())
+        .unwrap_or_else(|| panic!("no rank table in {ranks:?}"));
+    assert!(Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    let _rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    let status = child.wait().unwrap();
+    assert!(!status.success(), "the job survived a killed rank");
+}
+
+fn resumed_step(said: &str, tier: &str) -> u64 {
+    let marker = "resumed from step ";
+    let at = said
+        .find(marker)
+        .unwrap_or_else(|| panic!("no resume in: {said}"));
+    let rest = &said[at + marker.len()..];
+    let step: u64 = rest.split_whitespace().next().unwrap().parse().unwrap();
+    assert!(
+        rest.starts_with(&format!("{step} ({tier} via ckptd)")),
+        "expected a restore from {tier}: {said}"
+    );
+    step
+}
+
+#[test]
+fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let cluster = Cluster::start(&dir, "e2e", &store, 2, &Settings::default(), Vec::new());
+    let said = cluster.train(&trainer_args(&dir, "e2e", &store, 30, "wait"));
+    assert!(said.contains("0 snapshots skipped"), "{said}");
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    wait_for_latest(&ctl, "e2e", 30);
+    assert_eq!(committed_steps(&ctl, "e2e"), vec![5, 10, 15, 20, 25, 30]);
+    ctl.expect(0, &["verify", "e2e", "--all", "--read-data"]);
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_memory_committed_step"),
+        30.0
+    );
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_durable_committed_step"),
+        30.0
+    );
+    for node in 0..2 {
+        assert_eq!(cluster.metric(node, "lazarus_ckptd_snapshots_total"), 30.0);
+        assert!(cluster.metric(node, "lazarus_ckptd_bytes_replicated_total") > 0.0);
+        assert!(cluster.metric(node, "lazarus_ckptd_bytes_stored_total") > 0.0);
+    }
+    // Every snapshot but the first went through a stall measurement.
+    assert!(cluster.metric(0, "lazarus_ckptd_snapshot_stall_seconds_count") >= 29.0);
+
+    // The operator's view, from the leader.
+    let status = ctl.expect(
+        0,
+        &[
+            "status",
+            "--leader",
+            &cluster.leader(),
+            "--key-file",
+            cluster.key_file.to_str().unwrap(),
+        ],
+    );
+    assert!(status.contains("n1") && status.contains("n2"), "{status}");
+    assert!(status.contains("memory-committed step 30"), "{status}");
+
+    // Forged, garbled, oversized and foreign bytes at node 2, which holds node 1's replica.
+    use lazarus_shared::wire::{encode, JobKey, Message};
+    use std::io::Write;
+    let replica = |step: u64| {
+        cluster.nodes[1]
+            .shm
+            .join("e2e/replicas/rank-0")
+            .join(format!("step-{step}"))
+    };
+    assert!(replica(30).join("meta.json").exists());
+    let forged = Message::ReplicaBegin {
+        from_node: "n1".into(),
+        run: "e2e".parse().unwrap(),
+        rank: 0,
+        world_size: 2,
+        step: 999,
+        slot_bytes: 8,
+        chunk_bytes: 4 << 20,
+        tensors: Vec::new(),
+        blobs: Vec::new(),
+    };
+    let right_key = JobKey::from_file(&cluster.key_file).unwrap();
+    let wrong_key = JobKey::derive(b"not the job's key material");
+    let mut garbled = encode(&forged, &[], Some(&right_key));
+    let last = garbled.len() - 40;
+    garbled[last] ^= 0x20;
+    let mut oversized = encode(&forged, &[], Some(&right_key));
+    oversized[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+    let out_of_place = encode(
+        &Message::MemoryCommitted {
+            run: "e2e".parse().unwrap(),
+            step: 999,
+            durable: true,
+        },
+        &[],
+        Some(&right_key),
+    );
+    for bytes in [
+        encode(&forged, &[], Some(&wrong_key)),
+        encode(&forged, &[], None),
+        garbled,
+        oversized,
+        b"GET /metrics HTTP/1.1\r\n\r\n".to_vec(),
+        out_of_place,
+    ] {
+        let mut stream =
+            std::net::TcpStream::connect(("127.0.0.1", cluster.nodes[1].listen)).unwrap();
+        stream.write_all(&bytes).unwrap();
+        let _ = stream.shutdown(std::net::Shutdown::Write);
+        let mut answer = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut stream, &mut answer);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let metrics = cluster.metrics(1);
+    let rejected = |cause: &str| {
+        cluster.metric(
+            1,
+            &format!("lazarus_ckptd_peer_messages_rejected_total{{cause=\"{cause}\"}}"),
+        )
+    };
+    assert_eq!(rejected("bad_mac"), 3.0, "{metrics}");
+    assert_eq!(rejected("too_large"), 1.0, "{metrics}");
+    assert_eq!(rejected("bad_magic"), 1.0, "{metrics}");
+    assert_eq!(rejected("refused"), 1.0, "{metrics}");
+    assert!(
+        replica(30).join("meta.json").exists(),
+        "the replica is untouched"
+    );
+    assert!(!replica(999).exists());
+    let status = ctl.expect(
+        0,
+        &[
+            "status",
+            "--leader",
+            &cluster.leader(),
+            "--key-file",
+            cluster.key_file.to_str().unwrap(),
+        ],
+    );
+    assert!(status.contains("memory-committed step 30"), "{status}");
+    assert_eq!(committed_steps(&ctl, "e2e"), vec![5, 10, 15, 20, 25, 30]);
+}
+
+#[test]
+fn lost_ranks_and_a_lost_node_restore_from_t0_and_t1_bit_for_bit() {
+    let (_guard, dir) = prepared();
+    // The uninterrupted reference: the plain trainer over MPI, no daemon.
+    let reference_store = format!("file://{}", dir.join("reference").display());
+    let mut reference = trainer_args(&dir, "reference", &reference_store, 40, "wait");
+    reference.extend(["--set".into(), "checkpoint.every=1000".into()]);
+    let output = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(&reference)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let expected = losses(&dir, "reference");
+
+    let store = format!("file://{}", dir.join("store").display());
+    let settings = Settings {
+        durable_every_steps: 4,
+        ..Settings::default()
+    };
+    let mut cluster = Cluster::start(&dir, "lossy", &store, 2, &settings, Vec::new());
+    let long = trainer_args(&dir, "lossy", &store, 100_000, "skip");
+
+    // 1. A rank dies mid-run; both ranks come back from their own node's memory (T0).
+    kill_rank_at(&cluster, &long, 9);
+    let said = cluster.train(&trainer_args(&dir, "lossy", &store, 20, "skip"));
+    let first = resumed_step(&said, "t0");
+    println!("killed at step 9; resumed from step {first} (T0)");
+    assert!(first >= 4, "{said}");
+    let got = losses(&dir, "lossy");
+    for step in first + 1..=20 {
+        assert_eq!(
+            got[&step], expected[&step],
+            "step {step} after the T0 restore"
+        );
+    }
+
+    // 2. A rank dies again, then node 2 loses its memory (daemon killed, shm wiped): rank 1
+    // comes back from the replica node 1 holds (T1), rank 0 from its T0.
+    kill_rank_at(&cluster, &long, 27);
+    cluster.wipe_node(1);
+    cluster.start_node(1);
+    let said = cluster.train(&trainer_args(&dir, "lossy", &store, 40, "skip"));
+    let second = resumed_step(&said, "t0");
+    println!("killed at step 27, node 2 wiped; resumed from step {second} (T0 + T1)");
+    assert!(second > 20, "{said}");
+    assert_eq!(
+        cluster.metric(1, "lazarus_ckptd_restores_total{tier=\"t1\"}"),
+        1.0,
+        "{}",
+        cluster.logs()
+    );
+    let got = losses(&dir, "lossy");
+    for step in second + 1..=40 {
+        assert_eq!(
+            got[&step], expected[&step],
+            "step {step} after the T1 restore"
+        );
+    }
+    println!(
+        "losses {}..=40 match the uninterrupted run bit for bit, e.g. step 40: {}",
+        second + 1,
+        got[&40]
+    );
+    let ctl = Ctl::new(store, &dir.join("index"));
+    wait_for_latest(&ctl, "lossy", 40);
+    ctl.expect(0, &["verify", "lossy", "--all", "--read-data"]);
+}
+
+#[test]
+fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let settings = Settings {
+        durable_every_steps: 3,
+        ..Settings::default()
+    };
+    let mut cluster = Cluster::start(&dir, "restart", &store, 2, &settings, Vec::new());
+    let mut child = cluster
+        .mpiexec(&trainer_args(&dir, "restart", &store, 60, "skip"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    for line in lines.by_ref() {
+        if line.unwrap().starts_with("step     12") {
+            break;
+        }
+    }
+    cluster.kill_node(1);
+    std::thread::sleep(Duration::from_millis(500));
+    cluster.start_node(1);
+    let rest: Vec<String> = lines.map_while(|l| l.ok()).collect();
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{}\n{}", rest.join("\n"), cluster.logs());
+    assert!(
+        cluster.log(1).contains("found T0 from an earlier life"),
+        "{}",
+        cluster.log(1)
+    );
+    let ctl = Ctl::new(store, &dir.join("index"));
+    wait_for_latest(&ctl, "restart", 60);
+    let steps = committed_steps(&ctl, "restart");
+    assert!(steps.len() >= 5, "{steps:?}");
+    ctl.expect(0, &["verify", "restart", "--all", "--read-data"]);
+    // What the killed upload left behind is garbage only gc collects; committed steps stay.
+    let gc = ctl.expect(
+        0,
+        &[
+            "gc",
+            "restart",
+            "--keep-last",
+            "1000",
+            "--grace",
+            "0s",
+            "--staging-grace",
+            "0s",
+        ],
+    );
+    println!("{gc}");
+    assert_eq!(committed_steps(&ctl, "restart"), steps);
+    ctl.expect(0, &["verify", "restart", "--all", "--read-data"]);
+}
+
+#[test]
+fn two_nodes_stream_to_a_real_s3_server() {
+    let (_guard, dir) = prepared();
+    let s3 = S3Server::start();
+    let store = s3.url("ckptd");
+    let cluster = Cluster::start(&dir, "s3run", &store, 2, &Settings::default(), s3.envs());
+    cluster.train(&trainer_args(&dir, "s3run", &store, 12, "wait"));
+    let mut ctl = Ctl::new(store, &dir.join("index"));
+    ctl.envs = s3.envs();
+    wait_for_latest(&ctl, "s3run", 12);
+    assert_eq!(committed_steps(&ctl, "s3run"), vec![5, 10, 12]);
+    ctl.expect(0, &["verify", "s3run", "--all", "--read-data"]);
+}
+
+#[test]
+fn bad_daemon_configuration_exits_2_with_the_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let output = Command::new(bin("ckptd")).args(args).output().unwrap();
+        (output.status.code(), text_of(&output))
+    };
+    let (code, said) = run(&["--node", "n1"]);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(said.contains("ckptd needs `run`"), "{said}");
+    let config = dir.path().join("ckptd.toml");
+    std::fs::write(
+        &config,
+        "node = \"n1\"\nrun = \"r\"\nstore = \"file:///tmp/x\"\nbogus = 1\n",
+    )
+    .unwrap();
+    let (code, said) = run(&["--config", config.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(said.contains("bogus"), "{said}");
+    let short_key = dir.path().join("key");
+    std::fs::write(&short_key, "short").unwrap();
+    let (code, said) = run(&[
+        "--node",
+        "n1",
+        "--run",
+        "r",
+        "--store",
+        &format!("file://{}", dir.path().join("store").display()),
+        "--shm-dir",
+        dir.path().join("shm").to_str().unwrap(),
+        "--socket",
+        dir.path().join("s.sock").to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+        "--leader",
+        "127.0.0.1:1",
+        "--key-file",
+        short_key.to_str().unwrap(),
+    ]);
+    assert_eq!(code, Some(2), "{said}");
+    assert!(said.contains("key material"), "{said}");
+}

@@ -1,0 +1,285 @@
+//! Several `ckptd`s on 127.0.0.1 standing for several nodes, and the trainer ranks that use
+//! them under a real `mpiexec`. Node i replicates to node i+1 (a ring); node 0 leads.
+
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::{bin, free_port};
+
+/// One daemon: its process (while running), ports and paths.
+#[derive(Debug)]
+pub struct Node {
+    pub name: String,
+    pub listen: u16,
+    pub metrics: u16,
+    pub socket: PathBuf,
+    pub shm: PathBuf,
+    child: Option<Child>,
+    args: Vec<String>,
+    log: PathBuf,
+}
+
+/// A set of daemons for one run. Every daemon is killed when this is dropped.
+#[derive(Debug)]
+pub struct Cluster {
+    pub dir: PathBuf,
+    pub run: String,
+    pub store: String,
+    pub key_file: PathBuf,
+    pub nodes: Vec<Node>,
+    envs: Vec<(String, String)>,
+    shm_root: PathBuf,
+}
+
+/// Daemon settings a test may change.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub durable_every_steps: u64,
+    pub commit_timeout_seconds: f64,
+    pub extra: Vec<String>,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Self {
+            durable_every_steps: 5,
+            commit_timeout_seconds: 3.0,
+            extra: Vec::new(),
+        }
+    }
+}
+
+impl Cluster {
+    /// Starts `nodes` daemons for `run` over `store`, with `envs` (e.g. S3 credentials).
+    pub fn start(
+        dir: &Path,
+        run: &str,
+        store: &str,
+        nodes: usize,
+        settings: &Settings,
+        envs: Vec<(String, String)>,
+    ) -> Self {
+        let key_file = dir.join("job.key");
+        std::fs::write(&key_file, format!("{:064x}", rand::random::<u128>()))
+            .expect("writing the job key");
+        // Slots belong in shared memory, as on a real node; a temp dir where there is none.
+        let shm_base = if Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        let shm_root = shm_base.join(format!(
+            "lazarus-test-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        let listens: Vec<u16> = (0..nodes).map(|_| free_port()).collect();
+        let mut cluster = Self {
+            dir: dir.to_path_buf(),
+            run: run.to_string(),
+            store: store.to_string(),
+            key_file: key_file.clone(),
+            nodes: Vec::new(),
+            envs,
+            shm_root: shm_root.clone(),
+        };
+        for (i, listen) in listens.iter().enumerate() {
+            let name = format!("n{}", i + 1);
+            let metrics = free_port();
+            let socket = dir.join(format!("{name}.sock"));
+            let shm = shm_root.join(&name);
+            let mut args: Vec<String> = vec![
+                "--node".into(),
+                name.clone(),
+                "--run".into(),
+                run.into(),
+                "--store".into(),
+                store.into(),
+                "--shm-dir".into(),
+                shm.display().to_string(),
+                "--socket".into(),
+                socket.display().to_string(),
+                "--listen".into(),
+                format!("127.0.0.1:{listen}"),
+                "--leader".into(),
+                format!("127.0.0.1:{}", listens[0]),
+                "--key-file".into(),
+                key_file.display().to_string(),
+                "--metrics".into(),
+                format!("127.0.0.1:{metrics}"),
+                "--durable-every-steps".into(),
+                settings.durable_every_steps.to_string(),
+                "--commit-timeout-seconds".into(),
+                settings.commit_timeout_seconds.to_string(),
+            ];
+            if nodes > 1 {
+                args.push("--buddy".into());
+                args.push(format!("127.0.0.1:{}", listens[(i + 1) % nodes]));
+            }
+            if i == 0 {
+                args.push("--lead".into());
+            }
+            args.extend(settings.extra.iter().cloned());
+            cluster.nodes.push(Node {
+                log: dir.join(format!("{name}.log")),
+                name,
+                listen: *listen,
+                metrics,
+                socket,
+                shm,
+                child: None,
+                args,
+            });
+        }
+        for i in 0..nodes {
+            cluster.start_node(i);
+        }
+        cluster
+    }
+
+    /// Starts (or restarts) node `i` and waits until its socket and port answer.
+    pub fn start_node(&mut self, i: usize) {
+        let node = &mut self.nodes[i];
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&node.log)
+            .expect("daemon log file");
+        let mut command = Command::new(bin("ckptd"));
+        command
+            .args(&node.args)
+            .env("LAZARUS_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log);
+        for (k, v) in &self.envs {
+            command.env(k, v);
+        }
+        let mut child = command.spawn().expect("ckptd starts");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!(
+                    "ckptd {} exited {status}:\n{}",
+                    node.name,
+                    std::fs::read_to_string(&node.log).unwrap_or_default()
+                );
+            }
+            let up = std::os::unix::net::UnixStream::connect(&node.socket).is_ok()
+                && std::net::TcpStream::connect(("127.0.0.1", node.listen)).is_ok();
+            if up {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "ckptd {} did not come up",
+                node.name
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        node.child = Some(child);
+    }
+
+    /// SIGKILL node `i`'s daemon.
+    pub fn kill_node(&mut self, i: usize) {
+        if let Some(mut child) = self.nodes[i].child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Kills node `i`'s daemon and wipes its shared memory: the node's T0 and the replicas it
+    /// held for its neighbour are gone.
+    pub fn wipe_node(&mut self, i: usize) {
+        self.kill_node(i);
+        let _ = std::fs::remove_dir_all(&self.nodes[i].shm);
+    }
+
+    pub fn pid(&self, i: usize) -> Option<u32> {
+        self.nodes[i].child.as_ref().map(Child::id)
+    }
+
+    pub fn leader(&self) -> String {
+        format!("127.0.0.1:{}", self.nodes[0].listen)
+    }
+
+    pub fn log(&self, i: usize) -> String {
+        std::fs::read_to_string(&self.nodes[i].log).unwrap_or_default()
+    }
+
+    /// The text of node `i`'s /metrics.
+    pub fn metrics(&self, i: usize) -> String {
+        let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.nodes[i].metrics))
+            .expect("metrics endpoint answers");
+        stream
+            .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .expect("metrics request");
+        let mut text = String::new();
+        stream.read_to_string(&mut text).expect("metrics response");
+        text
+    }
+
+    /// One sample of node `i`'s metrics, by its full name with labels (0 if absent).
+    pub fn metric(&self, i: usize, name: &str) -> f64 {
+        self.metrics(i)
+            .lines()
+            .find_map(|line| {
+                line.strip_prefix(name)
+                    .and_then(|rest| rest.strip_prefix(' '))
+                    .and_then(|value| value.trim().parse().ok())
+            })
+            .unwrap_or(0.0)
+    }
+
+    /// `mpiexec` with one rank per node, each pointed at its node's daemon.
+    pub fn mpiexec(&self, trainer_args: &[String]) -> Command {
+        let mut command = Command::new("mpiexec");
+        for (i, node) in self.nodes.iter().enumerate() {
+            if i > 0 {
+                command.arg(":");
+            }
+            command
+                .args(["-n", "1", "-env", "LAZARUS_CKPTD_SOCKET"])
+                .arg(&node.socket)
+                .arg(bin("trainer"))
+                .args(trainer_args);
+        }
+        for (k, v) in &self.envs {
+            command.env(k, v);
+        }
+        command
+    }
+
+    /// Runs the ranks to completion; panics with their output if they fail.
+    pub fn train(&self, trainer_args: &[String]) -> String {
+        let output = self.mpiexec(trainer_args).output().expect("mpiexec runs");
+        let text = text_of(&output);
+        assert!(
+            output.status.success(),
+            "training failed: {text}\n{}",
+            self.logs()
+        );
+        text
+    }
+
+    pub fn logs(&self) -> String {
+        (0..self.nodes.len())
+            .map(|i| format!("--- {} ---\n{}", self.nodes[i].name, self.log(i)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+pub fn text_of(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).to_string() + &String::from_utf8_lossy(&output.stderr)
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        for i in 0..self.nodes.len() {
+            self.kill_node(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.shm_root);
+    }
+}
