@@ -500,6 +500,49 @@ mod tests {
     }
 
     #[test]
+    fn adamw_into_a_copy_matches_adamw_in_place_bit_for_bit() {
+        let c = AdamWStep {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            grad_scale: 0.7,
+            decay: 0.999,
+            step_size: 3e-3,
+            correction2_sqrt: 0.4,
+        };
+        let n = 1000;
+        let wave = |k: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i * k) % 97) as f32 - 48.0) * 0.013)
+                .collect()
+        };
+        let (p0, m0, g) = (wave(7), wave(11), wave(13));
+        let v0: Vec<f32> = wave(17).iter().map(|x| x * x).collect();
+        let (mut p, mut m, mut v) = (p0.clone(), m0.clone(), v0.clone());
+        adamw(c, &mut p, &mut m, &mut v, &g);
+        let (mut p2, mut m2, mut v2) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        adamw_into(
+            c,
+            &AdamWSlices {
+                params: &p0,
+                m: &m0,
+                v: &v0,
+            },
+            &g,
+            &mut AdamWSlicesMut {
+                params: &mut p2,
+                m: &mut m2,
+                v: &mut v2,
+            },
+        );
+        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&p), bits(&p2));
+        assert_eq!(bits(&m), bits(&m2));
+        assert_eq!(bits(&v), bits(&v2));
+        assert_ne!(bits(&p), bits(&p0), "the update changed something");
+    }
+
+    #[test]
     fn both_paths_agree_bit_for_bit() {
         let row: Vec<f32> = (0..1003)
             .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.3)

@@ -372,3 +372,73 @@ impl Ckptd {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slots(dir: &Path, elements: usize) -> Vec<PathBuf> {
+        (0..3)
+            .map(|i| {
+                let path = dir.join(format!("slot-{i}"));
+                std::fs::File::create(&path)
+                    .unwrap()
+                    .set_len(elements as u64 * 4)
+                    .unwrap();
+                path
+            })
+            .collect()
+    }
+
+    fn write_all(memory: &mut StateMemory, value: f32) {
+        match memory.begin_update() {
+            UpdateTarget::InPlace(state) => state.fill(value),
+            UpdateTarget::Copy { from, to } => {
+                assert!(from.iter().all(|x| *x != value));
+                to.fill(value);
+            }
+        }
+        memory.finish_update();
+    }
+
+    #[test]
+    fn updates_never_write_a_slot_the_daemon_holds() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = slots(dir.path(), 16);
+        // The daemon holds slot 0 (say, T0); the fresh state goes to a free slot.
+        let mut memory = StateMemory::mapped(&paths, vec![0], &[1.0; 16], None).unwrap();
+        assert_eq!(memory.current_slot(), 1);
+        write_all(&mut memory, 2.0);
+        assert_eq!(memory.current_slot(), 1, "not held: in place");
+        // Hand slot 1 over: the next update goes to the only free slot, 2.
+        memory.hold(1);
+        write_all(&mut memory, 3.0);
+        assert_eq!(memory.current_slot(), 2);
+        let read = |i: usize| std::fs::read(&paths[i]).unwrap();
+        assert_eq!(
+            read(1),
+            2.0f32.to_le_bytes().repeat(16),
+            "the held copy is intact"
+        );
+        assert_eq!(read(2), 3.0f32.to_le_bytes().repeat(16));
+        assert_eq!(read(0), vec![0u8; 64], "slot 0 was never written");
+        // The daemon lets go of 0 and holds 1 and 2: the update goes to 0.
+        memory.set_held(vec![1, 2]);
+        write_all(&mut memory, 4.0);
+        assert_eq!(memory.current_slot(), 0);
+        assert_eq!(read(2), 3.0f32.to_le_bytes().repeat(16));
+    }
+
+    #[test]
+    fn a_restored_slot_is_used_where_it_is() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths = slots(dir.path(), 4);
+        std::fs::write(&paths[2], 7.0f32.to_le_bytes().repeat(4)).unwrap();
+        let memory = StateMemory::mapped(&paths, vec![2], &[0.0; 4], Some(2)).unwrap();
+        assert_eq!(memory.current(), &[7.0; 4]);
+        assert!(
+            StateMemory::mapped(&paths, vec![], &[0.0; 5], None).is_err(),
+            "wrong size"
+        );
+    }
+}

@@ -175,6 +175,8 @@ struct Session {
     /// How long the last snapshot held the training loop.
     last_stall: std::time::Duration,
     skipped_snapshots: u64,
+    /// Seconds the training loop stood still for each checkpoint or snapshot.
+    stalls: Vec<f64>,
 }
 
 impl Session {
@@ -390,6 +392,7 @@ impl Session {
             let _ = ckptd.skipped(step);
         }
         self.last_stall = started.elapsed();
+        self.stalls.push(self.last_stall.as_secs_f64());
         Ok(accepted)
     }
 
@@ -537,6 +540,7 @@ pub fn train(
         ckptd: None,
         last_stall: std::time::Duration::ZERO,
         skipped_snapshots: 0,
+        stalls: Vec::new(),
     };
     let mut restored_tier = None;
     let resumed_from = match config.checkpoint.ckptd_socket() {
@@ -726,7 +730,9 @@ pub fn train(
                     last_checkpoint = Some(step);
                 }
             } else {
+                let started = Instant::now();
                 last_checkpoint = Some(session.checkpoint()?);
+                session.stalls.push(started.elapsed().as_secs_f64());
             }
         }
     }
@@ -751,12 +757,27 @@ pub fn train(
         world.barrier();
         writeln!(
             log,
-            "ckptd: {} snapshots skipped while the daemon was busy; last stall {:.3} ms",
-            session.skipped_snapshots,
-            session.last_stall.as_secs_f64() * 1000.0
+            "ckptd: {} snapshots skipped while the daemon was busy",
+            session.skipped_snapshots
         )?;
     } else if last_checkpoint != Some(session.state.step) && session.state.step > 0 {
         last_checkpoint = Some(session.checkpoint()?);
+    }
+    if !session.stalls.is_empty() {
+        let n = session.stalls.len();
+        let mean = session.stalls.iter().sum::<f64>() / n as f64;
+        let max = session.stalls.iter().copied().fold(0.0, f64::max);
+        let mut sorted = session.stalls.clone();
+        sorted.sort_by(f64::total_cmp);
+        writeln!(
+            log,
+            "checkpoint stall ({}) over {n} in-loop checkpoints: mean {:.3} ms, median {:.3} ms, max {:.3} ms, state {} bytes per rank",
+            if session.ckptd.is_some() { "ckptd snapshot" } else { "in-process save" },
+            mean * 1e3,
+            sorted[n / 2] * 1e3,
+            max * 1e3,
+            4 * session.optim.state_len()
+        )?;
     }
     Ok(Summary {
         run: run_id.to_string(),

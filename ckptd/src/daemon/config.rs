@@ -279,3 +279,75 @@ fn read_file(path: &Path) -> Result<File, ConfigError> {
         .map_err(|e| ConfigError(format!("cannot read config {}: {e}", path.display())))?;
     toml::from_str(&text).map_err(|e| ConfigError(format!("config {}: {e}", path.display())))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cli(args: &[&str]) -> Cli {
+        Cli::parse_from(std::iter::once("ckptd").chain(args.iter().copied()))
+    }
+
+    const REQUIRED: &[&str] = &[
+        "--node",
+        "n1",
+        "--run",
+        "r1",
+        "--store",
+        "file:///tmp/s",
+        "--shm-dir",
+        "/dev/shm/x",
+        "--socket",
+        "/tmp/x.sock",
+        "--listen",
+        "127.0.0.1:7000",
+        "--leader",
+        "127.0.0.1:7000",
+        "--key-file",
+        "/tmp/key",
+    ];
+
+    #[test]
+    fn flags_override_the_file_and_defaults_fill_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckptd.toml");
+        std::fs::write(
+            &path,
+            "node = \"from-file\"\ndurable_every_steps = 7\nsocket_mode = \"660\"\n",
+        )
+        .unwrap();
+        let mut args = vec!["--config", path.to_str().unwrap()];
+        args.extend_from_slice(REQUIRED);
+        let config = Config::resolve(&cli(&args)).unwrap();
+        assert_eq!(config.node, "n1", "the flag wins");
+        assert_eq!(
+            config.durable_every_steps, 7,
+            "the file fills what flags leave"
+        );
+        assert_eq!(config.socket_mode, 0o660);
+        assert_eq!(config.upload_concurrency, 4);
+        assert!(config.delta && !config.lead && config.buddy.is_none());
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_the_key_named() {
+        for (extra, key) in [
+            (&["--node", "a/b"][..], "node"),
+            (&["--run", "../etc"][..], "run id"),
+            (&["--store", "memory://"][..], "store"),
+            (&["--socket-mode", "777"][..], "socket_mode"),
+            (&["--durable-every-steps", "0"][..], "durable_every_steps"),
+            (&["--upload-concurrency", "0"][..], "upload_concurrency"),
+        ] {
+            let mut args: Vec<&str> = REQUIRED
+                .chunks(2)
+                .filter(|pair| pair[0] != extra[0])
+                .flatten()
+                .copied()
+                .collect();
+            args.extend_from_slice(extra);
+            let error = Config::resolve(&cli(&args)).unwrap_err().to_string();
+            assert!(error.contains(key), "{extra:?}: {error}");
+        }
+    }
+}

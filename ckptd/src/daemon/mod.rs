@@ -62,6 +62,9 @@ pub fn main(cli: Cli) -> ExitCode {
     init_logging(cfg.log_format);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        // Hashing, encoding and file IO run here; a few threads keep 2 cores busy, and
+        // fewer threads keep fewer malloc arenas holding freed chunk buffers.
+        .max_blocking_threads(8)
         .enable_all()
         .build()
     {

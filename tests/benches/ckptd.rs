@@ -1,0 +1,265 @@
+//! `ckptd` benchmark (two daemons on 127.0.0.1, two ranks under a real mpiexec): prints
+//! figures with baselines measured in the same run.
+//!
+//! 1. The training loop's stall per snapshot at three state sizes (it should be flat),
+//!    against the trainer's synchronous in-process save of the same state, and against
+//!    PyTorch DCP `async_save` of a state of the same bytes (skipped without torch).
+//! 2. Stored/raw bytes over a 100-step run, against plain zstd (level 3) of every durable step.
+//! 3. Upload MB/s of the daemons' last durable shard against `dd` sequential write (fsync) to
+//!    the same file system.
+//! 4. Peak RSS of a daemon against its node's snapshot bytes.
+//!
+//! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench ckptd
+
+// A benchmark program: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Instant;
+
+use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::{bin, python, shared_data, Ctl};
+
+const STEPS: u64 = 10;
+
+fn args(dir: &Path, run: &str, store: &str, d_model: usize, steps: u64, every: u64) -> Vec<String> {
+    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
+        .map(String::from)
+        .to_vec();
+    args.push(dir.join("metrics").display().to_string());
+    for set in [
+        format!("run.id={run}"),
+        format!("model.d_model={d_model}"),
+        "model.layers=2".into(),
+        "model.heads=2".into(),
+        "model.experts=4".into(),
+        "model.expert_ffn=64".into(),
+        "model.seq_len=32".into(),
+        "train.micro_batch=2".into(),
+        format!("train.steps={steps}"),
+        "train.log_every=1".into(),
+        "train.warmup_steps=10".into(),
+        "train.val_every=100000".into(),
+        "train.threads=1".into(),
+        format!("checkpoint.every={every}"),
+        format!("checkpoint.store={store}"),
+        format!("data.path={}", dir.join("data").display()),
+    ] {
+        args.push("--set".into());
+        args.push(set);
+    }
+    args
+}
+
+/// (mean, median, max) ms and state bytes from the trainer's stall line.
+fn stall(text: &str) -> (f64, f64, f64, u64) {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("checkpoint stall"))
+        .unwrap_or_else(|| panic!("no stall line in {text}"));
+    let number_after = |key: &str| -> f64 {
+        let rest = &line[line.find(key).unwrap() + key.len()..];
+        rest.split_whitespace()
+            .next()
+            .unwrap()
+            .trim_end_matches(',')
+            .parse()
+            .unwrap()
+    };
+    (
+        number_after("mean "),
+        number_after("median "),
+        number_after("max "),
+        number_after("state ") as u64,
+    )
+}
+
+fn vm_hwm_bytes(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+fn dcp_stall(bytes: u64, dir: &Path) -> Option<(f64, f64)> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/bench/dcp_async_save.py");
+    let output = Command::new(python())
+        .arg(script)
+        .args(["--bytes", &bytes.to_string(), "--repeats", "5", "--out"])
+        .arg(dir)
+        .output()
+        .ok()?;
+    if !output.status.success() {
+        eprintln!("DCP async_save skipped: {}", text_of(&output).trim());
+        return None;
+    }
+    let value: serde_json::Value = serde_json::from_slice(&output.stdout).ok()?;
+    Some((
+        value["stall_ms_median"].as_f64()?,
+        value["stall_ms_max"].as_f64()?,
+    ))
+}
+
+fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    let dir = dir.path();
+    let output = Command::new(bin("trainer"))
+        .args(["prepare", "--input"])
+        .arg(shared_data("tinyshakespeare.txt"))
+        .arg("--out")
+        .arg(dir.join("data"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+
+    println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step)");
+    println!(
+        "{:>8} {:>14} {:>26} {:>26} {:>20} {:>10} {:>16}",
+        "d_model",
+        "state/rank",
+        "ckptd mean/median/max ms",
+        "in-process mean/median/max",
+        "DCP async median/max",
+        "in-proc/ckptd",
+        "ckptd peak RSS"
+    );
+    let mut largest = None;
+    let mut memory = Vec::new();
+    for d_model in [32usize, 128, 512] {
+        // The trainer's own synchronous save through the store library.
+        let store = format!("file://{}", dir.join(format!("sync-{d_model}")).display());
+        let output = Command::new("mpiexec")
+            .args(["-n", "2"])
+            .arg(bin("trainer"))
+            .args(args(
+                dir,
+                &format!("sync-{d_model}"),
+                &store,
+                d_model,
+                STEPS,
+                1,
+            ))
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{}", text_of(&output));
+        let sync = stall(&text_of(&output));
+
+        let store = format!("file://{}", dir.join(format!("ckptd-{d_model}")).display());
+        let run = format!("ckptd-{d_model}");
+        let settings = Settings {
+            durable_every_steps: 5,
+            ..Settings::default()
+        };
+        let cluster = Cluster::start(dir, &run, &store, 2, &settings, Vec::new());
+        let text = cluster.train(&args(dir, &run, &store, d_model, STEPS, 1));
+        let ours = stall(&text);
+        let dcp = dcp_stall(ours.3, &dir.join(format!("dcp-{d_model}")));
+        let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
+        memory.push((ours.3, rss));
+        println!(
+            "{:>8} {:>11.1} MB {:>26} {:>26} {:>20} {:>9.0}x {:>13.1} MB",
+            d_model,
+            ours.3 as f64 / 1e6,
+            format!("{:.2} / {:.2} / {:.2}", ours.0, ours.1, ours.2),
+            format!("{:.1} / {:.1} / {:.1}", sync.0, sync.1, sync.2),
+            dcp.map_or("skipped".into(), |(m, x)| format!("{m:.1} / {x:.1}")),
+            sync.1 / ours.1.max(1e-6),
+            rss as f64 / 1e6
+        );
+        if d_model == 512 {
+            let upload = cluster.metric(0, "lazarus_ckptd_upload_bytes_per_second");
+            largest = Some((upload, store));
+        }
+    }
+
+    println!();
+    println!("2. stored/raw over a 100-step run (d_model 32, 2 ranks, durable every 10 steps)");
+    let store = format!("file://{}", dir.join("ratio").display());
+    let settings = Settings {
+        durable_every_steps: 10,
+        ..Settings::default()
+    };
+    let cluster = Cluster::start(dir, "ratio", &store, 2, &settings, Vec::new());
+    let mut wait_args = args(dir, "ratio", &store, 32, 100, 1);
+    wait_args.extend(["--set".into(), "checkpoint.busy=wait".into()]);
+    cluster.train(&wait_args);
+    drop(cluster);
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    let listed = ctl.json(&["list", "ratio"]);
+    let (mut raw, mut stored, mut zstd_bytes, mut steps) = (0u64, 0u64, 0u64, 0);
+    for step in listed["steps"].as_array().unwrap() {
+        if step["state"] != "committed" {
+            continue;
+        }
+        steps += 1;
+        raw += step["raw_bytes"].as_u64().unwrap();
+        stored += step["uploaded_bytes"].as_u64().unwrap();
+        let n = step["step"]["step"].as_u64().unwrap();
+        let out = dir.join(format!("export-{n}"));
+        ctl.expect(
+            0,
+            &[
+                "export",
+                "ratio",
+                &n.to_string(),
+                "--out",
+                out.to_str().unwrap(),
+            ],
+        );
+        for file in lazarus_tests::files_under(&out) {
+            let bytes = std::fs::read(&file).unwrap();
+            for chunk in bytes.chunks(4 << 20) {
+                zstd_bytes += zstd::bulk::compress(chunk, 3).unwrap().len() as u64;
+            }
+        }
+    }
+    println!(
+        "{steps} durable steps, {:.1} MB raw: ckptd stored {:.1} MB ({:.3} of raw), plain zstd -3 {:.1} MB ({:.3} of raw); ckptd/zstd {:.2}",
+        raw as f64 / 1e6,
+        stored as f64 / 1e6,
+        stored as f64 / raw as f64,
+        zstd_bytes as f64 / 1e6,
+        zstd_bytes as f64 / raw as f64,
+        stored as f64 / zstd_bytes as f64
+    );
+
+    let (upload, store) = largest.unwrap();
+    println!();
+    println!(
+        "3. upload rate of the last durable shard (d_model 512) against dd to the same file system"
+    );
+    let target = Path::new(store.strip_prefix("file://").unwrap()).join("dd.bin");
+    let count = 64u64;
+    let started = Instant::now();
+    let output = Command::new("dd")
+        .arg("if=/dev/zero")
+        .arg(format!("of={}", target.display()))
+        .args(["bs=4M", &format!("count={count}"), "conv=fsync"])
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let dd = (count * (4 << 20)) as f64 / started.elapsed().as_secs_f64();
+    let _ = std::fs::remove_file(&target);
+    println!(
+        "ckptd {:.0} MB/s raw (hash + shuffle/delta + zstd + fsync'd puts), dd {:.0} MB/s; ckptd/dd {:.2}",
+        upload / 1e6,
+        dd / 1e6,
+        upload / dd
+    );
+
+    println!();
+    println!("4. daemon peak RSS (node 1) against its snapshot bytes; slots, replicas and the delta base live in shm files, outside RSS");
+    for (bytes, rss) in memory {
+        println!(
+            "snapshot {:>7.1} MB: peak RSS {:>6.1} MB = {:.2}x (limit 1.3x + a fixed overhead)",
+            bytes as f64 / 1e6,
+            rss as f64 / 1e6,
+            rss as f64 / bytes as f64
+        );
+    }
+}
