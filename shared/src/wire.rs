@@ -201,8 +201,17 @@ pub enum Message {
         slot_bytes: u64,
         tensors: Vec<SlotTensor>,
     },
-    /// Which step should this rank start from? The daemon answers `Restored`.
-    Restore,
+    /// Which steps could this world start from? The daemon asks the leader and answers
+    /// `StepChoice`. The ranks then agree on one (the newest any of them was told of: a
+    /// memory commit told to one rank has every rank's snapshot in T0 or T1).
+    Choose,
+    /// Serve memory-committed step `memory` (from T0 or T1, or T2 if `durable` is the same
+    /// step), or else durable step `durable` from T2. Neither: start fresh. The daemon
+    /// answers `Restored`.
+    Restore {
+        memory: Option<u64>,
+        durable: Option<u64>,
+    },
     /// Slot `slot` holds step `step`; payload = the blobs. Answer: `Held`, with `accepted`.
     Snapshot {
         step: u64,

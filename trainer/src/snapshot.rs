@@ -295,9 +295,22 @@ impl Ckptd {
         }
     }
 
-    /// Which step to start from, and the slot that holds it.
-    pub fn restore(&mut self) -> Result<Option<Restored>> {
-        let frame = self.call(&Message::Restore, &[])?;
+    /// The steps this world could start from: (memory-committed, durable).
+    pub fn choose(&mut self) -> Result<(Option<u64>, Option<u64>)> {
+        match self.call(&Message::Choose, &[])?.message {
+            Message::StepChoice { memory, durable } => Ok((memory, durable.map(|d| d.step))),
+            Message::Refused { reason } => bail!("ckptd could not choose a step: {reason}"),
+            other => bail!("ckptd answered {other:?} to Choose"),
+        }
+    }
+
+    /// Restores the agreed step into a slot (see `Message::Restore`).
+    pub fn restore(
+        &mut self,
+        memory: Option<u64>,
+        durable: Option<u64>,
+    ) -> Result<Option<Restored>> {
+        let frame = self.call(&Message::Restore { memory, durable }, &[])?;
         match frame.message {
             Message::Restored {
                 step: Some(step),

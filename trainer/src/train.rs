@@ -304,7 +304,11 @@ impl Session {
             tensors,
             slot_bytes,
         )?;
-        let restored = if restore { ckptd.restore()? } else { None };
+        let restored = if restore {
+            self.agree_and_restore(&mut ckptd)?
+        } else {
+            None
+        };
         let held = ckptd.held.clone();
         let fresh = self.optim.memory.current().to_vec();
         self.optim.memory = StateMemory::mapped(
@@ -342,6 +346,33 @@ impl Session {
         Ok(result)
     }
 
+    /// Every rank restores the same step: the newest memory-committed step any daemon was
+    /// told of (each rank has it in T0 or its buddy's T1), unless a durable step is newer. If
+    /// any rank cannot get it, all fall back to the newest durable step (T2).
+    fn agree_and_restore(&self, ckptd: &mut Ckptd) -> Result<Option<crate::snapshot::Restored>> {
+        let (memory, durable) = ckptd.choose()?;
+        let encode = |step: Option<u64>| step.map_or(0.0, |s| s as f64 + 1.0);
+        let newest = |value: Option<u64>| -> Option<u64> {
+            let all = self.world.all_gather_f64(Group::World, &[encode(value)]);
+            let max = all.into_iter().fold(0.0, f64::max);
+            (max > 0.0).then(|| max as u64 - 1)
+        };
+        let (memory, durable) = (newest(memory), newest(durable));
+        let memory = memory.filter(|m| durable.is_none_or(|d| *m >= d));
+        let failed = |result: &Result<_>| -> bool {
+            let mine = f64::from(u8::from(result.is_err()));
+            self.world.sum_f64(Group::World, &[mine])[0] > 0.0
+        };
+        let first = ckptd.restore(memory, durable);
+        if !failed(&first) || memory.is_none() {
+            return first;
+        }
+        if let Err(error) = &first {
+            tracing::warn!(error = %format!("{error:#}"), "memory-committed step {memory:?} is not restorable everywhere; falling back to durable step {durable:?}");
+        }
+        ckptd.restore(None, durable)
+    }
+
     /// Tells `ckptd` which slots it holds before an update writes one.
     fn refresh_held(&mut self) {
         if let Some(ckptd) = self.ckptd.as_mut() {
@@ -354,7 +385,15 @@ impl Session {
     /// Hands the current state to `ckptd` if every rank's daemon is free (all ranks snapshot
     /// the same steps, or none does). `last`: the run's final snapshot, which waits for a busy
     /// daemon and asks for a durable commit.
-    fn snapshot(&mut self, last: bool) -> Result<bool> {
+    ///
+    /// `agreed`: whether any daemon was busy, when the caller already polled and summed that
+    /// over the ranks (with the step's loss, so no extra collective), and how long its poll
+    /// took.
+    fn snapshot(
+        &mut self,
+        last: bool,
+        agreed: Option<(bool, std::time::Duration)>,
+    ) -> Result<bool> {
         let started = Instant::now();
         let wait = last || self.config.checkpoint.busy == "wait";
         let deadline = Instant::now() + std::time::Duration::from_secs(600);
@@ -368,7 +407,10 @@ impl Session {
                 busy
             }
         };
-        let mut busy = any_busy(ckptd, &self.world);
+        let (mut busy, poll_time) = match agreed {
+            Some((busy, poll_time)) => (busy, poll_time),
+            None => (any_busy(ckptd, &self.world), std::time::Duration::ZERO),
+        };
         while busy && wait && Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(5));
             busy = any_busy(ckptd, &self.world);
@@ -391,7 +433,7 @@ impl Session {
             self.skipped_snapshots += 1;
             let _ = ckptd.skipped(step);
         }
-        self.last_stall = started.elapsed();
+        self.last_stall = started.elapsed() + poll_time;
         self.stalls.push(self.last_stall.as_secs_f64());
         Ok(accepted)
     }
@@ -655,10 +697,22 @@ pub fn train(
         let update = session.optim.update(&session.model, &grads, lr)?;
         phase_seconds[2] += timer.elapsed().as_secs_f64();
         window_steps += 1;
-        let loss = if world.size > 1 {
-            world.sum_f64(Group::World, &[forward.loss.to_scalar::<f32>()? as f64])[0]
+        // A snapshot is due: ask the daemon whether it is free now, and agree on it across
+        // ranks in the same sum as the loss.
+        let snapshot_due = session.ckptd.is_some() && step % config.checkpoint.every == 0;
+        let poll_started = Instant::now();
+        let busy_here = snapshot_due
+            && session
+                .ckptd
+                .as_mut()
+                .is_some_and(|c| c.poll(step).unwrap_or(true));
+        let poll_time = poll_started.elapsed();
+        let local_loss = forward.loss.to_scalar::<f32>()? as f64;
+        let (loss, any_busy) = if world.size > 1 {
+            let sums = world.sum_f64(Group::World, &[local_loss, f64::from(u8::from(busy_here))]);
+            (sums[0], sums[1] > 0.0)
         } else {
-            forward.loss.to_scalar::<f32>()? as f64
+            (local_loss, busy_here)
         };
         session.state = TrainerState {
             step,
@@ -725,8 +779,8 @@ pub fn train(
             phase_seconds = [0.0; 3];
         }
         if step % config.checkpoint.every == 0 {
-            if session.ckptd.is_some() {
-                if session.snapshot(step == config.train.steps)? {
+            if snapshot_due {
+                if session.snapshot(step == config.train.steps, Some((any_busy, poll_time)))? {
                     last_checkpoint = Some(step);
                 }
             } else {
@@ -748,7 +802,7 @@ pub fn train(
     if session.ckptd.is_some() {
         if last_checkpoint != Some(session.state.step)
             && session.state.step > 0
-            && session.snapshot(true)?
+            && session.snapshot(true, None)?
         {
             last_checkpoint = Some(session.state.step);
         }

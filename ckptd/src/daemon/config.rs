@@ -330,6 +330,14 @@ mod tests {
     }
 
     #[test]
+    fn the_shipped_example_config_is_valid() {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/ckptd.example.toml");
+        let config = Config::resolve(&cli(&["--config", path.to_str().unwrap()])).unwrap();
+        assert!(config.lead && config.buddy.is_some() && config.metrics.is_some());
+        assert_eq!(config.log_format, LogFormat::Json);
+    }
+
+    #[test]
     fn bad_values_are_refused_with_the_key_named() {
         for (extra, key) in [
             (&["--node", "a/b"][..], "node"),

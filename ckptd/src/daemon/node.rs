@@ -247,13 +247,19 @@ async fn session(daemon: &Arc<Daemon>, mut stream: UnixStream) -> Result<()> {
                 }
                 Err(error) => (refused(&error), Vec::new()),
             },
-            (Message::Restore, Some(r)) => match restore(daemon, r).await {
-                Ok(reply) => reply,
-                Err(error) => {
-                    daemon.metrics.error("restore");
-                    (refused(&error), Vec::new())
-                }
+            (Message::Choose, Some(r)) => match choose(daemon, r).await {
+                Ok((memory, durable)) => (Message::StepChoice { memory, durable }, Vec::new()),
+                Err(error) => (refused(&error), Vec::new()),
             },
+            (Message::Restore { memory, durable }, Some(r)) => {
+                match restore(daemon, r, memory, durable).await {
+                    Ok(reply) => reply,
+                    Err(error) => {
+                        daemon.metrics.error("restore");
+                        (refused(&error), Vec::new())
+                    }
+                }
+            }
             (
                 Message::Snapshot {
                     step,
@@ -847,34 +853,51 @@ async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> Resu
     Ok(())
 }
 
-/// Picks the step to restore (the leader's choice), and serves it from T0, T1 or T2.
-async fn restore(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Message, Vec<u8>)> {
-    // Let the previous life's snapshot finish: its memory commit may still arrive.
+/// The steps a world of this rank's size could restore: the leader's newest memory-committed
+/// step, and the newest durable one. Waits first for the previous life's snapshot to be
+/// replicated and reported, so its memory commit can still count.
+async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Option<StepKey>)> {
     let deadline = Instant::now() + Duration::from_secs(120);
-    let (world_size, slot_bytes, tensors) = loop {
+    let world_size = loop {
         {
             let ranks = daemon.ranks.lock().await;
             let state = ranks
                 .get(&rank)
                 .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
             if state.working.is_none() && !state.uploading || Instant::now() > deadline {
-                break (state.world_size, state.slot_bytes, state.tensors.clone());
+                break state.world_size;
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    let (memory, durable) = match super::leader::which_step(daemon, world_size).await {
-        Ok(choice) => choice,
+    match super::leader::which_step(daemon, world_size).await {
+        Ok(choice) => Ok(choice),
         Err(error) => {
-            tracing::warn!(error = %format!("{error:#}"), "the leader did not answer; restoring the latest durable step");
-            (None, daemon.run.latest().await?)
+            tracing::warn!(error = %format!("{error:#}"), "the leader did not answer; offering the latest durable step");
+            Ok((None, daemon.run.latest().await?))
         }
+    }
+}
+
+/// Serves the step the ranks agreed on from T0, T1 or T2 (see `Message::Restore`).
+async fn restore(
+    daemon: &Arc<Daemon>,
+    rank: Rank,
+    memory: Option<u64>,
+    durable: Option<u64>,
+) -> Result<(Message, Vec<u8>)> {
+    let (slot_bytes, tensors, world_size) = {
+        let ranks = daemon.ranks.lock().await;
+        let state = ranks
+            .get(&rank)
+            .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+        (state.slot_bytes, state.tensors.clone(), state.world_size)
     };
-    let use_memory = match (memory, durable) {
-        (Some(m), Some(d)) => m >= d.step,
-        (Some(_), None) => true,
-        _ => false,
+    let durable = match durable {
+        Some(step) => Some(daemon.run.resolve_step(&step.to_string()).await?),
+        None => None,
     };
+    let use_memory = memory.is_some();
     let mut ranks = daemon.ranks.lock().await;
     let state = ranks
         .get_mut(&rank)
@@ -925,6 +948,10 @@ async fn restore(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Message, Vec<u8>)>
         }
     }
     state.pending = None;
+    let durable = match (memory, durable) {
+        (Some(m), Some(d)) if d.step != m => None,
+        (_, d) => d,
+    };
     let Some(durable) = durable else {
         if use_memory {
             bail!("step {} is memory-committed but neither this node (T0), the buddy (T1) nor storage has it for rank {rank}", memory.unwrap_or_default());
