@@ -2,7 +2,8 @@
 # Installs what building and testing Lazarus needs, skipping whatever is already there.
 # Usage: ops/setup.sh [build|test|interop]
 #   build:   system packages only
-#   test:    also the S3 test server and Python's safetensors for the interop tests
+#   test:    also Slurm and munge (for the local cluster), the S3 test server, and Python's
+#            safetensors for the interop tests
 #   interop: also torch and transformers, in the virtual environment .venv-interop (several
 #            GB), for the transformers logits comparison and the PyTorch benchmark baseline
 set -euo pipefail
@@ -22,6 +23,17 @@ if [ "${#need_apt[@]}" -gt 0 ]; then
 fi
 
 [ "$what" = "build" ] && exit 0
+
+# The local Slurm cluster the tests start (ops/slurm/local-cluster.sh).
+need_apt=()
+for package in slurm-wlm munge; do
+  dpkg -s "$package" >/dev/null 2>&1 || need_apt+=("$package")
+done
+if [ "${#need_apt[@]}" -gt 0 ]; then
+  echo "setup: installing ${need_apt[*]}"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
 
 if ! s3s-fs --version 2>/dev/null | grep -q "0.14.1"; then
   echo "setup: installing the S3 test server (s3s-fs 0.14.1)"

@@ -10,4 +10,5 @@ mod crash;
 mod gc_race;
 mod interop;
 mod mpi;
+mod slurm;
 mod trainer;

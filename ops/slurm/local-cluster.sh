@@ -7,7 +7,8 @@
 #   ops/slurm/local-cluster.sh down     # cancel jobs, stop the daemons
 #
 # LAZARUS_SLURM_DIR (default /tmp/lazarus-slurm) holds the config, state and logs;
-# LAZARUS_SLURM_NODES (default 4) sets the node count; LAZARUS_SLURM_PORT the controller port.
+# LAZARUS_SLURM_NODES (default 4) sets the node count; LAZARUS_SLURM_PORT the controller port
+# (default 16817) and LAZARUS_SLURM_NODE_PORT the first slurmd port (default 17001).
 # Needs root (slurmd runs jobs as their users) and Debian's slurm-wlm and munge
 # (`ops/setup.sh slurm` installs them).
 set -euo pipefail
@@ -15,6 +16,7 @@ set -euo pipefail
 DIR=${LAZARUS_SLURM_DIR:-/tmp/lazarus-slurm}
 NODES=${LAZARUS_SLURM_NODES:-4}
 PORT=${LAZARUS_SLURM_PORT:-16817}
+NODE_PORT=${LAZARUS_SLURM_NODE_PORT:-17001}
 HOST=$(hostname -s)
 export SLURM_CONF=$DIR/slurm.conf
 
@@ -22,7 +24,7 @@ die() { echo "local-cluster: $*" >&2; exit 1; }
 
 write_config() {
     mkdir -p "$DIR"/{state,run,log,spool}
-    local last=$((17000 + NODES))
+    local last=$((NODE_PORT + NODES - 1))
     cat > "$SLURM_CONF" <<CONF
 ClusterName=lazarus
 SlurmctldHost=$HOST
@@ -49,10 +51,11 @@ SlurmdTimeout=10
 MessageTimeout=5
 InactiveLimit=0
 KillWait=5
+KillOnBadExit=1
 MinJobAge=30
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
-NodeName=n[1-$NODES] NodeHostname=$HOST Port=[17001-$last] CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=n[1-$NODES] NodeHostname=$HOST Port=[$NODE_PORT-$last] CPUs=2 RealMemory=4000 State=UNKNOWN
 PartitionName=main Nodes=n[1-$NODES] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 CONF
 }

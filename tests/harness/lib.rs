@@ -111,6 +111,22 @@ impl Ctl {
     }
 }
 
+/// The first of `count` consecutive free ports on 127.0.0.1.
+pub fn free_port_run(count: u16) -> u16 {
+    for _ in 0..100 {
+        let first = free_port();
+        if first > u16::MAX - count {
+            continue;
+        }
+        let all_free =
+            (first..first + count).all(|port| TcpListener::bind(("127.0.0.1", port)).is_ok());
+        if all_free {
+            return first;
+        }
+    }
+    panic!("no {count} consecutive free ports on 127.0.0.1");
+}
+
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -238,4 +254,57 @@ pub fn files_under(root: &Path) -> Vec<PathBuf> {
     }
     files.sort();
     files
+}
+
+/// The local Slurm cluster (`ops/slurm/local-cluster.sh`), brought up once per test process
+/// in a private directory and taken down by a watchdog when the process exits. Returns the
+/// `SLURM_CONF` to use, or why it cannot run here (not root, Slurm not installed).
+pub fn slurm_cluster() -> Result<PathBuf, String> {
+    static CLUSTER: std::sync::OnceLock<Result<PathBuf, String>> = std::sync::OnceLock::new();
+    CLUSTER
+        .get_or_init(|| {
+            // SAFETY-free check for root: the effective uid from `id -u`.
+            let uid = Command::new("id").arg("-u").output().map_err(|e| e.to_string())?;
+            if String::from_utf8_lossy(&uid.stdout).trim() != "0" {
+                return Err("the local Slurm cluster needs root (slurmd)".into());
+            }
+            if Command::new("slurmctld").arg("-V").output().is_err() {
+                return Err("Slurm is not installed (ops/setup.sh test installs it)".into());
+            }
+            let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/slurm/local-cluster.sh");
+            let dir = std::env::temp_dir().join(format!("lazarus-slurm-{}", std::process::id()));
+            let port = free_port().to_string();
+            let node_port = free_port_run(4).to_string();
+            let output = Command::new(&script)
+                .arg("up")
+                .env("LAZARUS_SLURM_DIR", &dir)
+                .env("LAZARUS_SLURM_PORT", &port)
+                .env("LAZARUS_SLURM_NODE_PORT", &node_port)
+                .output()
+                .map_err(|e| e.to_string())?;
+            if !output.status.success() {
+                return Err(format!(
+                    "local-cluster.sh up failed: {}{}",
+                    String::from_utf8_lossy(&output.stdout),
+                    String::from_utf8_lossy(&output.stderr)
+                ));
+            }
+            // Down when this test process is gone, however it ends.
+            let watchdog = format!(
+                "while kill -0 {} 2>/dev/null; do sleep 1; done; LAZARUS_SLURM_DIR={} {} down >/dev/null 2>&1; rm -rf {}",
+                std::process::id(),
+                dir.display(),
+                script.display(),
+                dir.display()
+            );
+            Command::new("setsid")
+                .args(["bash", "-c", &watchdog])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .map_err(|e| e.to_string())?;
+            Ok(dir.join("slurm.conf"))
+        })
+        .clone()
 }
