@@ -11,4 +11,5 @@ mod gc_race;
 mod interop;
 mod mpi;
 mod slurm;
+mod supervisor;
 mod trainer;

@@ -229,6 +229,8 @@ pub enum Message {
     Skipped {
         step: u64,
     },
+    /// The rank finished its run and is exiting normally. Answer: `Held`.
+    Bye,
 
     // ---- node ckptd -> rank ----
     Registered {
@@ -292,7 +294,16 @@ pub enum Message {
     NodeHello {
         node: String,
         address: String,
+        /// The Unix socket this node's ranks use.
+        socket: String,
         t0: Vec<T0Entry>,
+    },
+    /// A registered rank's connection ended: the process exited or died.
+    RankDown {
+        node: String,
+        run: RunId,
+        rank: Rank,
+        pid: u32,
     },
     /// A rank registered at its node.
     RankUp {
@@ -321,7 +332,7 @@ pub enum Message {
     },
     NodeHeartbeat {
         node: String,
-        ranks: Vec<(Rank, u64)>,
+        ranks: Vec<RankBeat>,
     },
     /// Which step should a relaunched world of `world_size` restore?
     WhichStep {
@@ -329,6 +340,8 @@ pub enum Message {
         world_size: u32,
     },
     StatusRequest,
+    /// The supervisor's failure timeline.
+    EventsRequest,
 
     // ---- leader -> node ckptd ----
     /// Every rank of `run` has `step` in T0 and T1; upload it if `durable`.
@@ -341,7 +354,35 @@ pub enum Message {
         memory: Option<u64>,
         durable: Option<StepKey>,
     },
+    /// The supervisor stops the world: kill this node's ranks of `run` now.
+    KillRanks {
+        run: RunId,
+    },
     Status(ClusterStatus),
+    Events(Vec<Event>),
+}
+
+/// One rank in a node's heartbeat.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RankBeat {
+    pub rank: Rank,
+    pub pid: u32,
+    /// The newest step the rank reported.
+    pub step: u64,
+    /// Milliseconds since the rank last talked to its daemon (0: connected and polling).
+    pub seen_ms_ago: u64,
+}
+
+/// One entry of the supervisor's timeline.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Event {
+    pub unix_ms: u64,
+    /// `launch`, `fault`, `stopped`, `swap`, `relaunch`, `restored`, `first_step`, `completed`,
+    /// `waiting`, ...
+    pub kind: String,
+    pub detail: String,
+    /// Launch generation the event belongs to.
+    pub generation: u32,
 }
 
 /// A rank's T0 content, as a node reports it to the leader.

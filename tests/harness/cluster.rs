@@ -39,6 +39,8 @@ pub struct Settings {
     pub durable_every_steps: u64,
     pub commit_timeout_seconds: f64,
     pub extra: Vec<String>,
+    /// Flags for the leader (node 1) only, e.g. `--supervise mpiexec`.
+    pub leader_extra: Vec<String>,
 }
 
 impl Default for Settings {
@@ -47,6 +49,7 @@ impl Default for Settings {
             durable_every_steps: 5,
             commit_timeout_seconds: 3.0,
             extra: Vec::new(),
+            leader_extra: Vec::new(),
         }
     }
 }
@@ -120,6 +123,7 @@ impl Cluster {
             }
             if i == 0 {
                 args.push("--lead".into());
+                args.extend(settings.leader_extra.iter().cloned());
             }
             args.extend(settings.extra.iter().cloned());
             cluster.nodes.push(Node {

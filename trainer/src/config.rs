@@ -122,10 +122,12 @@ fn default_busy() -> String {
 }
 
 impl CheckpointConfig {
-    /// The `ckptd` socket in effect, if any.
+    /// The `ckptd` socket in effect, if any. `{node}` in it stands for the Slurm node name
+    /// (`SLURMD_NODENAME`), for daemons whose socket path names their node.
     pub fn ckptd_socket(&self) -> Option<std::path::PathBuf> {
         let value = std::env::var("LAZARUS_CKPTD_SOCKET").unwrap_or_else(|_| self.ckptd.clone());
-        (!value.is_empty()).then(|| value.into())
+        let node = std::env::var("SLURMD_NODENAME").unwrap_or_default();
+        (!value.is_empty()).then(|| value.replace("{node}", &node).into())
     }
 }
 

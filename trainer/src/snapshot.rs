@@ -347,6 +347,11 @@ impl Ckptd {
         }
     }
 
+    /// Tells the daemon this rank finished normally (so its exit is not taken for a crash).
+    pub fn bye(&mut self) -> Result<()> {
+        self.call(&Message::Bye, &[]).map(|_| ())
+    }
+
     /// Tells the daemon the ranks skipped `step` (it counts skips in its metrics).
     pub fn skipped(&mut self, step: u64) -> Result<()> {
         match self.call(&Message::Skipped { step }, &[])?.message {

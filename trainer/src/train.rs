@@ -809,6 +809,9 @@ pub fn train(
         // Leave once the daemon has the last snapshot in T0 and T1 and, as asked, in T2.
         session.drain_ckptd();
         world.barrier();
+        if let Some(ckptd) = session.ckptd.as_mut() {
+            let _ = ckptd.bye();
+        }
         writeln!(
             log,
             "ckptd: {} snapshots skipped while the daemon was busy",

@@ -74,7 +74,39 @@ pub async fn run(cli: Cli) -> Result<()> {
         }
         Command::Index { action } => index(&cli, action, bars).await,
         Command::Status { leader, key_file } => status(&cli, *leader, key_file).await,
+        Command::Events { run } => events(&cli, run).await,
     }
+}
+
+async fn events(cli: &Cli, run: &str) -> Result<()> {
+    let store = cli.open_store(OpenMode::Existing).await?;
+    let events = store.run(&run_id(run)?).events().await?;
+    if cli.json {
+        output::json(&events);
+        return Ok(());
+    }
+    // Each phase's duration is the time since the previous event of the same generation
+    // (for a fault: since the previous event at all, e.g. the launch or the first step).
+    let mut rows = Vec::new();
+    let mut previous: Option<u64> = None;
+    for event in &events {
+        let took = previous
+            .map(|p| format!("+{:.3} s", event.unix_ms.saturating_sub(p) as f64 / 1000.0))
+            .unwrap_or_default();
+        previous = Some(event.unix_ms);
+        rows.push(vec![
+            humantime::format_rfc3339_millis(
+                std::time::UNIX_EPOCH + std::time::Duration::from_millis(event.unix_ms),
+            )
+            .to_string(),
+            event.generation.to_string(),
+            event.kind.clone(),
+            took,
+            event.detail.clone(),
+        ]);
+    }
+    output::table(&["TIME", "GEN", "EVENT", "AFTER PREVIOUS", "DETAIL"], &rows);
+    Ok(())
 }
 
 async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::Path) -> Result<()> {

@@ -126,6 +126,8 @@ pub enum Command {
         #[arg(long)]
         reason: String,
     },
+    /// The supervisor's failure timeline of a run, with how long each phase took.
+    Events { run: String },
     /// The running job as its leader ckptd sees it: nodes, ranks, memory and durable steps.
     Status {
         /// The leader ckptd's TCP address.

@@ -83,6 +83,45 @@ pub struct Cli {
     pub commit_timeout_seconds: Option<f64>,
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
+    /// Leader only: launch and supervise the training world with this launcher.
+    #[arg(long, value_enum)]
+    pub supervise: Option<Launcher>,
+    /// The trainer binary the supervisor launches (default: `trainer` beside `ckptd`).
+    #[arg(long)]
+    pub trainer: Option<PathBuf>,
+    /// One argument for the trainer (repeat; appended to `trainer_args` from the file).
+    #[arg(long = "trainer-arg", allow_hyphen_values = true)]
+    pub trainer_args: Vec<String>,
+    /// Nodes that train; the other connected nodes are hot spares.
+    #[arg(long)]
+    pub active_nodes: Option<usize>,
+    /// A node whose daemon has not been heard from for this long is lost.
+    #[arg(long)]
+    pub heartbeat_timeout_seconds: Option<f64>,
+    /// A world whose ranks made no step progress for this long is hung.
+    #[arg(long)]
+    pub hang_timeout_seconds: Option<f64>,
+}
+
+/// How the supervising leader starts the world.
+#[derive(Clone, Copy, Debug, ValueEnum, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Launcher {
+    /// MPICH's mpiexec, one MPMD block per node (each with its daemon's socket).
+    Mpiexec,
+    /// `srun --mpi=pmi2` on the active nodes of the Slurm allocation.
+    Srun,
+}
+
+/// What the supervising leader runs, and when it declares a failure.
+#[derive(Clone, Debug)]
+pub struct Supervision {
+    pub launcher: Launcher,
+    pub trainer: PathBuf,
+    pub trainer_args: Vec<String>,
+    pub active_nodes: usize,
+    pub heartbeat_timeout_seconds: f64,
+    pub hang_timeout_seconds: f64,
 }
 
 /// The config file. Every key is optional here; [`Config::resolve`] says which are required.
@@ -108,6 +147,13 @@ struct File {
     delta: Option<bool>,
     commit_timeout_seconds: Option<f64>,
     log_format: Option<LogFormat>,
+    supervise: Option<Launcher>,
+    trainer: Option<PathBuf>,
+    #[serde(default)]
+    trainer_args: Vec<String>,
+    active_nodes: Option<usize>,
+    heartbeat_timeout_seconds: Option<f64>,
+    hang_timeout_seconds: Option<f64>,
 }
 
 /// A validated configuration.
@@ -132,6 +178,7 @@ pub struct Config {
     pub delta: bool,
     pub commit_timeout_seconds: f64,
     pub log_format: LogFormat,
+    pub supervision: Option<Supervision>,
 }
 
 /// A config that cannot be used (exit 2).
@@ -247,7 +294,66 @@ impl Config {
         if upload_concurrency == 0 || upload_concurrency > 256 {
             return Err(ConfigError("upload_concurrency must be 1 to 256".into()));
         }
+        let supervision = match cli.supervise.or(file.supervise) {
+            None => None,
+            Some(launcher) => {
+                if !lead {
+                    return Err(ConfigError(
+                        "supervise is for the leader: set lead = true on the daemon that supervises".into(),
+                    ));
+                }
+                let trainer = match cli.trainer.clone().or(file.trainer) {
+                    Some(path) => path,
+                    None => std::env::current_exe()
+                        .ok()
+                        .and_then(|exe| exe.parent().map(|dir| dir.join("trainer")))
+                        .filter(|path| path.exists())
+                        .unwrap_or_else(|| PathBuf::from("trainer")),
+                };
+                let mut trainer_args = file.trainer_args;
+                trainer_args.extend(cli.trainer_args.iter().cloned());
+                if trainer_args.is_empty() {
+                    return Err(ConfigError(
+                        "supervise needs trainer_args (e.g. [\"train\", \"--config\", \"tiny\"])"
+                            .into(),
+                    ));
+                }
+                let active_nodes = cli
+                    .active_nodes
+                    .or(file.active_nodes)
+                    .ok_or_else(|| missing("active_nodes"))?;
+                if active_nodes == 0 {
+                    return Err(ConfigError("active_nodes must be at least 1".into()));
+                }
+                let positive = |value: Option<f64>, default: f64, key: &str| {
+                    let value = value.unwrap_or(default);
+                    if value.is_nan() || value <= 0.0 {
+                        Err(ConfigError(format!("{key} must be above 0")))
+                    } else {
+                        Ok(value)
+                    }
+                };
+                Some(Supervision {
+                    launcher,
+                    trainer,
+                    trainer_args,
+                    active_nodes,
+                    heartbeat_timeout_seconds: positive(
+                        cli.heartbeat_timeout_seconds
+                            .or(file.heartbeat_timeout_seconds),
+                        2.0,
+                        "heartbeat_timeout_seconds",
+                    )?,
+                    hang_timeout_seconds: positive(
+                        cli.hang_timeout_seconds.or(file.hang_timeout_seconds),
+                        120.0,
+                        "hang_timeout_seconds",
+                    )?,
+                })
+            }
+        };
         Ok(Self {
+            supervision,
             node,
             run,
             store,

@@ -28,15 +28,51 @@ struct RankInfo {
     node: String,
     pid: u32,
     step: u64,
+    /// When the rank last talked to its daemon.
     seen: Instant,
+    /// When `step` last changed (or the rank registered).
+    progressed: Instant,
+    alive: bool,
 }
 
 #[derive(Debug)]
 struct NodeInfo {
     address: String,
+    socket: String,
     seen: Instant,
+    connected: bool,
     t0: Vec<T0Entry>,
     sender: mpsc::UnboundedSender<Message>,
+}
+
+/// What the supervisor sees of a rank.
+#[derive(Clone, Debug)]
+pub struct RankView {
+    pub rank: Rank,
+    pub node: String,
+    pub pid: u32,
+    pub step: u64,
+    pub alive: bool,
+    pub seen_ago: Duration,
+    pub progressed_ago: Duration,
+}
+
+/// What the supervisor sees of a node.
+#[derive(Clone, Debug)]
+pub struct NodeView {
+    pub node: String,
+    pub socket: String,
+    pub connected: bool,
+    pub seen_ago: Duration,
+}
+
+/// A rank whose connection to its daemon ended.
+#[derive(Clone, Debug)]
+pub struct RankDown {
+    pub rank: Rank,
+    pub node: String,
+    pub pid: u32,
+    pub at: Instant,
 }
 
 #[derive(Debug)]
@@ -50,6 +86,9 @@ struct State {
     durable_step: Option<StepKey>,
     last_durable: Instant,
     nodes: BTreeMap<String, NodeInfo>,
+    downs: Vec<RankDown>,
+    /// The step the last `WhichStep` answer pointed at (the supervisor's restore step).
+    chosen: Option<u64>,
 }
 
 #[derive(Debug)]
@@ -58,6 +97,7 @@ pub struct Leader {
     run: RunStore,
     metrics: Arc<Metrics>,
     state: Mutex<State>,
+    events: Mutex<(Vec<wire::Event>, u64)>,
 }
 
 impl Leader {
@@ -76,8 +116,93 @@ impl Leader {
                 durable_step: None,
                 last_durable: Instant::now(),
                 nodes: BTreeMap::new(),
+                downs: Vec::new(),
+                chosen: None,
             }),
+            events: Mutex::new((Vec::new(), 0)),
         }
+    }
+
+    /// Records one event of the timeline: in memory, in the log, and in the store.
+    pub async fn record(&self, generation: u32, kind: &str, detail: String) -> wire::Event {
+        let event = wire::Event {
+            unix_ms: lazarus_shared::store::now_unix_ms(),
+            kind: kind.to_string(),
+            detail,
+            generation,
+        };
+        tracing::info!(generation, kind, detail = %event.detail, "event");
+        let sequence = {
+            let mut events = self.events.lock().await;
+            events.0.push(event.clone());
+            events.1 += 1;
+            events.1
+        };
+        if let Err(error) = self.run.put_event(&event, sequence).await {
+            self.metrics.error("event");
+            tracing::warn!(%error, "cannot store the event");
+        }
+        event
+    }
+
+    pub async fn events(&self) -> Vec<wire::Event> {
+        self.events.lock().await.0.clone()
+    }
+
+    /// The ranks and nodes as the leader sees them now.
+    pub async fn view(&self) -> (Vec<RankView>, Vec<NodeView>) {
+        let state = self.state.lock().await;
+        let mut ranks: Vec<RankView> = state
+            .ranks
+            .iter()
+            .map(|(rank, info)| RankView {
+                rank: *rank,
+                node: info.node.clone(),
+                pid: info.pid,
+                step: info.step,
+                alive: info.alive,
+                seen_ago: info.seen.elapsed(),
+                progressed_ago: info.progressed.elapsed(),
+            })
+            .collect();
+        ranks.sort_by_key(|r| r.rank);
+        let nodes = state
+            .nodes
+            .iter()
+            .map(|(name, info)| NodeView {
+                node: name.clone(),
+                socket: info.socket.clone(),
+                connected: info.connected,
+                seen_ago: info.seen.elapsed(),
+            })
+            .collect();
+        (ranks, nodes)
+    }
+
+    /// Asks every connected node to SIGKILL its ranks.
+    pub async fn kill_all_ranks(&self) {
+        let state = self.state.lock().await;
+        for node in state.nodes.values().filter(|n| n.connected) {
+            let _ = node.sender.send(Message::KillRanks {
+                run: self.cfg.run.clone(),
+            });
+        }
+    }
+
+    /// Rank deaths reported since the last call.
+    pub async fn take_downs(&self) -> Vec<RankDown> {
+        std::mem::take(&mut self.state.lock().await.downs)
+    }
+
+    /// Forgets the ranks of a stopped world (a relaunch registers them again).
+    pub async fn forget_ranks(&self) {
+        let mut state = self.state.lock().await;
+        state.ranks.clear();
+        state.downs.clear();
+    }
+
+    pub async fn chosen_step(&self) -> Option<u64> {
+        self.state.lock().await.chosen
     }
 
     /// A node's connection: its hello, then reports, with memory commits pushed back.
@@ -88,7 +213,13 @@ impl Leader {
         hello: Message,
         from: SocketAddr,
     ) -> Result<()> {
-        let Message::NodeHello { node, address, t0 } = hello else {
+        let Message::NodeHello {
+            node,
+            address,
+            socket,
+            t0,
+        } = hello
+        else {
             bail!("expected a hello");
         };
         let (mut reader, mut writer) = stream.into_split();
@@ -105,7 +236,9 @@ impl Leader {
                 node.clone(),
                 NodeInfo {
                     address,
+                    socket,
                     seen: Instant::now(),
+                    connected: true,
                     t0: t0.clone(),
                     sender,
                 },
@@ -134,6 +267,9 @@ impl Leader {
             }
         };
         writer_task.abort();
+        if let Some(info) = self.state.lock().await.nodes.get_mut(&node) {
+            info.connected = false;
+        }
         tracing::info!(%node, "node disconnected");
         result
     }
@@ -193,8 +329,22 @@ impl Leader {
                         pid,
                         step: 0,
                         seen: Instant::now(),
+                        progressed: Instant::now(),
+                        alive: true,
                     },
                 );
+            }
+            Message::RankDown { run, rank, pid, .. } => {
+                self.check_run(&run)?;
+                if let Some(info) = state.ranks.get_mut(&rank).filter(|i| i.pid == pid) {
+                    info.alive = false;
+                    state.downs.push(RankDown {
+                        rank,
+                        node: node.to_string(),
+                        pid,
+                        at: Instant::now(),
+                    });
+                }
             }
             Message::Replicated {
                 run,
@@ -207,10 +357,6 @@ impl Leader {
                 self.check_run(&run)?;
                 if world_size != state.world_size {
                     return Ok(());
-                }
-                if let Some(info) = state.ranks.get_mut(&rank) {
-                    info.step = info.step.max(step);
-                    info.seen = Instant::now();
                 }
                 let entry = state.replicated.entry(step).or_default();
                 entry.0.insert(rank);
@@ -281,10 +427,18 @@ impl Leader {
                 }
             }
             Message::NodeHeartbeat { ranks, .. } => {
-                for (rank, step) in ranks {
-                    if let Some(info) = state.ranks.get_mut(&rank) {
-                        info.step = info.step.max(step);
-                        info.seen = Instant::now();
+                for beat in ranks {
+                    if let Some(info) = state
+                        .ranks
+                        .get_mut(&beat.rank)
+                        .filter(|i| i.pid == beat.pid)
+                    {
+                        if beat.step != info.step {
+                            info.step = beat.step;
+                            info.progressed = Instant::now();
+                        }
+                        let ago = Duration::from_millis(beat.seen_ms_ago);
+                        info.seen = Instant::now().checked_sub(ago).unwrap_or_else(Instant::now);
                     }
                 }
             }
@@ -309,6 +463,14 @@ impl Leader {
                 .flatten()
         };
         let durable = self.run.latest().await.unwrap_or(None);
+        {
+            let mut state = self.state.lock().await;
+            let chosen = match (memory, durable) {
+                (Some(m), Some(d)) => Some(m.max(d.step)),
+                (m, d) => m.or(d.map(|d| d.step)),
+            };
+            state.chosen = chosen;
+        }
         Ok(Message::StepChoice { memory, durable })
     }
 
@@ -397,6 +559,9 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
                             {
                                 node::memory_committed(&daemon, step, durable).await;
                             }
+                            Message::KillRanks { run } if run == daemon.cfg.run => {
+                                node::kill_ranks(&daemon).await;
+                            }
                             other => {
                                 tracing::warn!(?other, "unexpected message from the leader");
                                 daemon.metrics.rejected("unexpected");
@@ -444,7 +609,16 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
     let ranks = daemon.ranks.lock().await;
     Message::NodeHeartbeat {
         node: daemon.cfg.node.clone(),
-        ranks: ranks.values().map(|s| (s.rank, s.last_step)).collect(),
+        ranks: ranks
+            .values()
+            .filter(|s| s.pid != 0)
+            .map(|s| wire::RankBeat {
+                rank: s.rank,
+                pid: s.pid,
+                step: s.last_step,
+                seen_ms_ago: s.last_seen.elapsed().as_millis() as u64,
+            })
+            .collect(),
     }
 }
 
@@ -486,6 +660,7 @@ async fn hello(daemon: &Daemon) -> (Message, Vec<Message>) {
         Message::NodeHello {
             node: daemon.cfg.node.clone(),
             address: daemon.cfg.listen.to_string(),
+            socket: daemon.cfg.socket.display().to_string(),
             t0,
         },
         resend,

@@ -16,6 +16,7 @@ pub mod leader;
 pub mod metrics;
 pub mod node;
 pub mod peer;
+pub mod supervisor;
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -163,6 +164,10 @@ pub async fn run(cfg: Config) -> Result<()> {
     tokio::spawn(node::serve(daemon.clone(), unix));
     tokio::spawn(leader::link(daemon.clone(), from_node));
     tokio::spawn(node::expire_pending(daemon.clone()));
+    if let (Some(plan), Some(leader)) = (daemon.cfg.supervision.clone(), daemon.leader.clone()) {
+        tracing::info!(launcher = ?plan.launcher, active_nodes = plan.active_nodes, "supervising the training world");
+        tokio::spawn(supervisor::supervise(daemon.clone(), leader, plan));
+    }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     tokio::select! {

@@ -209,10 +209,14 @@ pub async fn serve(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixListen
             Ok((stream, _)) => {
                 let daemon = daemon.clone();
                 tokio::spawn(async move {
-                    if let Err(error) = session(&daemon, stream).await {
+                    let mut registered = None;
+                    if let Err(error) = session(&daemon, stream, &mut registered).await {
                         if !matches!(error.downcast_ref::<WireError>(), Some(WireError::Closed)) {
                             tracing::warn!(error = %format!("{error:#}"), "local session ended");
                         }
+                    }
+                    if let Some((rank, pid)) = registered {
+                        rank_gone(&daemon, rank, pid).await;
                     }
                 });
             }
@@ -224,8 +228,48 @@ pub async fn serve(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixListen
     }
 }
 
-/// One rank's connection: `Register` first, then requests, one answer each.
-async fn session(daemon: &Arc<Daemon>, mut stream: UnixStream) -> Result<()> {
+/// The supervisor stops the world: SIGKILL every registered local rank.
+pub async fn kill_ranks(daemon: &Arc<Daemon>) {
+    let pids: Vec<(Rank, u32)> = daemon
+        .ranks
+        .lock()
+        .await
+        .values()
+        .filter(|s| s.pid != 0)
+        .map(|s| (s.rank, s.pid))
+        .collect();
+    for (rank, pid) in pids {
+        tracing::info!(rank, pid, "killing the rank (supervisor stops the world)");
+        let _ = tokio::process::Command::new("kill")
+            .args(["-KILL", &pid.to_string()])
+            .status()
+            .await;
+    }
+}
+
+/// A registered rank's connection ended (it exited, crashed, or was killed): the leader
+/// hears at once.
+async fn rank_gone(daemon: &Arc<Daemon>, rank: Rank, pid: u32) {
+    let mut ranks = daemon.ranks.lock().await;
+    if let Some(state) = ranks.get_mut(&rank).filter(|s| s.pid == pid) {
+        state.pid = 0;
+        tracing::info!(rank, pid, "rank disconnected");
+        let _ = daemon.to_leader.send(Message::RankDown {
+            node: daemon.cfg.node.clone(),
+            run: daemon.cfg.run.clone(),
+            rank,
+            pid,
+        });
+    }
+}
+
+/// One rank's connection: `Register` first, then requests, one answer each. `registered`
+/// says which rank (and pid) it was, for when it ends.
+async fn session(
+    daemon: &Arc<Daemon>,
+    mut stream: UnixStream,
+    registered: &mut Option<(Rank, u32)>,
+) -> Result<()> {
     let mut rank: Option<Rank> = None;
     loop {
         let frame = wire::read_frame(&mut stream, None).await?;
@@ -243,6 +287,7 @@ async fn session(daemon: &Arc<Daemon>, mut stream: UnixStream) -> Result<()> {
             ) => match register(daemon, run, r, world_size, pid, slot_bytes, tensors).await {
                 Ok(reply) => {
                     rank = Some(r);
+                    *registered = Some((r, pid));
                     (reply, Vec::new())
                 }
                 Err(error) => (refused(&error), Vec::new()),
@@ -274,6 +319,24 @@ async fn session(daemon: &Arc<Daemon>, mut stream: UnixStream) -> Result<()> {
                 let blobs = wire::unpack_blobs(&blobs, &frame.payload)?;
                 (
                     snapshot(daemon, r, step, slot, durable, blobs).await?,
+                    Vec::new(),
+                )
+            }
+            (Message::Bye, Some(r)) => {
+                // A clean exit is not a failure: forget the pid before the socket closes.
+                *registered = None;
+                let mut ranks = daemon.ranks.lock().await;
+                let state = ranks
+                    .get_mut(&r)
+                    .ok_or_else(|| anyhow!("rank {r} vanished"))?;
+                tracing::info!(rank = r, pid = state.pid, "rank finished");
+                state.pid = 0;
+                (
+                    Message::Held {
+                        held: state.held(),
+                        busy: state.busy(),
+                        accepted: false,
+                    },
                     Vec::new(),
                 )
             }

@@ -165,6 +165,14 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             let reply = leader.which_step(&run, world_size).await?;
             write(daemon, &mut stream, &reply, &[]).await
         }
+        Message::EventsRequest => {
+            let leader = daemon
+                .leader
+                .as_ref()
+                .ok_or_else(|| anyhow!("asked for events, but this daemon is not the leader"))?;
+            let reply = Message::Events(leader.events().await);
+            write(daemon, &mut stream, &reply, &[]).await
+        }
         Message::StatusRequest => {
             let leader = daemon
                 .leader

@@ -51,6 +51,17 @@ pub fn rollback(run: &RunId, seq: u32) -> Path {
     Path::from(format!("{RUNS}/{run}/rollbacks/{seq:06}.json"))
 }
 
+pub fn events_prefix(run: &RunId) -> Path {
+    Path::from(format!("{RUNS}/{run}/events"))
+}
+
+/// One supervisor event; the name sorts by time.
+pub fn event(run: &RunId, unix_ms: u64, sequence: u64) -> Path {
+    Path::from(format!(
+        "{RUNS}/{run}/events/{unix_ms:014}-{sequence:08}.json"
+    ))
+}
+
 pub fn lock(run: &RunId, name: &str) -> Path {
     Path::from(format!("{RUNS}/{run}/locks/{name}.json"))
 }

@@ -14,6 +14,7 @@
 
 mod backend;
 mod catalog;
+mod events;
 mod gc;
 mod index;
 pub(crate) mod layout;
@@ -337,7 +338,7 @@ pub struct RunStore {
     run: RunId,
 }
 
-pub(crate) fn now_unix_ms() -> u64 {
+pub fn now_unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as u64)

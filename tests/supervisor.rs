@@ -1,0 +1,239 @@
+//! The supervising leader: it launches the world itself (here with mpiexec; daemons on
+//! 127.0.0.1 stand for nodes), detects a killed rank and a hung one, stops the world,
+//! relaunches it, and the ranks restore from T0 and continue bit for bit.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::{bin, shared_data, Ctl};
+
+const STEPS: u64 = 250;
+
+fn trainer_args(dir: &Path, run: &str, store: &str) -> Vec<String> {
+    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
+        .map(String::from)
+        .to_vec();
+    args.push(dir.join("metrics").display().to_string());
+    for set in [
+        format!("run.id={run}"),
+        "model.d_model=32".into(),
+        "model.layers=2".into(),
+        "model.heads=2".into(),
+        "model.experts=4".into(),
+        "model.expert_ffn=32".into(),
+        "model.seq_len=32".into(),
+        "train.micro_batch=2".into(),
+        format!("train.steps={STEPS}"),
+        "train.log_every=1".into(),
+        "train.warmup_steps=1000".into(),
+        "train.lr=0.5".into(),
+        "train.val_every=100000".into(),
+        "train.threads=1".into(),
+        "checkpoint.every=1".into(),
+        format!("checkpoint.store={store}"),
+        format!("data.path={}", dir.join("data").display()),
+    ] {
+        args.push("--set".into());
+        args.push(set);
+    }
+    args
+}
+
+fn prepared() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let output = Command::new(bin("trainer"))
+        .args(["prepare", "--input"])
+        .arg(shared_data("tinyshakespeare.txt"))
+        .arg("--out")
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let path = dir.path().to_path_buf();
+    (dir, path)
+}
+
+fn losses(dir: &Path, run: &str) -> BTreeMap<u64, String> {
+    std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].to_string()))
+        .collect()
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64
+}
+
+fn events(ctl: &Ctl, run: &str) -> Vec<serde_json::Value> {
+    let output = ctl.run(&["--json", "events", run]);
+    if !output.status.success() {
+        return Vec::new();
+    }
+    serde_json::from_slice::<serde_json::Value>(&output.stdout)
+        .ok()
+        .and_then(|v| v.as_array().cloned())
+        .unwrap_or_default()
+}
+
+fn wait_for_event(ctl: &Ctl, run: &str, kind: &str, count: usize, cluster: &Cluster) {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while events(ctl, run)
+        .iter()
+        .filter(|e| e["kind"] == kind)
+        .count()
+        < count
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no {kind} event #{count}: {:#?}\n{}",
+            events(ctl, run),
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The pid of a rank of the running world, from the leader.
+fn rank_pid(cluster: &Cluster, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let status = ctl.json(&[
+            "status",
+            "--leader",
+            &cluster.leader(),
+            "--key-file",
+            cluster.key_file.to_str().unwrap(),
+        ]);
+        let found = status["runs"][0]["ranks"]
+            .as_array()
+            .and_then(|ranks| ranks.iter().find(|r| r["rank"] == rank).cloned());
+        if let Some(r) = found.filter(|r| r["step"].as_u64().unwrap_or(0) > past_step) {
+            return r["pid"].as_u64().unwrap() as u32;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank {rank} never passed step {past_step}: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
+    let (_guard, dir) = prepared();
+    let reference_store = format!("file://{}", dir.join("reference").display());
+    let mut reference = trainer_args(&dir, "reference", &reference_store);
+    reference.extend(["--set".into(), "checkpoint.every=100000".into()]);
+    let output = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(&reference)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let expected = losses(&dir, "reference");
+
+    let store = format!("file://{}", dir.join("store").display());
+    let mut leader_extra: Vec<String> = [
+        "--supervise",
+        "mpiexec",
+        "--active-nodes",
+        "2",
+        "--hang-timeout-seconds",
+        "2",
+    ]
+    .map(String::from)
+    .to_vec();
+    for arg in trainer_args(&dir, "supervised", &store) {
+        leader_extra.push(format!("--trainer-arg={arg}"));
+    }
+    let settings = Settings {
+        durable_every_steps: 50,
+        leader_extra,
+        ..Settings::default()
+    };
+    let cluster = Cluster::start(&dir, "supervised", &store, 2, &settings, Vec::new());
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+
+    // 1. SIGKILL rank 1: detected within 2 s, restarted in place from T0.
+    let pid = rank_pid(&cluster, &ctl, 1, 40);
+    let killed_ms = now_ms();
+    assert!(Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    wait_for_event(&ctl, "supervised", "first_step", 2, &cluster);
+    let timeline = events(&ctl, "supervised");
+    let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
+    let detected_ms = fault["unix_ms"].as_u64().unwrap() - killed_ms;
+    println!(
+        "killed rank 1 (pid {pid}); the leader declared it after {detected_ms} ms: {}",
+        fault["detail"]
+    );
+    assert!(detected_ms < 2000, "{fault}");
+    assert!(
+        fault["detail"].as_str().unwrap().contains("rank 1"),
+        "{fault}"
+    );
+
+    // 2. SIGSTOP rank 0: no progress for 2 s is a hang; the world is stopped and relaunched.
+    let pid = rank_pid(&cluster, &ctl, 0, 150);
+    let stopped_ms = now_ms();
+    assert!(Command::new("kill")
+        .args(["-STOP", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    wait_for_event(&ctl, "supervised", "completed", 1, &cluster);
+    let timeline = events(&ctl, "supervised");
+    let hang = timeline
+        .iter()
+        .filter(|e| e["kind"] == "fault")
+        .nth(1)
+        .unwrap();
+    let detected_ms = hang["unix_ms"].as_u64().unwrap() - stopped_ms;
+    println!(
+        "stopped rank 0 (pid {pid}); declared hung after {detected_ms} ms: {}",
+        hang["detail"]
+    );
+    assert!(hang["detail"].as_str().unwrap().contains("hung"), "{hang}");
+    assert!(detected_ms < 5000, "{hang}");
+    let kinds: Vec<&str> = timeline
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    println!("timeline: {kinds:?}");
+    for kind in [
+        "launch",
+        "fault",
+        "stopped",
+        "relaunch",
+        "restored",
+        "first_step",
+        "completed",
+    ] {
+        assert!(kinds.contains(&kind), "{kind} missing from {kinds:?}");
+    }
+    for node in 0..2 {
+        assert_eq!(
+            cluster.metric(node, "lazarus_ckptd_restores_total{tier=\"t0\"}"),
+            2.0,
+            "node {node} restored both times from its own memory"
+        );
+    }
+    // Every step's loss, across both restarts, equals the uninterrupted run's.
+    let got = losses(&dir, "supervised");
+    assert_eq!(got.len(), STEPS as usize);
+    assert_eq!(got, expected, "the supervised run continues bit for bit");
+    let printed = ctl.expect(0, &["events", "supervised"]);
+    println!("{printed}");
+}
