@@ -237,3 +237,59 @@ fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
     let printed = ctl.expect(0, &["events", "supervised"]);
     println!("{printed}");
 }
+
+#[test]
+fn a_lost_node_is_replaced_by_a_hot_spare_that_restores_from_the_buddy() {
+    let (_guard, dir) = prepared();
+    let reference_store = format!("file://{}", dir.join("reference").display());
+    let mut reference = trainer_args(&dir, "reference", &reference_store);
+    reference.extend(["--set".into(), "checkpoint.every=100000".into()]);
+    let output = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(&reference)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let expected = losses(&dir, "reference");
+
+    // Three nodes: n1 and n2 train, n3 is a hot spare.
+    let store = format!("file://{}", dir.join("store").display());
+    let mut leader_extra: Vec<String> = ["--supervise", "mpiexec", "--active-nodes", "2"]
+        .map(String::from)
+        .to_vec();
+    for arg in trainer_args(&dir, "spared", &store) {
+        leader_extra.push(format!("--trainer-arg={arg}"));
+    }
+    let settings = Settings {
+        durable_every_steps: 50,
+        leader_extra,
+        ..Settings::default()
+    };
+    let mut cluster = Cluster::start(&dir, "spared", &store, 3, &settings, Vec::new());
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+
+    // Node 2 dies: its daemon, then its rank.
+    let pid = rank_pid(&cluster, &ctl, 1, 60);
+    let lost_ms = now_ms();
+    cluster.kill_node(1);
+    let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    wait_for_event(&ctl, "spared", "completed", 1, &cluster);
+    let timeline = events(&ctl, "spared");
+    let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
+    let detected_ms = fault["unix_ms"].as_u64().unwrap() - lost_ms;
+    println!("node n2 killed; declared lost after {detected_ms} ms: {}", fault["detail"]);
+    assert!(fault["detail"].as_str().unwrap().contains("node n2 lost"), "{fault}");
+    assert!(detected_ms < 2000, "{fault}");
+    let swap = timeline.iter().find(|e| e["kind"] == "swap").unwrap();
+    assert!(swap["detail"].as_str().unwrap().contains("n3"), "{swap}");
+    let relaunch = timeline.iter().find(|e| e["kind"] == "relaunch").unwrap();
+    assert!(relaunch["detail"].as_str().unwrap().contains("n1,n3"), "{relaunch}");
+    // Rank 1 now runs on the spare, which had nothing: it came from the buddy's replica.
+    assert_eq!(cluster.metric(2, "lazarus_ckptd_restores_total{tier=\"t1\"}"), 1.0, "{}", cluster.logs());
+    assert_eq!(cluster.metric(0, "lazarus_ckptd_restores_total{tier=\"t0\"}"), 1.0);
+    let got = losses(&dir, "spared");
+    assert_eq!(got.len(), STEPS as usize);
+    assert_eq!(got, expected, "the run continues bit for bit on the spare");
+    println!("{}", ctl.expect(0, &["events", "spared"]));
+}

@@ -294,6 +294,8 @@ pub enum Message {
     NodeHello {
         node: String,
         address: String,
+        /// Where this node replicates to.
+        buddy: Option<String>,
         /// The Unix socket this node's ranks use.
         socket: String,
         t0: Vec<T0Entry>,
@@ -334,10 +336,12 @@ pub enum Message {
         node: String,
         ranks: Vec<RankBeat>,
     },
-    /// Which step should a relaunched world of `world_size` restore?
+    /// Which step should a relaunched world of `world_size` restore, and where is `rank`'s
+    /// replica (T1)?
     WhichStep {
         run: RunId,
         world_size: u32,
+        rank: Rank,
     },
     StatusRequest,
     /// The supervisor's failure timeline.
@@ -353,7 +357,11 @@ pub enum Message {
     StepChoice {
         memory: Option<u64>,
         durable: Option<StepKey>,
+        /// The daemon that holds the rank's latest replica (T1), if the leader knows.
+        replica: Option<String>,
     },
+    /// From now on, replicate to this daemon (the supervisor pairs the active nodes).
+    SetBuddy { address: Option<String> },
     /// The supervisor stops the world: kill this node's ranks of `run` now.
     KillRanks {
         run: RunId,

@@ -298,7 +298,9 @@ impl Ckptd {
     /// The steps this world could start from: (memory-committed, durable).
     pub fn choose(&mut self) -> Result<(Option<u64>, Option<u64>)> {
         match self.call(&Message::Choose, &[])?.message {
-            Message::StepChoice { memory, durable } => Ok((memory, durable.map(|d| d.step))),
+            Message::StepChoice {
+                memory, durable, ..
+            } => Ok((memory, durable.map(|d| d.step))),
             Message::Refused { reason } => bail!("ckptd could not choose a step: {reason}"),
             other => bail!("ckptd answered {other:?} to Choose"),
         }

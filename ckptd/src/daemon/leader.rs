@@ -38,6 +38,7 @@ struct RankInfo {
 #[derive(Debug)]
 struct NodeInfo {
     address: String,
+    buddy: Option<String>,
     socket: String,
     seen: Instant,
     connected: bool,
@@ -89,6 +90,8 @@ struct State {
     downs: Vec<RankDown>,
     /// The step the last `WhichStep` answer pointed at (the supervisor's restore step).
     chosen: Option<u64>,
+    /// Per rank, the daemon that received its newest replica (its node's buddy then).
+    replica_holder: HashMap<Rank, String>,
 }
 
 #[derive(Debug)]
@@ -118,6 +121,7 @@ impl Leader {
                 nodes: BTreeMap::new(),
                 downs: Vec::new(),
                 chosen: None,
+                replica_holder: HashMap::new(),
             }),
             events: Mutex::new((Vec::new(), 0)),
         }
@@ -179,6 +183,26 @@ impl Leader {
         (ranks, nodes)
     }
 
+    /// Pairs the active nodes in a ring: each replicates to the next.
+    pub async fn pair(&self, active: &[String]) {
+        let mut state = self.state.lock().await;
+        let addresses: Vec<Option<String>> = active
+            .iter()
+            .map(|n| state.nodes.get(n).map(|i| i.address.clone()))
+            .collect();
+        for (i, name) in active.iter().enumerate() {
+            let buddy = if active.len() > 1 {
+                addresses[(i + 1) % active.len()].clone()
+            } else {
+                None
+            };
+            if let Some(info) = state.nodes.get_mut(name) {
+                info.buddy = buddy.clone();
+                let _ = info.sender.send(Message::SetBuddy { address: buddy });
+            }
+        }
+    }
+
     /// Asks every connected node to SIGKILL its ranks.
     pub async fn kill_all_ranks(&self) {
         let state = self.state.lock().await;
@@ -216,6 +240,7 @@ impl Leader {
         let Message::NodeHello {
             node,
             address,
+            buddy,
             socket,
             t0,
         } = hello
@@ -236,6 +261,7 @@ impl Leader {
                 node.clone(),
                 NodeInfo {
                     address,
+                    buddy,
                     socket,
                     seen: Instant::now(),
                     connected: true,
@@ -358,6 +384,9 @@ impl Leader {
                 if world_size != state.world_size {
                     return Ok(());
                 }
+                if let Some(buddy) = state.nodes.get(node).and_then(|n| n.buddy.clone()) {
+                    state.replica_holder.insert(rank, buddy);
+                }
                 let entry = state.replicated.entry(step).or_default();
                 entry.0.insert(rank);
                 entry.1 |= durable_requested;
@@ -454,7 +483,7 @@ impl Leader {
         Ok(())
     }
 
-    pub async fn which_step(&self, run: &RunId, world_size: u32) -> Result<Message> {
+    pub async fn which_step(&self, run: &RunId, world_size: u32, rank: Rank) -> Result<Message> {
         self.check_run(run)?;
         let memory = {
             let state = self.state.lock().await;
@@ -471,7 +500,12 @@ impl Leader {
             };
             state.chosen = chosen;
         }
-        Ok(Message::StepChoice { memory, durable })
+        let replica = self.state.lock().await.replica_holder.get(&rank).cloned();
+        Ok(Message::StepChoice {
+            memory,
+            durable,
+            replica,
+        })
     }
 
     pub async fn status(&self) -> ClusterStatus {
@@ -561,6 +595,11 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
                             }
                             Message::KillRanks { run } if run == daemon.cfg.run => {
                                 node::kill_ranks(&daemon).await;
+                            }
+                            Message::SetBuddy { address } => {
+                                let buddy = address.and_then(|a| a.parse().ok());
+                                tracing::info!(?buddy, "the supervisor set this node's buddy");
+                                *daemon.buddy.lock().expect("not poisoned") = buddy;
                             }
                             other => {
                                 tracing::warn!(?other, "unexpected message from the leader");
@@ -660,6 +699,11 @@ async fn hello(daemon: &Daemon) -> (Message, Vec<Message>) {
         Message::NodeHello {
             node: daemon.cfg.node.clone(),
             address: daemon.cfg.listen.to_string(),
+            buddy: daemon
+                .buddy
+                .lock()
+                .expect("not poisoned")
+                .map(|b| b.to_string()),
             socket: daemon.cfg.socket.display().to_string(),
             t0,
         },
@@ -667,22 +711,29 @@ async fn hello(daemon: &Daemon) -> (Message, Vec<Message>) {
     )
 }
 
-/// Asks the leader which step a world of `world_size` restores: (memory step, durable step).
+/// Asks the leader which step a world of `world_size` restores: (memory step, durable step,
+/// where `rank`'s replica is).
 pub async fn which_step(
     daemon: &Daemon,
     world_size: u32,
-) -> Result<(Option<u64>, Option<StepKey>)> {
+    rank: Rank,
+) -> Result<(Option<u64>, Option<StepKey>, Option<String>)> {
     let reply = request(
         daemon,
         daemon.cfg.leader,
         &Message::WhichStep {
             run: daemon.cfg.run.clone(),
             world_size,
+            rank,
         },
     )
     .await?;
     match reply {
-        Message::StepChoice { memory, durable } => Ok((memory, durable)),
+        Message::StepChoice {
+            memory,
+            durable,
+            replica,
+        } => Ok((memory, durable, replica)),
         other => bail!("the leader answered {other:?}"),
     }
 }

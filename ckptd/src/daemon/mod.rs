@@ -47,6 +47,9 @@ pub struct Daemon {
     /// Serialises writes of buddy replicas.
     pub replicas: Mutex<()>,
     pub to_leader: mpsc::UnboundedSender<Message>,
+    /// Where snapshots are replicated: the configured buddy, until the supervisor pairs
+    /// the nodes otherwise.
+    pub buddy: std::sync::Mutex<Option<std::net::SocketAddr>>,
     pub leader: Option<Arc<leader::Leader>>,
     pub metrics: Arc<Metrics>,
 }
@@ -141,6 +144,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     let daemon = Arc::new(Daemon {
         ranks: Mutex::new(node::load_ranks(&cfg)?),
         replicas: Mutex::new(()),
+        buddy: std::sync::Mutex::new(cfg.buddy),
         cfg,
         key,
         run,

@@ -68,6 +68,8 @@ pub struct RankState {
     pub dir: PathBuf,
     /// The committed snapshot: memory-committed, or restored.
     pub t0: Option<Snap>,
+    /// Where the leader says this rank's newest replica is (from the last `Choose`).
+    pub replica_at: Option<std::net::SocketAddr>,
     /// Replicated and reported, waiting for the leader's memory commit.
     pub pending: Option<Snap>,
     pub pending_at: Instant,
@@ -157,6 +159,7 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                         t0: state.t0,
                         pending: None,
                         pending_at: Instant::now(),
+                        replica_at: None,
                         working: None,
                         uploading: false,
                         base: state.base,
@@ -293,7 +296,14 @@ async fn session(
                 Err(error) => (refused(&error), Vec::new()),
             },
             (Message::Choose, Some(r)) => match choose(daemon, r).await {
-                Ok((memory, durable)) => (Message::StepChoice { memory, durable }, Vec::new()),
+                Ok((memory, durable)) => (
+                    Message::StepChoice {
+                        memory,
+                        durable,
+                        replica: None,
+                    },
+                    Vec::new(),
+                ),
                 Err(error) => (refused(&error), Vec::new()),
             },
             (Message::Restore { memory, durable }, Some(r)) => {
@@ -473,6 +483,7 @@ async fn register(
                 t0: None,
                 pending: None,
                 pending_at: Instant::now(),
+                replica_at: None,
                 working: None,
                 uploading: false,
                 base: None,
@@ -669,7 +680,8 @@ pub fn chunk_count(slot_bytes: u64) -> u64 {
 /// Reads the slot chunk by chunk, hashing each and streaming it to the buddy (T1).
 async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
     let file = Arc::new(SlotFile::open(&job.path)?);
-    let mut sender = match daemon.cfg.buddy {
+    let buddy = *daemon.buddy.lock().expect("not poisoned");
+    let mut sender = match buddy {
         Some(buddy) => Some(
             peer::ReplicaSender::begin(
                 daemon,
@@ -933,8 +945,13 @@ async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Option
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    match super::leader::which_step(daemon, world_size).await {
-        Ok(choice) => Ok(choice),
+    match super::leader::which_step(daemon, world_size, rank).await {
+        Ok((memory, durable, replica)) => {
+            if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
+                state.replica_at = replica.and_then(|a| a.parse().ok());
+            }
+            Ok((memory, durable))
+        }
         Err(error) => {
             tracing::warn!(error = %format!("{error:#}"), "the leader did not answer; offering the latest durable step");
             Ok((None, daemon.run.latest().await?))
@@ -992,7 +1009,8 @@ async fn restore(
         }
         let slot = state.free_slot().ok_or_else(|| anyhow!("no free slot"))?;
         let path = state.slot_path(slot);
-        match peer::fetch_replica(daemon, rank, m, world_size, slot_bytes, &tensors, &path).await {
+        let holder = state.replica_at;
+        match peer::fetch_replica(daemon, holder, rank, m, world_size, slot_bytes, &tensors, &path).await {
             Ok((hashes, blobs)) => {
                 state.t0 = Some(Snap {
                     step: m,

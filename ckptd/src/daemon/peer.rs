@@ -157,12 +157,16 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             }
             None => bail!("a node said hello, but this daemon is not the leader"),
         },
-        Message::WhichStep { run, world_size } => {
+        Message::WhichStep {
+            run,
+            world_size,
+            rank,
+        } => {
             let leader = daemon
                 .leader
                 .as_ref()
                 .ok_or_else(|| anyhow!("asked which step, but this daemon is not the leader"))?;
-            let reply = leader.which_step(&run, world_size).await?;
+            let reply = leader.which_step(&run, world_size, rank).await?;
             write(daemon, &mut stream, &reply, &[]).await
         }
         Message::EventsRequest => {
@@ -427,6 +431,7 @@ impl ReplicaSender {
 #[allow(clippy::too_many_arguments)]
 pub async fn fetch_replica(
     daemon: &Arc<Daemon>,
+    holder: Option<SocketAddr>,
     rank: Rank,
     step: u64,
     world_size: u32,
@@ -434,10 +439,9 @@ pub async fn fetch_replica(
     tensors: &[SlotTensor],
     path: &Path,
 ) -> Result<(Vec<ChunkHash>, Vec<(String, Vec<u8>)>)> {
-    let buddy = daemon
-        .cfg
-        .buddy
-        .ok_or_else(|| anyhow!("no buddy configured"))?;
+    let buddy = holder
+        .or(*daemon.buddy.lock().expect("not poisoned"))
+        .ok_or_else(|| anyhow!("no buddy configured, and the leader knows no replica"))?;
     let mut stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(buddy))
         .await
         .map_err(|_| anyhow!("buddy {buddy} did not accept within 5 s"))?

@@ -39,6 +39,7 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
     let mut drained: Vec<String> = Vec::new();
     loop {
         active = wait_for_nodes(&leader, &plan, active, &drained, generation).await;
+        leader.pair(&active).await;
         let (_, nodes) = leader.view().await;
         let mut child = match launch(&daemon, &plan, &active, &nodes) {
             Ok(child) => child,
@@ -332,8 +333,10 @@ async fn stop(leader: &Leader, child: &mut Child) {
     let deadline = Instant::now() + Duration::from_secs(15);
     let _ = tokio::time::timeout(Duration::from_secs(15), child.wait()).await;
     while Instant::now() < deadline {
-        let (ranks, _) = leader.view().await;
-        if ranks.iter().all(|r| !r.alive) {
+        let (ranks, nodes) = leader.view().await;
+        // A rank on a node whose daemon is gone went with its node.
+        let gone = |node: &str| !nodes.iter().any(|n| n.node == node && n.connected);
+        if ranks.iter().all(|r| !r.alive || gone(&r.node)) {
             break;
         }
         tokio::time::sleep(TICK).await;
