@@ -148,7 +148,7 @@ fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
         "--active-nodes",
         "2",
         "--hang-timeout-seconds",
-        "2",
+        "3",
     ]
     .map(String::from)
     .to_vec();
@@ -185,7 +185,7 @@ fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
         "{fault}"
     );
 
-    // 2. SIGSTOP rank 0: no progress for 2 s is a hang; the world is stopped and relaunched.
+    // 2. SIGSTOP rank 0: no progress for 3 s is a hang; the world is stopped and relaunched.
     let pid = rank_pid(&cluster, &ctl, 0, 150);
     let stopped_ms = now_ms();
     assert!(Command::new("kill")
@@ -206,7 +206,7 @@ fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
         hang["detail"]
     );
     assert!(hang["detail"].as_str().unwrap().contains("hung"), "{hang}");
-    assert!(detected_ms < 5000, "{hang}");
+    assert!(detected_ms < 6000, "{hang}");
     let kinds: Vec<&str> = timeline
         .iter()
         .map(|e| e["kind"].as_str().unwrap())
@@ -273,23 +273,200 @@ fn a_lost_node_is_replaced_by_a_hot_spare_that_restores_from_the_buddy() {
     let pid = rank_pid(&cluster, &ctl, 1, 60);
     let lost_ms = now_ms();
     cluster.kill_node(1);
-    let _ = Command::new("kill").args(["-KILL", &pid.to_string()]).status();
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
     wait_for_event(&ctl, "spared", "completed", 1, &cluster);
     let timeline = events(&ctl, "spared");
     let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
     let detected_ms = fault["unix_ms"].as_u64().unwrap() - lost_ms;
-    println!("node n2 killed; declared lost after {detected_ms} ms: {}", fault["detail"]);
-    assert!(fault["detail"].as_str().unwrap().contains("node n2 lost"), "{fault}");
+    println!(
+        "node n2 killed; declared lost after {detected_ms} ms: {}",
+        fault["detail"]
+    );
+    assert!(
+        fault["detail"].as_str().unwrap().contains("node n2 lost"),
+        "{fault}"
+    );
     assert!(detected_ms < 2000, "{fault}");
     let swap = timeline.iter().find(|e| e["kind"] == "swap").unwrap();
     assert!(swap["detail"].as_str().unwrap().contains("n3"), "{swap}");
     let relaunch = timeline.iter().find(|e| e["kind"] == "relaunch").unwrap();
-    assert!(relaunch["detail"].as_str().unwrap().contains("n1,n3"), "{relaunch}");
+    assert!(
+        relaunch["detail"].as_str().unwrap().contains("n1,n3"),
+        "{relaunch}"
+    );
     // Rank 1 now runs on the spare, which had nothing: it came from the buddy's replica.
-    assert_eq!(cluster.metric(2, "lazarus_ckptd_restores_total{tier=\"t1\"}"), 1.0, "{}", cluster.logs());
-    assert_eq!(cluster.metric(0, "lazarus_ckptd_restores_total{tier=\"t0\"}"), 1.0);
+    assert_eq!(
+        cluster.metric(2, "lazarus_ckptd_restores_total{tier=\"t1\"}"),
+        1.0,
+        "{}",
+        cluster.logs()
+    );
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_restores_total{tier=\"t0\"}"),
+        1.0
+    );
     let got = losses(&dir, "spared");
     assert_eq!(got.len(), STEPS as usize);
     assert_eq!(got, expected, "the run continues bit for bit on the spare");
     println!("{}", ctl.expect(0, &["events", "spared"]));
+}
+
+#[test]
+fn under_slurm_a_lost_node_is_drained_and_a_spare_takes_over() {
+    let conf = match lazarus_tests::slurm_cluster() {
+        Ok(conf) => conf,
+        Err(why) => {
+            println!("skipped: {why}");
+            return;
+        }
+    };
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let mut leader_extra: Vec<String> = ["--supervise", "srun", "--active-nodes", "2"]
+        .map(String::from)
+        .to_vec();
+    for arg in trainer_args(&dir, "slurm", &store) {
+        leader_extra.push(format!("--trainer-arg={arg}"));
+    }
+    let settings = Settings {
+        durable_every_steps: 50,
+        leader_extra,
+        ..Settings::default()
+    };
+    let envs = vec![("SLURM_CONF".to_string(), conf.display().to_string())];
+    let mut cluster = Cluster::start(&dir, "slurm", &store, 3, &settings, envs);
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    let pid = rank_pid(&cluster, &ctl, 1, 60);
+    // Node n2 dies whole: its slurmd, its daemon and its rank.
+    let slurmd_pid = std::fs::read_to_string(conf.parent().unwrap().join("run/slurmd-n2.pid"))
+        .unwrap()
+        .trim()
+        .to_string();
+    let _ = Command::new("kill").args(["-KILL", &slurmd_pid]).status();
+    cluster.kill_node(1);
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    wait_for_event(&ctl, "slurm", "completed", 1, &cluster);
+    let timeline = events(&ctl, "slurm");
+    let kinds: Vec<&str> = timeline
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    println!("{}", ctl.expect(0, &["events", "slurm"]));
+    assert!(kinds.contains(&"swap"), "{kinds:?}");
+    let relaunch = timeline.iter().find(|e| e["kind"] == "relaunch").unwrap();
+    assert!(
+        relaunch["detail"]
+            .as_str()
+            .unwrap()
+            .contains("srun on n1,n3"),
+        "{relaunch}"
+    );
+    let sinfo = Command::new("sinfo")
+        .env("SLURM_CONF", &conf)
+        .args(["-h", "-N", "-n", "n2", "-o", "%t %E"])
+        .output()
+        .unwrap();
+    let state = text_of(&sinfo);
+    println!("n2 in Slurm: {state}");
+    assert!(state.contains("drain"), "n2 is drained: {state}");
+    assert!(state.contains("lazarus"), "with the reason: {state}");
+    assert!(kinds.contains(&"drained"), "{kinds:?}");
+    assert_eq!(
+        cluster.metric(2, "lazarus_ckptd_restores_total{tier=\"t1\"}"),
+        1.0,
+        "the spare restored rank 1 from its buddy's replica"
+    );
+    let status = ctl.expect(
+        0,
+        &[
+            "status",
+            "--leader",
+            &cluster.leader(),
+            "--key-file",
+            cluster.key_file.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        status.contains("active n1,n3, spares -, drained n2"),
+        "{status}"
+    );
+    assert_eq!(losses(&dir, "slurm").len(), STEPS as usize);
+}
+
+#[test]
+fn two_failures_in_a_row_and_no_spare_left_wait_then_recover() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let mut leader_extra: Vec<String> = ["--supervise", "mpiexec", "--active-nodes", "2"]
+        .map(String::from)
+        .to_vec();
+    for arg in trainer_args(&dir, "twice", &store) {
+        leader_extra.push(format!("--trainer-arg={arg}"));
+    }
+    let settings = Settings {
+        durable_every_steps: 50,
+        leader_extra,
+        ..Settings::default()
+    };
+    let mut cluster = Cluster::start(&dir, "twice", &store, 2, &settings, Vec::new());
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+
+    // 1. Rank 1 dies; as soon as the relaunched world registers, rank 0 dies too, before
+    //    its first step: the second failure hits the recovery from the first.
+    let pid = rank_pid(&cluster, &ctl, 1, 30);
+    assert!(Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    wait_for_event(&ctl, "twice", "relaunch", 1, &cluster);
+    let again = rank_pid(&cluster, &ctl, 0, 0);
+    assert!(Command::new("kill")
+        .args(["-KILL", &again.to_string()])
+        .status()
+        .unwrap()
+        .success());
+    wait_for_event(&ctl, "twice", "relaunch", 2, &cluster);
+
+    // 2. Node 2 is lost with no spare: the leader waits (the default policy) until a node
+    //    comes back, then relaunches.
+    let pid = rank_pid(&cluster, &ctl, 1, 120);
+    cluster.kill_node(1);
+    let _ = Command::new("kill")
+        .args(["-KILL", &pid.to_string()])
+        .status();
+    wait_for_event(&ctl, "twice", "waiting", 1, &cluster);
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(
+        events(&ctl, "twice")
+            .iter()
+            .filter(|e| e["kind"] == "relaunch")
+            .count(),
+        2,
+        "no relaunch without a node"
+    );
+    cluster.start_node(1);
+    wait_for_event(&ctl, "twice", "completed", 1, &cluster);
+    let timeline = events(&ctl, "twice");
+    let kinds: Vec<&str> = timeline
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap())
+        .collect();
+    println!("{}", ctl.expect(0, &["events", "twice"]));
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "fault").count(),
+        3,
+        "{kinds:?}"
+    );
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "relaunch").count(),
+        3,
+        "{kinds:?}"
+    );
+    assert_eq!(losses(&dir, "twice").len(), STEPS as usize);
+    ctl.expect(0, &["verify", "twice", "--all", "--read-data"]);
 }

@@ -176,6 +176,17 @@ pub struct ClusterStatus {
     pub leader: String,
     pub nodes: Vec<NodeStatus>,
     pub runs: Vec<RunStatus>,
+    /// When the leader supervises the world.
+    pub supervision: Option<SupervisionStatus>,
+}
+
+/// The supervisor's view: which nodes train, which wait as spares, which were drained.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct SupervisionStatus {
+    pub generation: u32,
+    pub active: Vec<String>,
+    pub spares: Vec<String>,
+    pub drained: Vec<String>,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -361,7 +372,9 @@ pub enum Message {
         replica: Option<String>,
     },
     /// From now on, replicate to this daemon (the supervisor pairs the active nodes).
-    SetBuddy { address: Option<String> },
+    SetBuddy {
+        address: Option<String>,
+    },
     /// The supervisor stops the world: kill this node's ranks of `run` now.
     KillRanks {
         run: RunId,

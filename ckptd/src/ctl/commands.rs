@@ -123,6 +123,22 @@ async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::P
         return Ok(());
     }
     println!("leader: {}", status.leader);
+    if let Some(s) = &status.supervision {
+        let list = |nodes: &[String]| {
+            if nodes.is_empty() {
+                "-".to_string()
+            } else {
+                nodes.join(",")
+            }
+        };
+        println!(
+            "supervising (launch generation {}): active {}, spares {}, drained {}",
+            s.generation,
+            list(&s.active),
+            list(&s.spares),
+            list(&s.drained)
+        );
+    }
     let rows: Vec<Vec<String>> = status
         .nodes
         .iter()

@@ -92,6 +92,8 @@ struct State {
     chosen: Option<u64>,
     /// Per rank, the daemon that received its newest replica (its node's buddy then).
     replica_holder: HashMap<Rank, String>,
+    /// (generation, active, drained) while supervising.
+    supervision: Option<(u32, Vec<String>, Vec<String>)>,
 }
 
 #[derive(Debug)]
@@ -122,6 +124,7 @@ impl Leader {
                 downs: Vec::new(),
                 chosen: None,
                 replica_holder: HashMap::new(),
+                supervision: None,
             }),
             events: Mutex::new((Vec::new(), 0)),
         }
@@ -181,6 +184,10 @@ impl Leader {
             })
             .collect();
         (ranks, nodes)
+    }
+
+    pub async fn set_supervision(&self, generation: u32, active: &[String], drained: &[String]) {
+        self.state.lock().await.supervision = Some((generation, active.to_vec(), drained.to_vec()));
     }
 
     /// Pairs the active nodes in a ring: each replicates to the next.
@@ -540,6 +547,22 @@ impl Leader {
                     t0_steps: info.t0.iter().map(|e| (e.run.clone(), e.step)).collect(),
                 })
                 .collect(),
+            supervision: state
+                .supervision
+                .as_ref()
+                .map(|(generation, active, drained)| wire::SupervisionStatus {
+                    generation: *generation,
+                    active: active.clone(),
+                    spares: state
+                        .nodes
+                        .iter()
+                        .filter(|(name, info)| {
+                            info.connected && !active.contains(name) && !drained.contains(name)
+                        })
+                        .map(|(name, _)| name.clone())
+                        .collect(),
+                    drained: drained.clone(),
+                }),
             runs: vec![RunStatus {
                 run: self.cfg.run.clone(),
                 world_size: state.world_size,

@@ -1010,7 +1010,11 @@ async fn restore(
         let slot = state.free_slot().ok_or_else(|| anyhow!("no free slot"))?;
         let path = state.slot_path(slot);
         let holder = state.replica_at;
-        match peer::fetch_replica(daemon, holder, rank, m, world_size, slot_bytes, &tensors, &path).await {
+        match peer::fetch_replica(
+            daemon, holder, rank, m, world_size, slot_bytes, &tensors, &path,
+        )
+        .await
+        {
             Ok((hashes, blobs)) => {
                 state.t0 = Some(Snap {
                     step: m,

@@ -40,6 +40,7 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
     loop {
         active = wait_for_nodes(&leader, &plan, active, &drained, generation).await;
         leader.pair(&active).await;
+        leader.set_supervision(generation, &active, &drained).await;
         let (_, nodes) = leader.view().await;
         let mut child = match launch(&daemon, &plan, &active, &nodes) {
             Ok(child) => child,
@@ -84,7 +85,7 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
                 lost_node,
             } => {
                 leader.record(generation, kind, detail).await;
-                stop(&leader, &mut child).await;
+                stop(&leader, &mut child, &plan, daemon.cfg.run.as_str()).await;
                 leader
                     .record(
                         generation,
@@ -94,9 +95,18 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
                     .await;
                 if let Some(lost) = lost_node {
                     active.retain(|n| *n != lost);
-                    drained.push(lost.clone());
-                    drain(&plan, &lost).await;
+                    // Under Slurm the node stays out until an operator resumes it; without
+                    // Slurm, it may serve again once its daemon is back.
+                    if drain(&plan, &lost).await {
+                        drained.push(lost.clone());
+                        leader
+                            .record(generation, "drained", format!("{lost} drained in Slurm"))
+                            .await;
+                    }
                 }
+                leader
+                    .set_supervision(generation + 1, &active, &drained)
+                    .await;
                 leader.forget_ranks().await;
                 generation += 1;
             }
@@ -114,7 +124,20 @@ async fn wait_for_nodes(
     generation: u32,
 ) -> Vec<String> {
     let mut said_waiting = false;
+    let mut drained = drained.to_vec();
+    let mut checked = Instant::now();
     loop {
+        // A drained node an operator resumed in Slurm may serve again.
+        if !drained.is_empty() && checked.elapsed() > Duration::from_secs(2) {
+            checked = Instant::now();
+            let mut still = Vec::new();
+            for node in drained {
+                if slurm_drained(&node).await {
+                    still.push(node);
+                }
+            }
+            drained = still;
+        }
         let (_, nodes) = leader.view().await;
         let healthy = |name: &str| nodes.iter().any(|n| n.node == name && alive(n, plan));
         active.retain(|n| healthy(n));
@@ -194,7 +217,7 @@ fn launch(
             // One socket path for all nodes, with the node's name in it where it differs.
             let template = active
                 .first()
-                .map(|first| socket(first).replace(first.as_str(), "{node}"))
+                .map(|first| socket_template(&socket(first), first))
                 .unwrap_or_default();
             let mut command = Command::new("srun");
             command
@@ -213,6 +236,19 @@ fn launch(
     Ok(command.spawn()?)
 }
 
+/// `socket` with the node's name in its file name replaced by `{node}` (the trainer puts
+/// `SLURMD_NODENAME` back), so one path serves every node.
+fn socket_template(socket: &str, node: &str) -> String {
+    let path = std::path::Path::new(socket);
+    match (path.parent(), path.file_name().and_then(|f| f.to_str())) {
+        (Some(parent), Some(file)) if file.contains(node) => parent
+            .join(file.replace(node, "{node}"))
+            .display()
+            .to_string(),
+        _ => socket.to_string(),
+    }
+}
+
 /// Watches the world until it completes or fails.
 async fn watch(
     leader: &Leader,
@@ -225,29 +261,8 @@ async fn watch(
     let (mut restored, mut first_step) = (false, false);
     loop {
         tokio::time::sleep(TICK).await;
-        if let Ok(Some(status)) = child.try_wait() {
-            if status.success() {
-                return Outcome::Completed;
-            }
-            return Outcome::Fault {
-                kind: "fault",
-                detail: format!("the launcher exited: {status}"),
-                lost_node: None,
-            };
-        }
-        if let Some(down) = leader.take_downs().await.into_iter().next() {
-            return Outcome::Fault {
-                kind: "fault",
-                detail: format!(
-                    "rank {} (pid {} on {}) died; detected {} ms after its connection closed",
-                    down.rank,
-                    down.pid,
-                    down.node,
-                    down.at.elapsed().as_millis()
-                ),
-                lost_node: None,
-            };
-        }
+        // A lost node first, then a dead rank, then the launcher's own exit: the most
+        // specific cause names the fault.
         let (ranks, nodes) = leader.view().await;
         for name in active {
             let node = nodes.iter().find(|n| n.node == *name);
@@ -265,6 +280,28 @@ async fn watch(
                     lost_node: Some(name.clone()),
                 };
             }
+        }
+        if let Some(down) = leader.take_downs().await.into_iter().next() {
+            return rank_died(down);
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            if status.success() {
+                return Outcome::Completed;
+            }
+            // The launcher often notices a dead rank first; give the daemon's report a
+            // moment to name it.
+            let deadline = Instant::now() + Duration::from_millis(300);
+            while Instant::now() < deadline {
+                if let Some(down) = leader.take_downs().await.into_iter().next() {
+                    return rank_died(down);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            return Outcome::Fault {
+                kind: "fault",
+                detail: format!("the launcher exited: {status}"),
+                lost_node: None,
+            };
         }
         let everyone = ranks.len() >= active.len() && ranks.iter().all(|r| r.alive);
         if everyone {
@@ -320,10 +357,31 @@ async fn watch(
     }
 }
 
+fn rank_died(down: super::leader::RankDown) -> Outcome {
+    Outcome::Fault {
+        kind: "fault",
+        detail: format!(
+            "rank {} (pid {} on {}) died; detected {} ms after its connection closed",
+            down.rank,
+            down.pid,
+            down.node,
+            down.at.elapsed().as_millis()
+        ),
+        lost_node: None,
+    }
+}
+
 /// Stops the whole world: every daemon kills its ranks, the launcher's process group is
 /// killed, and this waits (bounded) until the launcher is gone and no rank is connected.
-async fn stop(leader: &Leader, child: &mut Child) {
+async fn stop(leader: &Leader, child: &mut Child, plan: &Supervision, run: &str) {
     leader.kill_all_ranks().await;
+    if plan.launcher == Launcher::Srun {
+        // The step's job: cancelled, so its nodes are free for the relaunch.
+        let _ = Command::new("scancel")
+            .arg(format!("--name=lazarus-{run}"))
+            .status()
+            .await;
+    }
     if let Some(pid) = child.id() {
         let _ = Command::new("kill")
             .args(["-KILL", "--", &format!("-{pid}")])
@@ -343,10 +401,25 @@ async fn stop(leader: &Leader, child: &mut Child) {
     }
 }
 
-/// Drains a lost node in Slurm (when the launcher is srun), with the reason.
-async fn drain(plan: &Supervision, node: &str) {
+/// Whether Slurm still has `node` drained (or cannot say).
+async fn slurm_drained(node: &str) -> bool {
+    match Command::new("sinfo")
+        .args(["-h", "-N", "-n", node, "-o", "%t"])
+        .output()
+        .await
+    {
+        Ok(output) if output.status.success() => {
+            String::from_utf8_lossy(&output.stdout).contains("drain")
+        }
+        _ => true,
+    }
+}
+
+/// Drains a lost node in Slurm (when the launcher is srun), with the reason. Says whether
+/// it did.
+async fn drain(plan: &Supervision, node: &str) -> bool {
     if plan.launcher != Launcher::Srun {
-        return;
+        return false;
     }
     let status = Command::new("scontrol")
         .args([
@@ -357,7 +430,26 @@ async fn drain(plan: &Supervision, node: &str) {
         ])
         .status()
         .await;
-    if !status.is_ok_and(|s| s.success()) {
+    let drained = status.is_ok_and(|s| s.success());
+    if !drained {
         tracing::warn!(node, "could not drain the node in Slurm");
+    }
+    drained
+}
+
+#[cfg(test)]
+mod tests {
+    use super::socket_template;
+
+    #[test]
+    fn the_socket_template_replaces_the_node_in_the_file_name_only() {
+        assert_eq!(
+            socket_template("/tmp/xn1y/n1.sock", "n1"),
+            "/tmp/xn1y/{node}.sock"
+        );
+        assert_eq!(
+            socket_template("/run/lazarus/ckptd.sock", "n1"),
+            "/run/lazarus/ckptd.sock"
+        );
     }
 }
