@@ -27,7 +27,7 @@ write_config() {
     local last=$((NODE_PORT + NODES - 1))
     cat > "$SLURM_CONF" <<CONF
 ClusterName=lazarus
-SlurmctldHost=$HOST
+SlurmctldHost=$HOST(127.0.0.1)
 SlurmctldPort=$PORT
 SlurmUser=root
 SlurmdUser=root
@@ -55,7 +55,7 @@ KillOnBadExit=1
 MinJobAge=30
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
-NodeName=n[1-$NODES] NodeHostname=$HOST Port=[$NODE_PORT-$last] CPUs=2 RealMemory=4000 State=UNKNOWN
+NodeName=n[1-$NODES] NodeHostname=$HOST NodeAddr=127.0.0.1 Port=[$NODE_PORT-$last] CPUs=2 RealMemory=4000 State=UNKNOWN
 PartitionName=main Nodes=n[1-$NODES] Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:8
 CONF
 }
