@@ -269,12 +269,23 @@ async fn receive_replica(
     let target = dir.join(format!("step-{}", meta.step));
     let _ = std::fs::remove_dir_all(&target);
     std::fs::rename(&incoming, &target)?;
-    let mut held = 0;
-    for entry in std::fs::read_dir(&dir)?.flatten() {
-        if entry.path() != target {
-            let _ = std::fs::remove_dir_all(entry.path());
-        }
+    // Keep the two newest: the newest may be a step the leader never memory-commits (its
+    // sender died before every rank reported), and then the one before it is the committed
+    // one. A sender only starts a replica after its previous one was committed or dropped,
+    // so two are always enough.
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(&dir)?
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_str()?.to_string();
+            let step = name.strip_prefix("step-")?.parse().ok()?;
+            Some((step, entry.path()))
+        })
+        .collect();
+    steps.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+    for (_, path) in steps.iter().skip(2) {
+        let _ = std::fs::remove_dir_all(path);
     }
+    let mut held = 0;
     for rank_dir in std::fs::read_dir(dir.parent().expect("has a parent"))?.flatten() {
         for step_dir in std::fs::read_dir(rank_dir.path())?.flatten() {
             held += std::fs::metadata(step_dir.path().join("data"))
