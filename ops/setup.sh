@@ -12,28 +12,24 @@ export PATH="$HOME/.cargo/bin:$PATH"
 
 sudo_cmd=""
 [ "$(id -u)" -eq 0 ] || sudo_cmd="sudo"
-need_apt=()
-for package in libclang-dev mpich libmpich-dev pkg-config; do
-  dpkg -s "$package" >/dev/null 2>&1 || need_apt+=("$package")
-done
-if [ "${#need_apt[@]}" -gt 0 ]; then
-  echo "setup: installing ${need_apt[*]}"
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need_apt[@]}" >/dev/null
-fi
 
+# Installs the Debian packages given that are not installed yet.
+apt_need() {
+  local need=() package
+  for package in "$@"; do
+    dpkg -s "$package" >/dev/null 2>&1 || need+=("$package")
+  done
+  [ "${#need[@]}" -gt 0 ] || return 0
+  echo "setup: installing ${need[*]}"
+  $sudo_cmd apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}" >/dev/null
+}
+
+apt_need libclang-dev mpich libmpich-dev pkg-config
 [ "$what" = "build" ] && exit 0
 
 # The local Slurm cluster the tests start (ops/slurm/local-cluster.sh).
-need_apt=()
-for package in slurm-wlm munge; do
-  dpkg -s "$package" >/dev/null 2>&1 || need_apt+=("$package")
-done
-if [ "${#need_apt[@]}" -gt 0 ]; then
-  echo "setup: installing ${need_apt[*]}"
-  $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need_apt[@]}" >/dev/null
-fi
+apt_need slurm-wlm munge
 
 if ! s3s-fs --version 2>/dev/null | grep -q "0.14.1"; then
   echo "setup: installing the S3 test server (s3s-fs 0.14.1)"

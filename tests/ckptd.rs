@@ -4,70 +4,29 @@
 //! node (T0), the buddy (T1) or storage (T2), and must continue bit for bit.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
-use lazarus_tests::{bin, shared_data, Ctl, S3Server};
+use lazarus_tests::train::{loss_texts as losses, pid_in_rank_table, prepared, small_model_args};
+use lazarus_tests::{bin, Ctl, S3Server};
 
 /// A small model, one snapshot per step. The learning rate stays in its warm-up, where it
 /// depends on the step alone, so runs with different `train.steps` see the same rates.
 fn trainer_args(dir: &Path, run: &str, store: &str, steps: u64, busy: &str) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-        .map(String::from)
-        .to_vec();
-    args.push(dir.join("metrics").display().to_string());
-    for set in [
-        format!("run.id={run}"),
-        "model.d_model=32".into(),
-        "model.layers=2".into(),
-        "model.heads=2".into(),
-        "model.experts=4".into(),
-        "model.expert_ffn=32".into(),
-        "model.seq_len=32".into(),
-        "train.micro_batch=2".into(),
-        format!("train.steps={steps}"),
-        "train.log_every=1".into(),
-        "train.warmup_steps=1000".into(),
-        "train.lr=0.5".into(),
-        "train.val_every=100000".into(),
-        "train.threads=1".into(),
-        "checkpoint.every=1".into(),
-        format!("checkpoint.busy={busy}"),
-        format!("checkpoint.store={store}"),
-        format!("data.path={}", dir.join("data").display()),
-    ] {
-        args.push("--set".into());
-        args.push(set);
-    }
-    args
-}
-
-fn prepared() -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let output = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(dir.path().join("data"))
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    let path = dir.path().to_path_buf();
-    (dir, path)
-}
-
-/// The last loss logged for each step of `run`, as exact text (bit-for-bit comparisons).
-fn losses(dir: &Path, run: &str) -> std::collections::BTreeMap<u64, String> {
-    let text = std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
-        .expect("metrics");
-    text.lines()
-        .map(|line| {
-            let value: serde_json::Value = serde_json::from_str(line).unwrap();
-            (value["step"].as_u64().unwrap(), value["loss"].to_string())
-        })
-        .collect()
+    small_model_args(
+        dir,
+        &[
+            format!("run.id={run}"),
+            format!("train.steps={steps}"),
+            "train.warmup_steps=1000".into(),
+            "train.lr=0.5".into(),
+            "checkpoint.every=1".into(),
+            format!("checkpoint.busy={busy}"),
+            format!("checkpoint.store={store}"),
+        ],
+    )
 }
 
 /// Waits until the store's latest durable step of `run` is `step`.
@@ -118,12 +77,7 @@ fn kill_rank_at(cluster: &Cluster, args: &[String], step: u64) {
             break;
         }
     }
-    let pid: u32 = ranks
-        .split("rank 1 = pid ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|pid| pid.parse().ok())
-        .unwrap_or_else(|| panic!("no rank table in {ranks:?}"));
+    let pid = pid_in_rank_table(&ranks, 1);
     assert!(Command::new("kill")
         .args(["-KILL", &pid.to_string()])
         .status()

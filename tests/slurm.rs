@@ -5,47 +5,24 @@ use std::path::Path;
 use std::process::Command;
 
 use lazarus_tests::cluster::text_of;
-use lazarus_tests::{bin, shared_data, slurm_cluster};
+use lazarus_tests::train::{loss_texts, pid_in_rank_table, prepared, small_model_args};
+use lazarus_tests::{bin, slurm_cluster};
 
 fn args(dir: &Path, run: &str) -> Vec<String> {
     args_steps(dir, run, 6)
 }
 
 fn args_steps(dir: &Path, run: &str, steps: u64) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-        .map(String::from)
-        .to_vec();
-    args.push(dir.join("metrics").display().to_string());
-    for set in [
-        format!("run.id={run}"),
-        "model.d_model=32".into(),
-        "model.layers=2".into(),
-        "model.heads=2".into(),
-        "model.experts=4".into(),
-        "model.expert_ffn=32".into(),
-        "model.seq_len=32".into(),
-        "train.micro_batch=2".into(),
-        format!("train.steps={steps}"),
-        "train.log_every=1".into(),
-        "train.val_every=1000".into(),
-        "train.threads=1".into(),
-        "parallel.ep=2".into(),
-        "checkpoint.every=3".into(),
-        format!("checkpoint.store=file://{}", dir.join("store").display()),
-        format!("data.path={}", dir.join("data").display()),
-    ] {
-        args.push("--set".into());
-        args.push(set);
-    }
-    args
-}
-
-fn losses(dir: &Path, run: &str) -> Vec<String> {
-    std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap()["loss"].to_string())
-        .collect()
+    small_model_args(
+        dir,
+        &[
+            format!("run.id={run}"),
+            format!("train.steps={steps}"),
+            "parallel.ep=2".into(),
+            "checkpoint.every=3".into(),
+            format!("checkpoint.store=file://{}", dir.join("store").display()),
+        ],
+    )
 }
 
 #[test]
@@ -57,16 +34,8 @@ fn srun_with_pmi2_across_nodes_trains_like_mpiexec() {
             return;
         }
     };
-    let dir = tempfile::tempdir().unwrap();
-    let dir = dir.path();
-    let output = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(dir.join("data"))
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
+    let (_guard, dir) = prepared();
+    let dir = dir.as_path();
     let output = Command::new("srun")
         .env("SLURM_CONF", &conf)
         .args(["-N", "2", "-n", "2", "--mpi=pmi2", "--time=5", "-l"])
@@ -87,7 +56,7 @@ fn srun_with_pmi2_across_nodes_trains_like_mpiexec() {
         .output()
         .unwrap();
     assert!(output.status.success(), "{}", text_of(&output));
-    let (srun, mpiexec) = (losses(dir, "srun"), losses(dir, "mpiexec"));
+    let (srun, mpiexec) = (loss_texts(dir, "srun"), loss_texts(dir, "mpiexec"));
     assert_eq!(srun.len(), 6);
     assert_eq!(
         srun, mpiexec,
@@ -106,16 +75,8 @@ fn a_killed_rank_under_srun_ends_the_step_and_is_named() {
             return;
         }
     };
-    let dir = tempfile::tempdir().unwrap();
-    let dir = dir.path();
-    let output = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(dir.join("data"))
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
+    let (_guard, dir) = prepared();
+    let dir = dir.as_path();
     let mut child = Command::new("srun")
         .env("SLURM_CONF", &conf)
         .args([
@@ -144,12 +105,7 @@ fn a_killed_rank_under_srun_ends_the_step_and_is_named() {
             break;
         }
     }
-    let pid: u32 = ranks
-        .split("rank 1 = pid ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|pid| pid.parse().ok())
-        .unwrap_or_else(|| panic!("no rank table in {ranks:?}"));
+    let pid = pid_in_rank_table(&ranks, 1);
     let killed = Instant::now();
     assert!(Command::new("kill")
         .args(["-KILL", &pid.to_string()])

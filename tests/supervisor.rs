@@ -2,67 +2,28 @@
 //! 127.0.0.1 stand for nodes), detects a killed rank and a hung one, stops the world,
 //! relaunches it, and the ranks restore from T0 and continue bit for bit.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
-use lazarus_tests::{bin, shared_data, Ctl};
+use lazarus_tests::train::{loss_texts as losses, prepared, small_model_args};
+use lazarus_tests::{bin, Ctl};
 
 const STEPS: u64 = 200;
 
 fn trainer_args(dir: &Path, run: &str, store: &str) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-        .map(String::from)
-        .to_vec();
-    args.push(dir.join("metrics").display().to_string());
-    for set in [
-        format!("run.id={run}"),
-        "model.d_model=32".into(),
-        "model.layers=2".into(),
-        "model.heads=2".into(),
-        "model.experts=4".into(),
-        "model.expert_ffn=32".into(),
-        "model.seq_len=32".into(),
-        "train.micro_batch=2".into(),
-        format!("train.steps={STEPS}"),
-        "train.log_every=1".into(),
-        "train.warmup_steps=1000".into(),
-        "train.lr=0.5".into(),
-        "train.val_every=100000".into(),
-        "train.threads=1".into(),
-        "checkpoint.every=1".into(),
-        format!("checkpoint.store={store}"),
-        format!("data.path={}", dir.join("data").display()),
-    ] {
-        args.push("--set".into());
-        args.push(set);
-    }
-    args
-}
-
-fn prepared() -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let output = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(dir.path().join("data"))
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    let path = dir.path().to_path_buf();
-    (dir, path)
-}
-
-fn losses(dir: &Path, run: &str) -> BTreeMap<u64, String> {
-    std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .map(|v| (v["step"].as_u64().unwrap(), v["loss"].to_string()))
-        .collect()
+    small_model_args(
+        dir,
+        &[
+            format!("run.id={run}"),
+            format!("train.steps={STEPS}"),
+            "train.warmup_steps=1000".into(),
+            "train.lr=0.5".into(),
+            "checkpoint.every=1".into(),
+            format!("checkpoint.store={store}"),
+        ],
+    )
 }
 
 fn now_ms() -> u64 {

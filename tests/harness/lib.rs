@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 pub mod cluster;
 pub mod toy;
+pub mod train;
 
 use lazarus_shared::format::DType;
 use rand::rngs::StdRng;

@@ -239,16 +239,11 @@ async fn receive_replica(
                         frame.payload.len()
                     )));
                 }
-                let payload = frame.payload.clone();
-                let found = tokio::task::spawn_blocking(move || ChunkHash::of(&payload)).await?;
-                if found != hash {
+                if !write_chunk(&file, offset, hash, frame.payload).await? {
                     bail!(WireError::Malformed(format!(
                         "chunk {index} does not hash to its name"
                     )));
                 }
-                let file = file.clone();
-                let payload = frame.payload;
-                tokio::task::spawn_blocking(move || file.write_all_at(&payload, offset)).await??;
                 *slot = Some(hash);
             }
             Message::ReplicaEnd { chunks } => {
@@ -296,6 +291,23 @@ async fn receive_replica(
     daemon.metrics.replicas_held_bytes.set(held as i64);
     tracing::debug!(rank = meta.rank, step = meta.step, from = %meta.from_node, "replica stored");
     Ok(())
+}
+
+/// Writes one replica chunk at `offset` of `file` if it hashes to `hash`; false if not.
+async fn write_chunk(
+    file: &Arc<std::fs::File>,
+    offset: u64,
+    hash: ChunkHash,
+    payload: Bytes,
+) -> Result<bool> {
+    let hashed = payload.clone();
+    let found = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed)).await?;
+    if found != hash {
+        return Ok(false);
+    }
+    let file = file.clone();
+    tokio::task::spawn_blocking(move || file.write_all_at(&payload, offset)).await??;
+    Ok(true)
 }
 
 /// Streams this daemon's replica of (rank, step) back to the asker.
@@ -493,15 +505,10 @@ pub async fn fetch_replica(
                 if index as usize != hashes.len() {
                     bail!("chunk {index} arrived out of order");
                 }
-                let payload = frame.payload.clone();
-                let found = tokio::task::spawn_blocking(move || ChunkHash::of(&payload)).await?;
-                if found != hash {
+                let offset = u64::from(index) * SLOT_CHUNK_BYTES;
+                if !write_chunk(&file, offset, hash, frame.payload).await? {
                     bail!("replica chunk {index} of rank {rank} step {step} does not verify");
                 }
-                let offset = u64::from(index) * SLOT_CHUNK_BYTES;
-                let file = file.clone();
-                let payload = frame.payload;
-                tokio::task::spawn_blocking(move || file.write_all_at(&payload, offset)).await??;
                 hashes.push(hash);
             }
             Message::ReplicaEnd { chunks } => {
