@@ -682,25 +682,26 @@ async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
     let file = Arc::new(SlotFile::open(&job.path)?);
     let buddy = *daemon.buddy.lock().expect("not poisoned");
     let mut sender = match buddy {
-        Some(buddy) => Some(
-            peer::ReplicaSender::begin(
-                daemon,
-                buddy,
-                Message::ReplicaBegin {
-                    from_node: daemon.cfg.node.clone(),
-                    run: daemon.cfg.run.clone(),
-                    rank: job.rank,
-                    world_size: job.world_size,
-                    step: job.step,
-                    slot_bytes: job.slot_bytes,
-                    chunk_bytes: SLOT_CHUNK_BYTES,
-                    tensors: job.tensors.clone(),
-                    blobs: Vec::new(),
-                },
-                &job.blobs,
-            )
-            .await?,
-        ),
+        Some(buddy) => {
+            let blobs: Vec<(String, Bytes)> = job
+                .blobs
+                .iter()
+                .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
+                .collect();
+            let (specs, payload) = wire::pack_blobs(&blobs);
+            let begin = Message::ReplicaBegin {
+                from_node: daemon.cfg.node.clone(),
+                run: daemon.cfg.run.clone(),
+                rank: job.rank,
+                world_size: job.world_size,
+                step: job.step,
+                slot_bytes: job.slot_bytes,
+                chunk_bytes: SLOT_CHUNK_BYTES,
+                tensors: job.tensors.clone(),
+                blobs: specs,
+            };
+            Some(peer::ReplicaSender::begin(daemon, buddy, begin, &payload).await?)
+        }
         None => None,
     };
     let mut hashes = Vec::new();

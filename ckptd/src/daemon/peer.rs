@@ -374,11 +374,12 @@ pub struct ReplicaSender {
 }
 
 impl ReplicaSender {
+    /// Connects to the buddy and sends `begin` (a `ReplicaBegin`) with its blobs' bytes.
     pub async fn begin(
         daemon: &Daemon,
         buddy: SocketAddr,
         begin: Message,
-        blobs: &[(String, Vec<u8>)],
+        blob_bytes: &[u8],
     ) -> Result<Self> {
         let stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(buddy))
             .await
@@ -389,36 +390,7 @@ impl ReplicaSender {
             stream,
             key: daemon.key.clone(),
         };
-        let blobs: Vec<(String, Bytes)> = blobs
-            .iter()
-            .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
-            .collect();
-        let (specs, payload) = wire::pack_blobs(&blobs);
-        let begin = match begin {
-            Message::ReplicaBegin {
-                from_node,
-                run,
-                rank,
-                world_size,
-                step,
-                slot_bytes,
-                chunk_bytes,
-                tensors,
-                blobs: _,
-            } => Message::ReplicaBegin {
-                from_node,
-                run,
-                rank,
-                world_size,
-                step,
-                slot_bytes,
-                chunk_bytes,
-                tensors,
-                blobs: specs,
-            },
-            other => other,
-        };
-        wire::write_frame(&mut sender.stream, &begin, &payload, Some(&sender.key)).await?;
+        wire::write_frame(&mut sender.stream, &begin, blob_bytes, Some(&sender.key)).await?;
         Ok(sender)
     }
 
