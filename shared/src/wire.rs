@@ -541,15 +541,18 @@ pub async fn write_frame(
 }
 
 /// Concatenates named blobs into one payload, with their specs.
-pub fn pack_blobs(blobs: &[(String, Bytes)]) -> (Vec<BlobSpec>, Vec<u8>) {
+pub fn pack_blobs<B: AsRef<[u8]>>(blobs: &[(String, B)]) -> (Vec<BlobSpec>, Vec<u8>) {
     let specs = blobs
         .iter()
         .map(|(name, data)| BlobSpec {
             name: name.clone(),
-            len: data.len() as u32,
+            len: data.as_ref().len() as u32,
         })
         .collect();
-    let payload = blobs.iter().flat_map(|(_, d)| d.iter().copied()).collect();
+    let payload = blobs
+        .iter()
+        .flat_map(|(_, d)| d.as_ref().iter().copied())
+        .collect();
     (specs, payload)
 }
 

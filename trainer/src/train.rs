@@ -186,7 +186,7 @@ impl Session {
         let key = StepKey::new(self.state.step, timeline);
         let tensors = checkpoint_tensors(&self.optim);
         let blobs = if self.world.rank == 0 {
-            self.blobs()?
+            Session::blobs_of(&self.state, &self.config)?
         } else {
             Vec::new()
         };
@@ -272,19 +272,6 @@ impl Session {
         self.bases = None;
         self.state = state;
         Ok(Some(latest.step))
-    }
-
-    fn blobs(&self) -> Result<Vec<(String, Bytes)>> {
-        Ok(vec![
-            (
-                "trainer.json".into(),
-                Bytes::from(serde_json::to_vec(&self.state)?),
-            ),
-            (
-                hf_olmoe::MODEL_BLOB.into(),
-                Bytes::from(serde_json::to_vec(&self.config.model)?),
-            ),
-        ])
     }
 
     /// Connects to the node's `ckptd`, moves the optimizer state into its slots, and restores

@@ -683,12 +683,7 @@ async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
     let buddy = *daemon.buddy.lock().expect("not poisoned");
     let mut sender = match buddy {
         Some(buddy) => {
-            let blobs: Vec<(String, Bytes)> = job
-                .blobs
-                .iter()
-                .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
-                .collect();
-            let (specs, payload) = wire::pack_blobs(&blobs);
+            let (specs, payload) = wire::pack_blobs(&job.blobs);
             let begin = Message::ReplicaBegin {
                 from_node: daemon.cfg.node.clone(),
                 run: daemon.cfg.run.clone(),
@@ -1079,12 +1074,7 @@ fn served(daemon: &Daemon, state: &RankState, tier: Tier) -> (Message, Vec<u8>) 
         tier = tier.name(),
         "restore served"
     );
-    let blobs: Vec<(String, Bytes)> = snap
-        .blobs
-        .iter()
-        .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
-        .collect();
-    let (specs, payload) = wire::pack_blobs(&blobs);
+    let (specs, payload) = wire::pack_blobs(&snap.blobs);
     (
         Message::Restored {
             step: Some(snap.step),

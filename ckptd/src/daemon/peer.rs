@@ -162,31 +162,29 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             world_size,
             rank,
         } => {
-            let leader = daemon
-                .leader
-                .as_ref()
-                .ok_or_else(|| anyhow!("asked which step, but this daemon is not the leader"))?;
-            let reply = leader.which_step(&run, world_size, rank).await?;
+            let reply = leader_of(daemon, "which step")?
+                .which_step(&run, world_size, rank)
+                .await?;
             write(daemon, &mut stream, &reply, &[]).await
         }
         Message::EventsRequest => {
-            let leader = daemon
-                .leader
-                .as_ref()
-                .ok_or_else(|| anyhow!("asked for events, but this daemon is not the leader"))?;
-            let reply = Message::Events(leader.events().await);
+            let reply = Message::Events(leader_of(daemon, "events")?.events().await);
             write(daemon, &mut stream, &reply, &[]).await
         }
         Message::StatusRequest => {
-            let leader = daemon
-                .leader
-                .as_ref()
-                .ok_or_else(|| anyhow!("asked for status, but this daemon is not the leader"))?;
-            let reply = Message::Status(leader.status().await);
+            let reply = Message::Status(leader_of(daemon, "status")?.status().await);
             write(daemon, &mut stream, &reply, &[]).await
         }
         other => bail!("unexpected first message {other:?}"),
     }
+}
+
+/// This daemon's leader role, for a request only the leader answers.
+fn leader_of<'a>(daemon: &'a Daemon, asked: &str) -> Result<&'a Arc<super::leader::Leader>> {
+    daemon
+        .leader
+        .as_ref()
+        .ok_or_else(|| anyhow!("asked for {asked}, but this daemon is not the leader"))
 }
 
 async fn receive_replica(
@@ -328,12 +326,7 @@ async fn send_replica(
             return write(daemon, stream, &reply, &[]).await;
         }
     };
-    let blobs: Vec<(String, Bytes)> = meta
-        .blobs
-        .iter()
-        .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
-        .collect();
-    let (specs, payload) = wire::pack_blobs(&blobs);
+    let (specs, payload) = wire::pack_blobs(&meta.blobs);
     let begin = Message::ReplicaBegin {
         from_node: daemon.cfg.node.clone(),
         run: meta.run.clone(),
