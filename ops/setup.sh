@@ -15,14 +15,18 @@ sudo_cmd=""
 
 # Installs the Debian packages given that are not installed yet.
 apt_need() {
-  local need=() package
+  local need=() package options=()
+  if [ "${1:-}" = "--no-recommends" ]; then
+    options+=(--no-install-recommends)
+    shift
+  fi
   for package in "$@"; do
     dpkg -s "$package" >/dev/null 2>&1 || need+=("$package")
   done
   [ "${#need[@]}" -gt 0 ] || return 0
   echo "setup: installing ${need[*]}"
   $sudo_cmd apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}" >/dev/null
+  DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${options[@]}" "${need[@]}" >/dev/null
 }
 
 apt_need libclang-dev mpich libmpich-dev pkg-config
@@ -30,6 +34,8 @@ apt_need libclang-dev mpich libmpich-dev pkg-config
 
 # The local Slurm cluster the tests start (ops/slurm/local-cluster.sh).
 apt_need slurm-wlm munge
+# promtool, which checks and unit-tests the alert rules (the server is not started).
+apt_need --no-recommends prometheus
 
 if ! s3s-fs --version 2>/dev/null | grep -q "0.14.1"; then
   echo "setup: installing the S3 test server (s3s-fs 0.14.1)"

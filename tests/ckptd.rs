@@ -4,11 +4,12 @@
 //! node (T0), the buddy (T1) or storage (T2), and must continue bit for bit.
 
 use std::io::{BufRead, BufReader};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::runbook::Runbook;
 use lazarus_tests::train::{loss_texts as losses, pid_in_rank_table, prepared, small_model_args};
 use lazarus_tests::{bin, Ctl, S3Server};
 
@@ -407,4 +408,142 @@ fn bad_daemon_configuration_exits_2_with_the_reason() {
     ]);
     assert_eq!(code, Some(2), "{said}");
     assert!(said.contains("key material"), "{said}");
+}
+
+/// A tmpfs of `megabytes` mounted at `path` (root only), unmounted when dropped.
+struct Tmpfs(PathBuf);
+
+impl Tmpfs {
+    fn mount(path: &Path, megabytes: u64) -> Option<Self> {
+        std::fs::create_dir_all(path).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={megabytes}m"), "tmpfs"])
+            .arg(path)
+            .output()
+            .ok()?;
+        mounted.status.success().then(|| Self(path.to_path_buf()))
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[test]
+fn a_full_shm_is_a_clear_refusal_and_the_runbook_frees_it() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let mut cluster = Cluster::start(&dir, "shmfull", &store, 2, &Settings::default(), Vec::new());
+    // Node 2's shm is a 128 MB tmpfs, 80 MB of it left over from an old run.
+    let shm = cluster.nodes[1].shm.clone();
+    cluster.kill_node(1);
+    let Some(_tmpfs) = Tmpfs::mount(&shm, 128) else {
+        println!("skipped: cannot mount a tmpfs here (needs root)");
+        return;
+    };
+    let old = shm.join("old-run/ranks/rank-0");
+    std::fs::create_dir_all(&old).unwrap();
+    std::fs::write(old.join("slot-0"), vec![1u8; 80 << 20]).unwrap();
+    cluster.start_node(1);
+
+    // Rank 1 needs three 19.5 MB slots: refused at registration, with the reason.
+    let args = trainer_args(&dir, "shmfull", &store, 10, "skip");
+    let output = cluster.mpiexec(&args).output().unwrap();
+    let text = text_of(&output);
+    assert!(!output.status.success(), "{text}");
+    assert!(
+        text.contains("cannot reserve") && text.contains("is shm full?"),
+        "{text}"
+    );
+
+    let runbook = Runbook::load("disk-or-shm-full.md");
+    let env = vec![
+        ("SHM_DIR", shm.display().to_string()),
+        ("RUN", "shmfull".to_string()),
+    ];
+    let confirmed = runbook.run("Confirm", &env);
+    assert!(confirmed.contains("old-run"), "{confirmed}");
+    let fixed = runbook.run("Fix", &env);
+    assert!(fixed.contains("old-run"), "{fixed}");
+    assert!(!shm.join("old-run").exists());
+    assert!(
+        shm.join("shmfull").exists(),
+        "the running run's directory stays"
+    );
+    runbook.run("Verify it worked", &env);
+
+    // With room again the same job trains and commits.
+    cluster.train(&args);
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    ctl.expect(0, &["verify", "shmfull", "latest", "--read-data"]);
+    cluster.kill_node(1);
+}
+
+#[test]
+fn a_storage_outage_pauses_durable_commits_and_they_resume_after_it() {
+    let (_guard, dir) = prepared();
+    let mut s3 = S3Server::start();
+    let store = s3.url("outage");
+    let cluster = Cluster::start(&dir, "outage", &store, 2, &Settings::default(), s3.envs());
+    let mut ctl = Ctl::new(store.clone(), &dir.join("index"));
+    ctl.envs = s3.envs();
+    let mut training = cluster
+        .mpiexec(&trainer_args(&dir, "outage", &store, 150, "skip"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let durable = |ctl: &Ctl| {
+        let listed = ctl.run(&["--json", "list", "outage"]);
+        serde_json::from_slice::<serde_json::Value>(&listed.stdout).unwrap_or_default()["latest"]
+            ["step"]
+            .as_u64()
+            .unwrap_or(0)
+    };
+    while durable(&ctl) < 10 {
+        assert!(Instant::now() < deadline, "{}", cluster.logs());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // The store goes away for a while; training goes on.
+    s3.stop();
+    let before = cluster.metric(0, "lazarus_ckptd_durable_committed_step");
+    std::thread::sleep(Duration::from_secs(4));
+    let mut env: Vec<(&str, String)> = vec![
+        ("LAZARUS_STORE", store.clone()),
+        ("LAZARUS_INDEX", dir.join("index").display().to_string()),
+        ("RUN", "outage".into()),
+        ("LEADER", cluster.leader()),
+        ("KEY_FILE", cluster.key_file.display().to_string()),
+        ("METRICS", format!("127.0.0.1:{}", cluster.nodes[0].metrics)),
+    ];
+    let aws = s3.envs();
+    env.extend(aws.iter().map(|(k, v)| (k.as_str(), v.clone())));
+    let runbook = Runbook::load("storage-outage.md");
+    let confirmed = runbook.run("Confirm", &env);
+    assert!(confirmed.contains("durable step"), "{confirmed}");
+    assert!(
+        confirmed.contains("lazarus_ckptd_durable_committed_step"),
+        "{confirmed}"
+    );
+    // At most the upload that was in flight landed: nothing became durable while it was down.
+    let during = cluster.metric(0, "lazarus_ckptd_durable_committed_step");
+    assert!(
+        during <= before + 5.0,
+        "durable step {before} -> {during} with no store"
+    );
+
+    // The store is back: uploads retry, and the run ends durable and verified.
+    s3.restart();
+    assert!(training.wait().unwrap().success(), "{}", cluster.logs());
+    wait_for_latest(&ctl, "outage", 150);
+    let verified = runbook.run("Verify it worked", &env);
+    assert!(
+        verified.contains("lazarus_ckptd_durable_committed_step 150"),
+        "{verified}"
+    );
+    ctl.expect(0, &["verify", "outage", "--all", "--read-data"]);
 }

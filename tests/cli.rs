@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use lazarus_tests::runbook::Runbook;
 use lazarus_tests::{files_under, random_f32_bytes, write_safetensors, Ctl, S3Server};
 
 /// A store with run `r` holding steps 10 and 20 imported from files, chunked small.
@@ -449,4 +450,78 @@ fn the_index_rebuilds_from_storage_alone() {
         rebuilt, before,
         "rebuilt index differs from the one built while writing"
     );
+}
+
+#[test]
+fn the_corruption_and_rollback_runbooks_work_as_written() {
+    let dir = tempfile::tempdir().unwrap();
+    let (ctl, _) = fixture(dir.path());
+    // Step 30 changes w1 again; one of its own chunks rots.
+    let third = dir.path().join("model3.safetensors");
+    write_safetensors(
+        &third,
+        &[
+            ("w1", vec![256, 256], random_f32_bytes(256 * 256, 5)),
+            ("w2", vec![100, 300], random_f32_bytes(30_000, 2)),
+        ],
+    );
+    ctl.expect(0, &["import", "r", "--step", "30", third.to_str().unwrap()]);
+    let shown = ctl.json(&["show", "r", "30"]);
+    let chunk = shown["manifests"][0]["tensors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["name"] == "w1")
+        .unwrap()["chunks"][0]["hash"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    damage(
+        &dir.path()
+            .join("store/runs/r/chunks")
+            .join(&chunk[..2])
+            .join(&chunk),
+        Damage::FlipBit,
+    );
+    let env = |good: &str, bad: &str| {
+        vec![
+            ("LAZARUS_STORE", ctl.store.clone()),
+            ("LAZARUS_INDEX", ctl.index.display().to_string()),
+            ("RUN", "r".to_string()),
+            ("GOOD_STEP", good.to_string()),
+            ("BAD_STEP", bad.to_string()),
+        ]
+    };
+    let runbook = Runbook::load("corrupted-checkpoint.md");
+    let env_corrupt = env("20", "30");
+    let confirmed = runbook.run("Confirm", &env_corrupt);
+    assert!(
+        confirmed.contains("step=30") && confirmed.contains(&chunk),
+        "{confirmed}"
+    );
+    runbook.run("Fix", &env_corrupt);
+    let verified = runbook.run("Verify it worked", &env_corrupt);
+    assert!(verified.contains("rolled back"), "{verified}");
+    assert_eq!(ctl.json(&["list", "r"])["latest"]["step"], 20);
+
+    // A loss spike after step 10 of a healthy copy: back to 10.
+    let spiked = tempfile::tempdir().unwrap();
+    let (ctl, _) = fixture(spiked.path());
+    let runbook = Runbook::load("rollback-after-loss-spike.md");
+    let env_spike = vec![
+        ("LAZARUS_STORE", ctl.store.clone()),
+        ("LAZARUS_INDEX", ctl.index.display().to_string()),
+        ("RUN", "r".to_string()),
+        ("GOOD_STEP", "10".to_string()),
+        ("BAD_STEP", "20".to_string()),
+    ];
+    let confirmed = runbook.run("Confirm", &env_spike);
+    assert!(
+        confirmed.contains("w1") && confirmed.contains("changed"),
+        "{confirmed}"
+    );
+    runbook.run("Roll back", &env_spike);
+    let verified = runbook.run("Verify it worked", &env_spike);
+    assert!(verified.contains("loss spike after step 10"), "{verified}");
+    assert_eq!(ctl.json(&["list", "r"])["latest"]["step"], 10);
 }

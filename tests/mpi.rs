@@ -5,6 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use lazarus_tests::runbook::Runbook;
 use lazarus_tests::{bin, shared_data};
 
 /// A small model; `micro_batch` is per rank, so the global batch is micro_batch x ranks.
@@ -323,4 +324,33 @@ fn a_killed_rank_ends_the_job_quickly_and_a_relaunch_resumes() {
         said.contains(&format!("resumed from step {latest}")),
         "{said}"
     );
+}
+
+#[test]
+fn the_resharding_runbook_moves_a_run_from_two_ranks_to_one() {
+    let (_guard, dir) = prepared();
+    run(2, &args(&dir, "moved", 5, 2));
+    let runbook = Runbook::load("resharding.md");
+    let env = vec![
+        (
+            "LAZARUS_STORE",
+            format!("file://{}", dir.join("store").display()),
+        ),
+        ("LAZARUS_INDEX", dir.join("index").display().to_string()),
+        ("RUN", "moved".to_string()),
+        ("RANKS", "1".to_string()),
+        ("TRAINER_ARGS", args(&dir, "moved", 10, 4).join(" ")),
+    ];
+    let checked = runbook.run("Check the step it will resume from", &env);
+    assert!(checked.contains("OK"), "{checked}");
+    let said = runbook.run("Restart on the new number of ranks", &env);
+    assert!(said.contains("resumed from step 5"), "{said}");
+    let verified = runbook.run("Verify it worked", &env);
+    assert!(verified.contains("10"), "{verified}");
+    let store = format!("file://{}", dir.join("store").display());
+    let ctl = lazarus_tests::Ctl::new(store, &dir.join("index"));
+    let listed = ctl.json(&["list", "moved"]);
+    let last = listed["steps"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["step"]["step"], 10, "{listed}");
+    assert_eq!(last["world_size"], 1, "{listed}");
 }

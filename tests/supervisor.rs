@@ -1,12 +1,16 @@
-//! The supervising leader: it launches the world itself (here with mpiexec; daemons on
-//! 127.0.0.1 stand for nodes), detects a killed rank and a hung one, stops the world,
-//! relaunches it, and the ranks restore from T0 and continue bit for bit.
+//! The supervising leader: it launches the world itself (with mpiexec, daemons on 127.0.0.1
+//! standing for nodes, or with srun on the local Slurm cluster), detects a killed rank, a
+//! hung one and a lost node, stops the world, relaunches it, and the ranks restore and
+//! continue bit for bit. Also: a restarted leader, preemption and requeue, the shrink policy
+//! and stragglers.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::runbook::Runbook;
 use lazarus_tests::train::{loss_texts as losses, prepared, small_model_args};
 use lazarus_tests::{bin, Ctl};
 
@@ -24,6 +28,74 @@ fn trainer_args(dir: &Path, run: &str, store: &str) -> Vec<String> {
             format!("checkpoint.store={store}"),
         ],
     )
+}
+
+/// The losses of the same training, uninterrupted, under plain mpiexec with 2 ranks.
+fn reference_losses(dir: &Path) -> BTreeMap<u64, String> {
+    let reference_store = format!("file://{}", dir.join("reference").display());
+    let mut reference = trainer_args(dir, "reference", &reference_store);
+    reference.extend(["--set".into(), "checkpoint.every=100000".into()]);
+    let output = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(&reference)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    losses(dir, "reference")
+}
+
+/// `nodes` daemons for `run` (store under `dir/store`, durable every 50 steps); node 1 leads
+/// and supervises with `flags` (e.g. `--supervise mpiexec --active-nodes 2`) and the trainer.
+fn supervised(
+    dir: &Path,
+    run: &str,
+    nodes: usize,
+    flags: &[&str],
+    envs: Vec<(String, String)>,
+) -> (Cluster, Ctl) {
+    let store = format!("file://{}", dir.join("store").display());
+    let mut leader_extra: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+    for arg in trainer_args(dir, run, &store) {
+        leader_extra.push(format!("--trainer-arg={arg}"));
+    }
+    let settings = Settings {
+        durable_every_steps: 50,
+        leader_extra,
+        ..Settings::default()
+    };
+    let cluster = Cluster::start(dir, run, &store, nodes, &settings, envs);
+    let ctl = Ctl::new(store, &dir.join("index"));
+    (cluster, ctl)
+}
+
+/// What the supervision runbooks read from the environment.
+fn runbook_env(cluster: &Cluster, run: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("LAZARUS_STORE", cluster.store.clone()),
+        (
+            "LAZARUS_INDEX",
+            cluster.dir.join("index").display().to_string(),
+        ),
+        ("RUN", run.to_string()),
+        ("LEADER", cluster.leader()),
+        ("KEY_FILE", cluster.key_file.display().to_string()),
+    ]
+}
+
+fn kinds(timeline: &[serde_json::Value]) -> Vec<String> {
+    timeline
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
+
+/// Sends `signal` to `pid`; whether it was delivered.
+fn kill(signal: &str, pid: impl ToString) -> bool {
+    Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success())
 }
 
 fn now_ms() -> u64 {
@@ -45,6 +117,11 @@ fn events(ctl: &Ctl, run: &str) -> Vec<serde_json::Value> {
 }
 
 fn wait_for_event(ctl: &Ctl, run: &str, kind: &str, count: usize, cluster: &Cluster) {
+    wait_for_event_or(ctl, run, kind, count, || cluster.logs());
+}
+
+/// Waits for the `count`th event of `kind`; on timeout, fails with `logs()`.
+fn wait_for_event_or(ctl: &Ctl, run: &str, kind: &str, count: usize, logs: impl Fn() -> String) {
     let deadline = Instant::now() + Duration::from_secs(180);
     while events(ctl, run)
         .iter()
@@ -56,23 +133,33 @@ fn wait_for_event(ctl: &Ctl, run: &str, kind: &str, count: usize, cluster: &Clus
             Instant::now() < deadline,
             "no {kind} event #{count}: {:#?}\n{}",
             events(ctl, run),
-            cluster.logs()
+            logs()
         );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
 
-/// The pid of a rank of the running world, from the leader.
+/// The pid of a rank of the running world, from the leader, once it is past `past_step`.
 fn rank_pid(cluster: &Cluster, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
+    rank_pid_at(&cluster.leader(), &cluster.key_file, ctl, rank, past_step)
+}
+
+fn leader_status(leader: &str, key_file: &Path, ctl: &Ctl) -> serde_json::Value {
+    let output = ctl.run(&[
+        "--json",
+        "status",
+        "--leader",
+        leader,
+        "--key-file",
+        key_file.to_str().unwrap(),
+    ]);
+    serde_json::from_slice(&output.stdout).unwrap_or_default()
+}
+
+fn rank_pid_at(leader: &str, key_file: &Path, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let status = ctl.json(&[
-            "status",
-            "--leader",
-            &cluster.leader(),
-            "--key-file",
-            cluster.key_file.to_str().unwrap(),
-        ]);
+        let status = leader_status(leader, key_file, ctl);
         let found = status["runs"][0]["ranks"]
             .as_array()
             .and_then(|ranks| ranks.iter().find(|r| r["rank"] == rank).cloned());
@@ -90,48 +177,21 @@ fn rank_pid(cluster: &Cluster, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
 #[test]
 fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
     let (_guard, dir) = prepared();
-    let reference_store = format!("file://{}", dir.join("reference").display());
-    let mut reference = trainer_args(&dir, "reference", &reference_store);
-    reference.extend(["--set".into(), "checkpoint.every=100000".into()]);
-    let output = Command::new("mpiexec")
-        .args(["-n", "2"])
-        .arg(bin("trainer"))
-        .args(&reference)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    let expected = losses(&dir, "reference");
-
-    let store = format!("file://{}", dir.join("store").display());
-    let mut leader_extra: Vec<String> = [
+    let expected = reference_losses(&dir);
+    let flags = [
         "--supervise",
         "mpiexec",
         "--active-nodes",
         "2",
         "--hang-timeout-seconds",
         "3",
-    ]
-    .map(String::from)
-    .to_vec();
-    for arg in trainer_args(&dir, "supervised", &store) {
-        leader_extra.push(format!("--trainer-arg={arg}"));
-    }
-    let settings = Settings {
-        durable_every_steps: 50,
-        leader_extra,
-        ..Settings::default()
-    };
-    let cluster = Cluster::start(&dir, "supervised", &store, 2, &settings, Vec::new());
-    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    ];
+    let (cluster, ctl) = supervised(&dir, "supervised", 2, &flags, Vec::new());
 
     // 1. SIGKILL rank 1: detected within 2 s, restarted in place from T0.
     let pid = rank_pid(&cluster, &ctl, 1, 40);
     let killed_ms = now_ms();
-    assert!(Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    assert!(kill("KILL", pid));
     wait_for_event(&ctl, "supervised", "first_step", 2, &cluster);
     let timeline = events(&ctl, "supervised");
     let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
@@ -142,18 +202,14 @@ fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
     );
     assert!(detected_ms < 2000, "{fault}");
     assert!(
-        fault["detail"].as_str().unwrap().contains("rank 1"),
+        fault["detail"].as_str().unwrap().starts_with("rank 1 "),
         "{fault}"
     );
 
     // 2. SIGSTOP rank 0: no progress for 3 s is a hang; the world is stopped and relaunched.
     let pid = rank_pid(&cluster, &ctl, 0, 120);
     let stopped_ms = now_ms();
-    assert!(Command::new("kill")
-        .args(["-STOP", &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    assert!(kill("STOP", pid));
     wait_for_event(&ctl, "supervised", "completed", 1, &cluster);
     let timeline = events(&ctl, "supervised");
     let hang = timeline
@@ -202,41 +258,16 @@ fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
 #[test]
 fn a_lost_node_is_replaced_by_a_hot_spare_that_restores_from_the_buddy() {
     let (_guard, dir) = prepared();
-    let reference_store = format!("file://{}", dir.join("reference").display());
-    let mut reference = trainer_args(&dir, "reference", &reference_store);
-    reference.extend(["--set".into(), "checkpoint.every=100000".into()]);
-    let output = Command::new("mpiexec")
-        .args(["-n", "2"])
-        .arg(bin("trainer"))
-        .args(&reference)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    let expected = losses(&dir, "reference");
-
+    let expected = reference_losses(&dir);
     // Three nodes: n1 and n2 train, n3 is a hot spare.
-    let store = format!("file://{}", dir.join("store").display());
-    let mut leader_extra: Vec<String> = ["--supervise", "mpiexec", "--active-nodes", "2"]
-        .map(String::from)
-        .to_vec();
-    for arg in trainer_args(&dir, "spared", &store) {
-        leader_extra.push(format!("--trainer-arg={arg}"));
-    }
-    let settings = Settings {
-        durable_every_steps: 50,
-        leader_extra,
-        ..Settings::default()
-    };
-    let mut cluster = Cluster::start(&dir, "spared", &store, 3, &settings, Vec::new());
-    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let (mut cluster, ctl) = supervised(&dir, "spared", 3, &flags, Vec::new());
 
     // Node 2 dies: its daemon, then its rank.
     let pid = rank_pid(&cluster, &ctl, 1, 60);
     let lost_ms = now_ms();
     cluster.kill_node(1);
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status();
+    kill("KILL", pid);
     wait_for_event(&ctl, "spared", "completed", 1, &cluster);
     let timeline = events(&ctl, "spared");
     let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
@@ -283,33 +314,20 @@ fn under_slurm_a_lost_node_is_drained_and_a_spare_takes_over() {
             return;
         }
     };
+    let _exclusive = lazarus_tests::slurm_exclusive();
     let (_guard, dir) = prepared();
-    let store = format!("file://{}", dir.join("store").display());
-    let mut leader_extra: Vec<String> = ["--supervise", "srun", "--active-nodes", "2"]
-        .map(String::from)
-        .to_vec();
-    for arg in trainer_args(&dir, "slurm", &store) {
-        leader_extra.push(format!("--trainer-arg={arg}"));
-    }
-    let settings = Settings {
-        durable_every_steps: 50,
-        leader_extra,
-        ..Settings::default()
-    };
     let envs = vec![("SLURM_CONF".to_string(), conf.display().to_string())];
-    let mut cluster = Cluster::start(&dir, "slurm", &store, 3, &settings, envs);
-    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    let flags = ["--supervise", "srun", "--active-nodes", "2"];
+    let (mut cluster, ctl) = supervised(&dir, "slurm", 3, &flags, envs);
     let pid = rank_pid(&cluster, &ctl, 1, 60);
     // Node n2 dies whole: its slurmd, its daemon and its rank.
     let slurmd_pid = std::fs::read_to_string(conf.parent().unwrap().join("run/slurmd-n2.pid"))
         .unwrap()
         .trim()
         .to_string();
-    let _ = Command::new("kill").args(["-KILL", &slurmd_pid]).status();
+    kill("KILL", &slurmd_pid);
     cluster.kill_node(1);
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status();
+    kill("KILL", pid);
     wait_for_event(&ctl, "slurm", "completed", 1, &cluster);
     let timeline = events(&ctl, "slurm");
     let kinds: Vec<&str> = timeline
@@ -357,51 +375,72 @@ fn under_slurm_a_lost_node_is_drained_and_a_spare_takes_over() {
         "{status}"
     );
     assert_eq!(losses(&dir, "slurm").len(), STEPS as usize);
+
+    // The runbook: confirm, repair the node (its slurmd and ckptd back), return it to Slurm.
+    let runbook = Runbook::load("node-failure.md");
+    let mut env = runbook_env(&cluster, "slurm");
+    env.push(("NODE", "n2".into()));
+    env.push(("SLURM_CONF", conf.display().to_string()));
+    let confirmed = runbook.run("Confirm", &env);
+    assert!(confirmed.contains("node n2 lost"), "{confirmed}");
+    assert!(confirmed.contains("lazarus: node lost"), "{confirmed}");
+    let repaired = Command::new("slurmd")
+        .args(["-N", "n2"])
+        .env("SLURM_CONF", &conf)
+        .status()
+        .unwrap();
+    assert!(repaired.success());
+    cluster.start_node(1);
+    runbook.run("Return the node", &env);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let verified = runbook.run("Verify it worked", &env);
+        let state = verified
+            .lines()
+            .find(|l| l.starts_with("n2 "))
+            .unwrap_or_default()
+            .to_string();
+        if ["idle", "mix", "alloc"].iter().any(|s| state.contains(s)) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "n2 did not come back: {verified}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
 }
 
 #[test]
 fn two_failures_in_a_row_and_no_spare_left_wait_then_recover() {
     let (_guard, dir) = prepared();
-    let store = format!("file://{}", dir.join("store").display());
-    let mut leader_extra: Vec<String> = ["--supervise", "mpiexec", "--active-nodes", "2"]
-        .map(String::from)
-        .to_vec();
-    for arg in trainer_args(&dir, "twice", &store) {
-        leader_extra.push(format!("--trainer-arg={arg}"));
-    }
-    let settings = Settings {
-        durable_every_steps: 50,
-        leader_extra,
-        ..Settings::default()
-    };
-    let mut cluster = Cluster::start(&dir, "twice", &store, 2, &settings, Vec::new());
-    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let (mut cluster, ctl) = supervised(&dir, "twice", 2, &flags, Vec::new());
 
     // 1. Rank 1 dies; as soon as the relaunched world registers, rank 0 dies too, before
     //    its first step: the second failure hits the recovery from the first.
     let pid = rank_pid(&cluster, &ctl, 1, 30);
-    assert!(Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    assert!(kill("KILL", pid));
     wait_for_event(&ctl, "twice", "relaunch", 1, &cluster);
     let again = rank_pid(&cluster, &ctl, 0, 0);
-    assert!(Command::new("kill")
-        .args(["-KILL", &again.to_string()])
-        .status()
-        .unwrap()
-        .success());
+    assert!(kill("KILL", again));
     wait_for_event(&ctl, "twice", "relaunch", 2, &cluster);
 
     // 2. Node 2 is lost with no spare: the leader waits (the default policy) until a node
     //    comes back, then relaunches.
     let pid = rank_pid(&cluster, &ctl, 1, 100);
     cluster.kill_node(1);
-    let _ = Command::new("kill")
-        .args(["-KILL", &pid.to_string()])
-        .status();
+    kill("KILL", pid);
     wait_for_event(&ctl, "twice", "waiting", 1, &cluster);
+    let runbook = Runbook::load("spares-exhausted.md");
+    let env = runbook_env(&cluster, "twice");
+    let confirmed = runbook.run("Confirm", &env);
+    assert!(confirmed.contains("waiting"), "{confirmed}");
+    assert!(confirmed.contains("spares -"), "{confirmed}");
+    let first_steps = kinds(&events(&ctl, "twice"))
+        .iter()
+        .filter(|k| *k == "first_step")
+        .count();
     std::thread::sleep(Duration::from_millis(500));
     assert_eq!(
         events(&ctl, "twice")
@@ -411,7 +450,11 @@ fn two_failures_in_a_row_and_no_spare_left_wait_then_recover() {
         2,
         "no relaunch without a node"
     );
+    // The fix: the node's ckptd is back.
     cluster.start_node(1);
+    wait_for_event(&ctl, "twice", "first_step", first_steps + 1, &cluster);
+    let verified = runbook.run("Verify it worked", &env);
+    assert!(verified.contains("relaunch"), "{verified}");
     wait_for_event(&ctl, "twice", "completed", 1, &cluster);
     let timeline = events(&ctl, "twice");
     let kinds: Vec<&str> = timeline
@@ -431,4 +474,411 @@ fn two_failures_in_a_row_and_no_spare_left_wait_then_recover() {
     );
     assert_eq!(losses(&dir, "twice").len(), STEPS as usize);
     ctl.expect(0, &["verify", "twice", "--all", "--read-data"]);
+}
+
+/// The committed steps of `run`.
+fn committed(ctl: &Ctl, run: &str) -> Vec<u64> {
+    ctl.json(&["list", run])["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["state"] == "committed")
+        .map(|s| s["step"]["step"].as_u64().unwrap())
+        .collect()
+}
+
+#[test]
+fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
+    let (_guard, dir) = prepared();
+    let expected = reference_losses(&dir);
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let (mut cluster, ctl) = supervised(&dir, "adopted", 2, &flags, Vec::new());
+
+    // Past the first durable step, the leader's daemon dies; the world keeps training.
+    rank_pid(&cluster, &ctl, 0, 55);
+    let before = committed(&ctl, "adopted");
+    assert!(before.contains(&50), "{before:?}");
+    cluster.kill_node(0);
+    std::thread::sleep(Duration::from_millis(500));
+    cluster.start_node(0);
+    wait_for_event(&ctl, "adopted", "adopted", 1, &cluster);
+
+    // Supervision resumes: a rank killed now is detected and the world recovered.
+    let pid = rank_pid(&cluster, &ctl, 1, 110);
+    assert!(kill("KILL", pid));
+    wait_for_event(&ctl, "adopted", "completed", 1, &cluster);
+    let timeline = events(&ctl, "adopted");
+    println!("{}", ctl.expect(0, &["events", "adopted"]));
+    let kinds = kinds(&timeline);
+    let count = |kind: &str| kinds.iter().filter(|k| *k == kind).count();
+    assert_eq!(count("launch"), 1, "no second world: {kinds:?}");
+    assert_eq!(count("adopted"), 1, "{kinds:?}");
+    assert_eq!(count("fault"), 1, "{kinds:?}");
+    assert_eq!(count("relaunch"), 1, "{kinds:?}");
+    let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
+    assert!(
+        fault["detail"].as_str().unwrap().starts_with("rank 1 "),
+        "{fault}"
+    );
+    // No committed step was lost, and every one still verifies.
+    let after = committed(&ctl, "adopted");
+    for step in &before {
+        assert!(after.contains(step), "step {step} lost: {after:?}");
+    }
+    assert!(after.contains(&STEPS), "{after:?}");
+    ctl.expect(0, &["verify", "adopted", "--all", "--read-data"]);
+    assert_eq!(losses(&dir, "adopted"), expected, "bit for bit throughout");
+}
+
+#[test]
+fn with_no_spare_the_shrink_policy_continues_on_the_healthy_nodes() {
+    let (_guard, dir) = prepared();
+    let flags = [
+        "--supervise",
+        "mpiexec",
+        "--active-nodes",
+        "2",
+        "--when-no-spare",
+        "shrink",
+    ];
+    let (mut cluster, ctl) = supervised(&dir, "shrunk", 2, &flags, Vec::new());
+    let pid = rank_pid(&cluster, &ctl, 1, 60);
+    cluster.kill_node(1);
+    kill("KILL", pid);
+    wait_for_event(&ctl, "shrunk", "completed", 1, &cluster);
+    let timeline = events(&ctl, "shrunk");
+    println!("{}", ctl.expect(0, &["events", "shrunk"]));
+    let kinds = kinds(&timeline);
+    assert!(kinds.contains(&"shrink".to_string()), "{kinds:?}");
+    assert!(!kinds.contains(&"waiting".to_string()), "{kinds:?}");
+    // Before shrinking, the newest memory-committed step became durable from n1's T0 and
+    // n1's replica of rank 1 (T1), and the smaller world restored exactly that step.
+    let secured = timeline.iter().find(|e| e["kind"] == "secured").unwrap();
+    let step: u64 = secured["detail"].as_str().unwrap()["step ".len()..]
+        .split(' ')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(step >= 60, "{secured}");
+    let restored = timeline
+        .iter()
+        .filter(|e| e["kind"] == "restored")
+        .nth(1)
+        .unwrap();
+    assert!(
+        restored["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("every rank is at step {step} ")),
+        "{restored}"
+    );
+    let relaunch = timeline.iter().find(|e| e["kind"] == "relaunch").unwrap();
+    assert!(
+        relaunch["detail"]
+            .as_str()
+            .unwrap()
+            .contains("mpiexec on n1 "),
+        "{relaunch}"
+    );
+    // One rank now holds what two did: it came from the durable step, resharded.
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_restores_total{tier=\"t2\"}"),
+        1.0,
+        "{}",
+        cluster.logs()
+    );
+    let steps = ctl.json(&["list", "shrunk"]);
+    let last = steps["steps"].as_array().unwrap().last().unwrap().clone();
+    assert_eq!(last["step"]["step"], STEPS, "{last}");
+    assert_eq!(last["world_size"], 1, "{last}");
+    assert_eq!(losses(&dir, "shrunk").len(), STEPS as usize);
+    ctl.expect(0, &["verify", "shrunk", "--all", "--read-data"]);
+}
+
+/// Throttles a process as an overloaded or thermally limited node would: stopped 75 ms of
+/// every 100 ms, until dropped.
+struct Throttle {
+    done: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Throttle {
+    fn start(pid: u32) -> Self {
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = done.clone();
+        let thread = std::thread::spawn(move || {
+            while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                kill("STOP", pid);
+                std::thread::sleep(Duration::from_millis(75));
+                kill("CONT", pid);
+                std::thread::sleep(Duration::from_millis(25));
+            }
+        });
+        Self {
+            done,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Throttle {
+    fn drop(&mut self) {
+        self.done.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[test]
+fn a_throttled_rank_is_reported_as_a_straggler() {
+    let (_guard, dir) = prepared();
+    let flags = [
+        "--supervise",
+        "mpiexec",
+        "--active-nodes",
+        "2",
+        "--straggler-seconds",
+        "1",
+    ];
+    let (cluster, ctl) = supervised(&dir, "slow", 2, &flags, Vec::new());
+    let slow = rank_pid(&cluster, &ctl, 1, 10);
+    let throttle = Throttle::start(slow);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        let status = leader_status(&cluster.leader(), &cluster.key_file, &ctl);
+        let ranks = status["runs"][0]["ranks"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        if ranks
+            .iter()
+            .any(|r| r["rank"] == 1 && r["straggler"] == true)
+        {
+            break status;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 1 never reported as a straggler: {status}\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let ranks = status["runs"][0]["ranks"].as_array().unwrap();
+    println!("ranks: {ranks:?}");
+    assert!(ranks
+        .iter()
+        .all(|r| r["rank"] == 1 || r["straggler"] == false));
+    assert_eq!(cluster.metric(0, "lazarus_ckptd_stragglers"), 1.0);
+    let text = ctl.expect(
+        0,
+        &[
+            "status",
+            "--leader",
+            &cluster.leader(),
+            "--key-file",
+            cluster.key_file.to_str().unwrap(),
+        ],
+    );
+    assert!(text.contains("stragglers: rank 1 on n2"), "{text}");
+    assert!(
+        cluster.log(0).contains("straggler: rank 1 on n2"),
+        "the log line"
+    );
+    let runbook = Runbook::load("straggler.md");
+    let env = runbook_env(&cluster, "slow");
+    let confirmed = runbook.run("Confirm", &env);
+    assert!(
+        confirmed.contains("stragglers: rank 1 on n2"),
+        "{confirmed}"
+    );
+    // The slow node recovers: the straggler clears.
+    drop(throttle);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while cluster.metric(0, "lazarus_ckptd_stragglers") != 0.0 {
+        assert!(Instant::now() < deadline, "the straggler never cleared");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    runbook.run("Verify it worked", &env);
+    // Dropping the cluster ends the daemons and the world.
+}
+
+#[test]
+fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
+    let conf = match lazarus_tests::slurm_cluster() {
+        Ok(conf) => conf,
+        Err(why) => {
+            println!("skipped: {why}");
+            return;
+        }
+    };
+    let _exclusive = lazarus_tests::slurm_exclusive();
+    let (_guard, dir) = prepared();
+    let expected = reference_losses(&dir);
+    let store = format!("file://{}", dir.join("store").display());
+    let key_file = dir.join("job.key");
+    std::fs::write(&key_file, format!("{:064x}", rand::random::<u128>())).unwrap();
+    std::fs::write(
+        dir.join("ckptd.toml"),
+        "durable_every_steps = 50\ncommit_timeout_seconds = 3.0\n",
+    )
+    .unwrap();
+    // Three nodes on this machine share 127.0.0.1: node i listens on port + i.
+    let ports = lazarus_tests::free_port_run(6);
+    let shm = Path::new("/dev/shm").join(format!("lazarus-sbatch-{}-{ports}", std::process::id()));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/slurm/train.sbatch");
+    let bin_dir = bin("ckptd").parent().unwrap().to_path_buf();
+    let slurm = |program: &str| {
+        let mut command = Command::new(program);
+        command.env("SLURM_CONF", &conf);
+        command
+    };
+    let submitted = slurm("sbatch")
+        .env("LAZARUS_RUN", "preempted")
+        .env("LAZARUS_STORE", &store)
+        .env("LAZARUS_KEY_FILE", &key_file)
+        .env("LAZARUS_HOST", "127.0.0.1")
+        .env("LAZARUS_PORT", ports.to_string())
+        .env("LAZARUS_METRICS_PORT", (ports + 3).to_string())
+        .env("LAZARUS_SHM_DIR", &shm)
+        .env("LAZARUS_SOCKET_DIR", dir.join("sockets"))
+        .env("LAZARUS_BIN", &bin_dir)
+        .env("LAZARUS_CKPTD_CONFIG", dir.join("ckptd.toml"))
+        .args(["--parsable", "--nodes=3", "--time=10"])
+        .arg(format!("--output={}", dir.join("job.out").display()))
+        .arg(&script)
+        .args(trainer_args(&dir, "preempted", &store))
+        .output()
+        .unwrap();
+    assert!(submitted.status.success(), "{}", text_of(&submitted));
+    let job = String::from_utf8_lossy(&submitted.stdout)
+        .trim()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
+    struct Cancel(Command, std::path::PathBuf);
+    impl Drop for Cancel {
+        fn drop(&mut self) {
+            let _ = self.0.status();
+            let _ = std::fs::remove_dir_all(&self.1);
+        }
+    }
+    let mut scancel = slurm("scancel");
+    scancel.arg(&job);
+    let _cancel = Cancel(scancel, shm.clone());
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    let job_log = || std::fs::read_to_string(dir.join("job.out")).unwrap_or_default();
+    let leader = format!("127.0.0.1:{ports}");
+
+    // One daemon per node; two train, one is a spare.
+    rank_pid_at(&leader, &key_file, &ctl, 0, 60);
+    let status = leader_status(&leader, &key_file, &ctl);
+    assert_eq!(status["nodes"].as_array().unwrap().len(), 3, "{status}");
+    assert_eq!(
+        status["supervision"]["spares"].as_array().unwrap().len(),
+        1,
+        "{status}"
+    );
+
+    // Slurm's warning before the time limit, delivered now (the runbook's command): the
+    // batch shell gets SIGUSR1.
+    let runbook = Runbook::load("preemption.md");
+    let env = vec![
+        ("LAZARUS_STORE", store.clone()),
+        ("LAZARUS_INDEX", dir.join("index").display().to_string()),
+        ("RUN", "preempted".to_string()),
+        ("JOB", job.clone()),
+        ("SLURM_CONF", conf.display().to_string()),
+    ];
+    runbook.run("Preempt by hand", &env);
+    wait_for_event_or(&ctl, "preempted", "preempted", 1, job_log);
+    let timeline = events(&ctl, "preempted");
+    let preempted = timeline.iter().find(|e| e["kind"] == "preempted").unwrap();
+    let detail = preempted["detail"].as_str().unwrap();
+    let step: u64 = detail
+        .strip_prefix("step ")
+        .and_then(|rest| rest.strip_suffix(" is durable"))
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("{preempted}"));
+    assert!(step > 60 && step < STEPS, "{preempted}");
+    assert!(committed(&ctl, "preempted").contains(&step));
+
+    // The job requeues itself. Slurm holds a requeued job about two minutes before it may
+    // start again; release it now, as an operator in a hurry would.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let shown = slurm("scontrol")
+            .args(["show", "job", &job])
+            .output()
+            .unwrap();
+        let shown = text_of(&shown);
+        if shown.contains("Restarts=1") && shown.contains("JobState=PENDING") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not requeued: {shown}\n{}",
+            job_log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let confirmed = runbook.run("Confirm", &env);
+    assert!(
+        confirmed.contains(&format!("step {step} is durable")),
+        "{confirmed}"
+    );
+    assert!(confirmed.contains("Restarts=1"), "{confirmed}");
+    // The preempted incarnation's batch step is still ending for a moment.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let steps = slurm("squeue")
+            .args(["-h", "-s", "-j", &job])
+            .output()
+            .unwrap();
+        // On this one-machine cluster the old batch step's slurmstepd can be seen too.
+        let stepd = Command::new("pgrep")
+            .args(["-f", &format!("slurmstepd: \\[{job}.batch\\]")])
+            .output()
+            .unwrap();
+        if steps.status.success() && steps.stdout.is_empty() && stepd.stdout.is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{}", text_of(&steps));
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let released = runbook.run("Start the requeued job now", &env);
+    assert!(!released.contains(".batch"), "{released}");
+    wait_for_event_or(&ctl, "preempted", "first_step", 2, job_log);
+    let verified = runbook.run("Verify it worked", &env);
+    assert!(
+        verified.contains(&format!("every rank is at step {step} ")),
+        "{verified}"
+    );
+    assert!(verified.contains("RUNNING"), "{verified}");
+    wait_for_event_or(&ctl, "preempted", "completed", 1, job_log);
+    println!("{}", ctl.expect(0, &["events", "preempted"]));
+    let kinds = kinds(&events(&ctl, "preempted"));
+    for kind in [
+        "launch",
+        "preempting",
+        "preempted",
+        "relaunch",
+        "restored",
+        "completed",
+    ] {
+        assert!(
+            kinds.contains(&kind.to_string()),
+            "{kind} missing: {kinds:?}"
+        );
+    }
+    assert!(!kinds.contains(&"fault".to_string()), "{kinds:?}");
+    assert!(committed(&ctl, "preempted").contains(&STEPS));
+    ctl.expect(0, &["verify", "preempted", "--all", "--read-data"]);
+    assert_eq!(
+        losses(&dir, "preempted"),
+        expected,
+        "the requeued job continues bit for bit"
+    );
 }

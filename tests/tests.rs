@@ -3,6 +3,7 @@
 // Test code: a panic with its message is the failure report.
 #![allow(clippy::unwrap_used)]
 
+mod alerts;
 mod ckptd;
 mod cli;
 mod conformance;

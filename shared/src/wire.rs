@@ -157,6 +157,12 @@ pub struct RankStatus {
     /// Newest step the rank reported (heartbeat or snapshot).
     pub step: u64,
     pub last_seen_ms_ago: u64,
+    /// The rank's own compute per step (wall time less time in collectives), in ms.
+    #[serde(default)]
+    pub compute_ms: Option<f64>,
+    /// Slower than the median by more than the margin, for longer than the set time.
+    #[serde(default)]
+    pub straggler: bool,
 }
 
 /// What the leader knows about one node.
@@ -232,9 +238,14 @@ pub enum Message {
         /// How long the previous snapshot stalled the training loop.
         stall_us: u64,
     },
-    /// Heartbeat and question: which slots may the rank not write? Answer: `Held`.
+    /// The rank's heartbeat, every step, and its question: which slots may it not write?
+    /// Answer: `Held`.
     Poll {
         step: u64,
+        /// The rank's own compute per step since its last poll, in microseconds: the step's
+        /// wall time less its time inside collectives (for straggler detection).
+        #[serde(default)]
+        compute_us: u64,
     },
     /// The ranks skipped the snapshot of `step` because a daemon was busy. Answer: `Held`.
     Skipped {
@@ -317,6 +328,16 @@ pub enum Message {
         run: RunId,
         rank: Rank,
         pid: u32,
+        /// When the connection ended, by the node's clock (the leader orders deaths by it).
+        #[serde(default)]
+        unix_ms: u64,
+    },
+    /// A rank said `Bye`: it finished (or stopped on a signal after its last checkpoint).
+    RankDone {
+        node: String,
+        run: RunId,
+        rank: Rank,
+        pid: u32,
     },
     /// A rank registered at its node.
     RankUp {
@@ -379,6 +400,22 @@ pub enum Message {
     KillRanks {
         run: RunId,
     },
+    /// The job is preempted: ask this node's ranks of `run` to checkpoint and exit (SIGTERM).
+    StopRanks {
+        run: RunId,
+    },
+    /// Upload the T0 of `step` (the memory-committed step) if it is not durable yet.
+    MakeDurable {
+        run: RunId,
+        step: u64,
+    },
+    /// Upload the replica (T1) held here of `rank`'s `step` as that rank's shard: its node
+    /// is lost and the world shrinks.
+    UploadReplica {
+        run: RunId,
+        rank: Rank,
+        step: u64,
+    },
     Status(ClusterStatus),
     Events(Vec<Event>),
 }
@@ -392,6 +429,9 @@ pub struct RankBeat {
     pub step: u64,
     /// Milliseconds since the rank last talked to its daemon (0: connected and polling).
     pub seen_ms_ago: u64,
+    /// The rank's own compute per step, in microseconds (0: not reported yet).
+    #[serde(default)]
+    pub compute_us: u64,
 }
 
 /// One entry of the supervisor's timeline.

@@ -284,6 +284,12 @@ impl Drop for Cluster {
         for i in 0..self.nodes.len() {
             self.kill_node(i);
         }
+        // Launchers and ranks of a test that ended early (their command lines name the
+        // test's directory) would otherwise train on, and wait for their daemons.
+        let _ = Command::new("pkill")
+            .args(["-KILL", "-f"])
+            .arg(self.dir.display().to_string())
+            .status();
         let _ = std::fs::remove_dir_all(&self.shm_root);
     }
 }

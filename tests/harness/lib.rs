@@ -7,6 +7,7 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 pub mod cluster;
+pub mod runbook;
 pub mod toy;
 pub mod train;
 
@@ -154,29 +155,54 @@ impl S3Server {
         std::fs::create_dir(root.path().join(S3_BUCKET)).expect("bucket directory");
         for _attempt in 0..5 {
             let port = free_port();
-            let mut child = Command::new("s3s-fs")
-                .args([
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    &port.to_string(),
-                    "--access-key",
-                    S3_ACCESS_KEY,
-                    "--secret-key",
-                    S3_SECRET_KEY,
-                ])
-                .arg(root.path())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("s3s-fs is installed (ops/setup.sh test installs it)");
-            if wait_ready(&mut child, port) {
+            if let Some(child) = Self::spawn(port, root.path()) {
                 return Self { child, port, root };
             }
-            let _ = child.kill();
-            let _ = child.wait();
         }
         panic!("s3s-fs did not start on 127.0.0.1");
+    }
+
+    fn spawn(port: u16, root: &Path) -> Option<Child> {
+        let mut child = Command::new("s3s-fs")
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "--access-key",
+                S3_ACCESS_KEY,
+                "--secret-key",
+                S3_SECRET_KEY,
+            ])
+            .arg(root)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("s3s-fs is installed (ops/setup.sh test installs it)");
+        if wait_ready(&mut child, port) {
+            return Some(child);
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        None
+    }
+
+    /// An outage: the server is killed; its data stays.
+    pub fn stop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Back after an outage, on the same port with the same data.
+    pub fn restart(&mut self) {
+        for _attempt in 0..50 {
+            if let Some(child) = Self::spawn(self.port, self.root.path()) {
+                self.child = child;
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("s3s-fs did not come back on port {}", self.port);
     }
 
     pub fn url(&self, prefix: &str) -> String {
@@ -308,4 +334,12 @@ pub fn slurm_cluster() -> Result<PathBuf, String> {
             Ok(dir.join("slurm.conf"))
         })
         .clone()
+}
+
+/// Held by a test that takes the local Slurm cluster's nodes down or allocates them whole,
+/// so two such tests do not run at once.
+pub fn slurm_exclusive() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }

@@ -211,10 +211,12 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 }
                 Err(error) if world.size > 1 => {
                     // The other ranks would wait for this one forever: end the whole job.
-                    eprintln!(
-                        "trainer: rank {} of {}: error: {error:#}",
+                    // One write, so another rank's abort cannot cut the line short.
+                    let line = format!(
+                        "trainer: rank {} of {}: error: {error:#}\n",
                         world.rank, world.size
                     );
+                    let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
                     world.abort(i32::from(exit_code(&error)));
                     Err(error)
                 }

@@ -152,7 +152,7 @@ impl World {
 
     pub fn barrier(&self) {
         if let Some(comm) = self.comm(Group::World) {
-            comm.barrier();
+            waiting(|| comm.barrier());
         }
     }
 
@@ -169,7 +169,7 @@ impl World {
             return values.to_vec();
         };
         let mut out = vec![0f64; values.len() * comm.size() as usize];
-        comm.all_gather_into(values, &mut out[..]);
+        waiting(|| comm.all_gather_into(values, &mut out[..]));
         out
     }
 
@@ -181,7 +181,7 @@ impl World {
         };
         let counts: Vec<u64> = send.iter().map(|c| *c as u64).collect();
         let mut out = vec![0u64; per_rank * comm.size() as usize];
-        comm.all_to_all_into(&counts[..], &mut out[..]);
+        waiting(|| comm.all_to_all_into(&counts[..], &mut out[..]));
         out.into_iter().map(|c| c as usize).collect()
     }
 
@@ -267,7 +267,7 @@ impl World {
             return values.to_vec();
         };
         let mut gathered = vec![0u64; values.len() * comm.size() as usize];
-        comm.all_gather_into(values, &mut gathered[..]);
+        waiting(|| comm.all_gather_into(values, &mut gathered[..]));
         let mut sum = vec![0u64; values.len()];
         for contribution in gathered.chunks(values.len().max(1)) {
             for (total, value) in sum.iter_mut().zip(contribution) {
@@ -295,7 +295,7 @@ impl World {
         {
             let send = Partition::new(&data[..bounds[size]], &send_counts[..], &send_displs[..]);
             let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
-            comm.all_to_all_varcount_into(&send, &mut recv);
+            waiting(|| comm.all_to_all_varcount_into(&send, &mut recv));
         }
         let mut sum = vec![0f32; mine];
         for contribution in received.chunks(mine.max(1)) {
@@ -323,7 +323,7 @@ impl World {
         let mut out = vec![0f32; bounds[size]];
         {
             let mut recv = PartitionMut::new(&mut out[..], &counts[..], &displs[..]);
-            comm.all_gather_varcount_into(piece, &mut recv);
+            waiting(|| comm.all_gather_varcount_into(piece, &mut recv));
         }
         out
     }
@@ -344,7 +344,7 @@ impl World {
         assert_eq!(send_counts.len(), size);
         let counts: Vec<Count> = send_counts.iter().map(|c| count(*c)).collect();
         let mut recv_counts = vec![0 as Count; size];
-        comm.all_to_all_into(&counts[..], &mut recv_counts[..]);
+        waiting(|| comm.all_to_all_into(&counts[..], &mut recv_counts[..]));
         let send_displs = displacements(&counts);
         let recv_displs = displacements(&recv_counts);
         let total: usize = recv_counts.iter().map(|c| *c as usize).sum();
@@ -352,7 +352,7 @@ impl World {
         {
             let send = Partition::new(send, &counts[..], &send_displs[..]);
             let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
-            comm.all_to_all_varcount_into(&send, &mut recv);
+            waiting(|| comm.all_to_all_varcount_into(&send, &mut recv));
         }
         (received, recv_counts.iter().map(|c| *c as usize).collect())
     }
@@ -367,6 +367,23 @@ pub struct Exchange {
     pub width: usize,
     pub send_rows: Vec<usize>,
     pub recv_rows: Vec<usize>,
+}
+
+/// Time this rank spent inside collectives (moving data, or waiting for slower ranks).
+static COMMUNICATION_NANOS: AtomicU64 = AtomicU64::new(0);
+
+fn waiting<T>(collective: impl FnOnce() -> T) -> T {
+    let started = std::time::Instant::now();
+    let out = collective();
+    COMMUNICATION_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    out
+}
+
+/// Seconds this rank has spent inside collectives since the process started. A step's
+/// wall time minus its share of this is the rank's own compute: what tells a straggler
+/// apart, since in lockstep training every rank's step takes as long as the slowest's.
+pub fn communication_seconds() -> f64 {
+    COMMUNICATION_NANOS.load(Ordering::Relaxed) as f64 / 1e9
 }
 
 /// Bytes this rank sent to and received from other ranks in expert exchanges, and the time

@@ -339,8 +339,9 @@ impl Ckptd {
     }
 
     /// Heartbeat; returns whether the daemon is busy. Updates `held`.
-    pub fn poll(&mut self, step: u64) -> Result<bool> {
-        match self.call(&Message::Poll { step }, &[])?.message {
+    pub fn poll(&mut self, step: u64, compute: Duration) -> Result<bool> {
+        let compute_us = compute.as_micros() as u64;
+        match self.call(&Message::Poll { step, compute_us }, &[])?.message {
             Message::Held { held, busy, .. } => {
                 self.held = held_slots(&held);
                 Ok(busy)

@@ -177,6 +177,8 @@ struct Session {
     skipped_snapshots: u64,
     /// Seconds the training loop stood still for each checkpoint or snapshot.
     stalls: Vec<f64>,
+    /// When the last per-step heartbeat went, and this rank's time inside collectives then.
+    heartbeat_mark: (Instant, f64),
 }
 
 impl Session {
@@ -360,10 +362,17 @@ impl Session {
         ckptd.restore(None, durable)
     }
 
-    /// Tells `ckptd` which slots it holds before an update writes one.
+    /// Tells `ckptd` which slots it holds before an update writes one. Once a step, so it
+    /// is also the rank's heartbeat, with its own compute time since the last one.
     fn refresh_held(&mut self) {
+        let communication = crate::dist::communication_seconds();
+        let (since, waited) =
+            std::mem::replace(&mut self.heartbeat_mark, (Instant::now(), communication));
+        let compute = since
+            .elapsed()
+            .saturating_sub(std::time::Duration::from_secs_f64(communication - waited));
         if let Some(ckptd) = self.ckptd.as_mut() {
-            if ckptd.poll(self.state.step).is_ok() {
+            if ckptd.poll(self.state.step, compute).is_ok() {
                 self.optim.memory.set_held(ckptd.held.clone());
             }
         }
@@ -387,7 +396,7 @@ impl Session {
         let step = self.state.step;
         let ckptd = self.ckptd.as_mut().expect("snapshot needs ckptd");
         let any_busy = |ckptd: &mut Ckptd, world: &World| {
-            let busy = ckptd.poll(step).unwrap_or(true);
+            let busy = ckptd.poll(step, std::time::Duration::ZERO).unwrap_or(true);
             if world.size > 1 {
                 world.sum_u64(Group::World, &[u64::from(busy)])[0] > 0
             } else {
@@ -442,7 +451,11 @@ impl Session {
     fn drain_ckptd(&mut self) {
         let deadline = Instant::now() + std::time::Duration::from_secs(600);
         if let Some(ckptd) = self.ckptd.as_mut() {
-            while Instant::now() < deadline && ckptd.poll(self.state.step).unwrap_or(false) {
+            while Instant::now() < deadline
+                && ckptd
+                    .poll(self.state.step, std::time::Duration::ZERO)
+                    .unwrap_or(false)
+            {
                 std::thread::sleep(std::time::Duration::from_millis(20));
             }
         }
@@ -570,6 +583,7 @@ pub fn train(
         last_stall: std::time::Duration::ZERO,
         skipped_snapshots: 0,
         stalls: Vec::new(),
+        heartbeat_mark: (Instant::now(), crate::dist::communication_seconds()),
     };
     let mut restored_tier = None;
     let resumed_from = match config.checkpoint.ckptd_socket() {
@@ -692,7 +706,7 @@ pub fn train(
             && session
                 .ckptd
                 .as_mut()
-                .is_some_and(|c| c.poll(step).unwrap_or(true));
+                .is_some_and(|c| c.poll(step, std::time::Duration::ZERO).unwrap_or(true));
         let poll_time = poll_started.elapsed();
         let local_loss = forward.loss.to_scalar::<f32>()? as f64;
         let (loss, any_busy) = if world.size > 1 {

@@ -179,10 +179,35 @@ async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::P
                     r.pid.to_string(),
                     r.step.to_string(),
                     format!("{:.1}s ago", r.last_seen_ms_ago as f64 / 1000.0),
+                    r.compute_ms.map_or("-".into(), |ms| format!("{ms:.1}")),
                 ]
             })
             .collect();
-        output::table(&["RANK", "NODE", "PID", "STEP", "SEEN"], &rows);
+        output::table(
+            &["RANK", "NODE", "PID", "STEP", "SEEN", "COMPUTE MS/STEP"],
+            &rows,
+        );
+        let stragglers: Vec<String> = run
+            .ranks
+            .iter()
+            .filter(|r| r.straggler)
+            .map(|r| {
+                format!(
+                    "rank {} on {} ({:.1} ms per step)",
+                    r.rank,
+                    r.node,
+                    r.compute_ms.unwrap_or(0.0)
+                )
+            })
+            .collect();
+        println!(
+            "stragglers: {}",
+            if stragglers.is_empty() {
+                "none".to_string()
+            } else {
+                stragglers.join(", ")
+            }
+        );
     }
     Ok(())
 }

@@ -101,6 +101,33 @@ pub struct Cli {
     /// A world whose ranks made no step progress for this long is hung.
     #[arg(long)]
     pub hang_timeout_seconds: Option<f64>,
+    /// With a node lost and no spare left: wait for a node, or shrink the world to the
+    /// healthy nodes (fewer data-parallel ranks, a resharding restore from T2).
+    #[arg(long, value_enum)]
+    pub when_no_spare: Option<NoSpare>,
+    /// The shrink policy never goes below this many nodes (it waits instead).
+    #[arg(long)]
+    pub min_active_nodes: Option<usize>,
+    /// Exit once the run completed or was preempted (the batch script's leader does).
+    #[arg(long)]
+    pub exit_when_done: bool,
+    /// A rank whose compute time per step exceeds the median by this fraction is slow.
+    #[arg(long)]
+    pub straggler_margin: Option<f64>,
+    /// ... and it is reported as a straggler once it has been slow for this long.
+    #[arg(long)]
+    pub straggler_seconds: Option<f64>,
+}
+
+/// What the supervisor does when a node is lost and no spare is left.
+#[derive(Clone, Copy, Debug, Default, ValueEnum, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum NoSpare {
+    /// Wait until a node (a new one, or the lost one back) joins.
+    #[default]
+    Wait,
+    /// Continue on the healthy nodes: fewer data-parallel ranks.
+    Shrink,
 }
 
 /// How the supervising leader starts the world.
@@ -122,6 +149,9 @@ pub struct Supervision {
     pub active_nodes: usize,
     pub heartbeat_timeout_seconds: f64,
     pub hang_timeout_seconds: f64,
+    pub when_no_spare: NoSpare,
+    pub min_active_nodes: usize,
+    pub exit_when_done: bool,
 }
 
 /// The config file. Every key is optional here; [`Config::resolve`] says which are required.
@@ -154,6 +184,11 @@ struct File {
     active_nodes: Option<usize>,
     heartbeat_timeout_seconds: Option<f64>,
     hang_timeout_seconds: Option<f64>,
+    when_no_spare: Option<NoSpare>,
+    min_active_nodes: Option<usize>,
+    exit_when_done: Option<bool>,
+    straggler_margin: Option<f64>,
+    straggler_seconds: Option<f64>,
 }
 
 /// A validated configuration.
@@ -179,6 +214,8 @@ pub struct Config {
     pub commit_timeout_seconds: f64,
     pub log_format: LogFormat,
     pub supervision: Option<Supervision>,
+    pub straggler_margin: f64,
+    pub straggler_seconds: f64,
 }
 
 /// A config that cannot be used (exit 2).
@@ -294,6 +331,24 @@ impl Config {
         if upload_concurrency == 0 || upload_concurrency > 256 {
             return Err(ConfigError("upload_concurrency must be 1 to 256".into()));
         }
+        let positive = |value: Option<f64>, default: f64, key: &str| {
+            let value = value.unwrap_or(default);
+            if value.is_nan() || value <= 0.0 {
+                Err(ConfigError(format!("{key} must be above 0")))
+            } else {
+                Ok(value)
+            }
+        };
+        let straggler_margin = positive(
+            cli.straggler_margin.or(file.straggler_margin),
+            0.25,
+            "straggler_margin",
+        )?;
+        let straggler_seconds = positive(
+            cli.straggler_seconds.or(file.straggler_seconds),
+            30.0,
+            "straggler_seconds",
+        )?;
         let supervision = match cli.supervise.or(file.supervise) {
             None => None,
             Some(launcher) => {
@@ -325,15 +380,16 @@ impl Config {
                 if active_nodes == 0 {
                     return Err(ConfigError("active_nodes must be at least 1".into()));
                 }
-                let positive = |value: Option<f64>, default: f64, key: &str| {
-                    let value = value.unwrap_or(default);
-                    if value.is_nan() || value <= 0.0 {
-                        Err(ConfigError(format!("{key} must be above 0")))
-                    } else {
-                        Ok(value)
-                    }
-                };
+                let min_active_nodes = cli.min_active_nodes.or(file.min_active_nodes).unwrap_or(1);
+                if min_active_nodes == 0 || min_active_nodes > active_nodes {
+                    return Err(ConfigError(
+                        "min_active_nodes must be 1 to active_nodes".into(),
+                    ));
+                }
                 Some(Supervision {
+                    when_no_spare: cli.when_no_spare.or(file.when_no_spare).unwrap_or_default(),
+                    min_active_nodes,
+                    exit_when_done: cli.exit_when_done || file.exit_when_done.unwrap_or(false),
                     launcher,
                     trainer,
                     trainer_args,
@@ -376,6 +432,8 @@ impl Config {
             delta: cli.delta.or(file.delta).unwrap_or(true),
             commit_timeout_seconds,
             log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
+            straggler_margin,
+            straggler_seconds,
         })
     }
 }

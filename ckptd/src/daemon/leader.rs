@@ -33,6 +33,13 @@ struct RankInfo {
     /// When `step` last changed (or the rank registered).
     progressed: Instant,
     alive: bool,
+    /// It said `Bye`: finished, not failed.
+    done: bool,
+    /// Its own compute per step, as last reported (0: not yet).
+    compute_us: u64,
+    /// Since when it has been slower than the median by more than the margin.
+    slow_since: Option<Instant>,
+    straggler: bool,
 }
 
 #[derive(Debug)]
@@ -54,6 +61,7 @@ pub struct RankView {
     pub pid: u32,
     pub step: u64,
     pub alive: bool,
+    pub done: bool,
     pub seen_ago: Duration,
     pub progressed_ago: Duration,
 }
@@ -73,7 +81,8 @@ pub struct RankDown {
     pub rank: Rank,
     pub node: String,
     pub pid: u32,
-    pub at: Instant,
+    /// When its connection ended, by its node's clock.
+    pub unix_ms: u64,
 }
 
 #[derive(Debug)]
@@ -88,8 +97,9 @@ struct State {
     last_durable: Instant,
     nodes: BTreeMap<String, NodeInfo>,
     downs: Vec<RankDown>,
-    /// The step the last `WhichStep` answer pointed at (the supervisor's restore step).
-    chosen: Option<u64>,
+    /// The step the last `WhichStep` answer pointed at (the supervisor's restore step):
+    /// `None` until a rank of this world asked, `Some(None)` for a fresh start.
+    chosen: Option<Option<u64>>,
     /// Per rank, the daemon that received its newest replica (its node's buddy then).
     replica_holder: HashMap<Rank, String>,
     /// (generation, active, drained) while supervising.
@@ -103,6 +113,8 @@ pub struct Leader {
     metrics: Arc<Metrics>,
     state: Mutex<State>,
     events: Mutex<(Vec<wire::Event>, u64)>,
+    /// Raised by SIGUSR1 (Slurm's warning before the time limit, or an operator).
+    preempt: std::sync::atomic::AtomicBool,
 }
 
 impl Leader {
@@ -127,6 +139,7 @@ impl Leader {
                 supervision: None,
             }),
             events: Mutex::new((Vec::new(), 0)),
+            preempt: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -156,6 +169,72 @@ impl Leader {
         self.events.lock().await.0.clone()
     }
 
+    /// The run's timeline as stored, for a leader that starts after an earlier one.
+    pub async fn stored_events(&self) -> Vec<wire::Event> {
+        self.run.events().await.unwrap_or_else(|error| {
+            tracing::warn!(%error, "cannot read the run's earlier events");
+            Vec::new()
+        })
+    }
+
+    pub fn request_preemption(&self) {
+        self.preempt
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn preempting(&self) -> bool {
+        self.preempt.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The newest memory-committed step, and the newest durable one in the store.
+    pub async fn steps(&self) -> (Option<u64>, Option<u64>) {
+        let memory = self.state.lock().await.memory_step;
+        let durable = self.run.latest().await.ok().flatten().map(|k| k.step);
+        (memory, durable)
+    }
+
+    /// Asks every node to upload its T0 of `step` (when it is not durable yet).
+    pub async fn make_durable(&self, step: u64) {
+        self.push_all(Message::MakeDurable {
+            run: self.cfg.run.clone(),
+            step,
+        })
+        .await;
+    }
+
+    /// Makes `step` durable for a world that lost `lost` ranks with their node: the
+    /// surviving nodes upload their T0, and each lost rank's replica holder its T1. Says
+    /// which ranks had no known replica holder.
+    pub async fn make_durable_without(&self, step: u64, lost: &[Rank]) -> Vec<Rank> {
+        self.make_durable(step).await;
+        let state = self.state.lock().await;
+        let mut missing = Vec::new();
+        for rank in lost {
+            let holder = state.replica_holder.get(rank).and_then(|address| {
+                state
+                    .nodes
+                    .values()
+                    .find(|n| n.connected && n.address == *address)
+            });
+            match holder {
+                Some(node) => {
+                    let _ = node.sender.send(Message::UploadReplica {
+                        run: self.cfg.run.clone(),
+                        rank: *rank,
+                        step,
+                    });
+                }
+                None => missing.push(*rank),
+            }
+        }
+        missing
+    }
+
+    /// The world size the ranks registered with (0 before any did).
+    pub async fn world_size(&self) -> u32 {
+        self.state.lock().await.world_size
+    }
+
     /// The ranks and nodes as the leader sees them now.
     pub async fn view(&self) -> (Vec<RankView>, Vec<NodeView>) {
         let state = self.state.lock().await;
@@ -168,6 +247,7 @@ impl Leader {
                 pid: info.pid,
                 step: info.step,
                 alive: info.alive,
+                done: info.done,
                 seen_ago: info.seen.elapsed(),
                 progressed_ago: info.progressed.elapsed(),
             })
@@ -188,6 +268,27 @@ impl Leader {
 
     pub async fn set_supervision(&self, generation: u32, active: &[String], drained: &[String]) {
         self.state.lock().await.supervision = Some((generation, active.to_vec(), drained.to_vec()));
+        self.metrics.nodes_drained.set(drained.len() as i64);
+        self.count_spares().await;
+    }
+
+    /// Sets the spare-node gauge: connected nodes neither active nor drained.
+    pub async fn count_spares(&self) {
+        let state = self.state.lock().await;
+        if let Some((_, active, drained)) = &state.supervision {
+            let spares = state
+                .nodes
+                .iter()
+                .filter(|(name, info)| {
+                    info.connected && !active.contains(name) && !drained.contains(name)
+                })
+                .count();
+            self.metrics.spare_nodes.set(spares as i64);
+        }
+    }
+
+    pub fn count_fault(&self) {
+        self.metrics.faults.inc();
     }
 
     /// Pairs the active nodes in a ring: each replicates to the next.
@@ -212,11 +313,24 @@ impl Leader {
 
     /// Asks every connected node to SIGKILL its ranks.
     pub async fn kill_all_ranks(&self) {
+        self.push_all(Message::KillRanks {
+            run: self.cfg.run.clone(),
+        })
+        .await;
+    }
+
+    /// Asks every connected node to SIGTERM its ranks: they checkpoint and exit.
+    pub async fn stop_all_ranks(&self) {
+        self.push_all(Message::StopRanks {
+            run: self.cfg.run.clone(),
+        })
+        .await;
+    }
+
+    async fn push_all(&self, message: Message) {
         let state = self.state.lock().await;
         for node in state.nodes.values().filter(|n| n.connected) {
-            let _ = node.sender.send(Message::KillRanks {
-                run: self.cfg.run.clone(),
-            });
+            let _ = node.sender.send(message.clone());
         }
     }
 
@@ -230,10 +344,12 @@ impl Leader {
         let mut state = self.state.lock().await;
         state.ranks.clear();
         state.downs.clear();
+        state.chosen = None;
     }
 
+    /// The step this world restores (0: fresh), once one of its ranks asked.
     pub async fn chosen_step(&self) -> Option<u64> {
-        self.state.lock().await.chosen
+        self.state.lock().await.chosen.map(|c| c.unwrap_or(0))
     }
 
     /// A node's connection: its hello, then reports, with memory commits pushed back.
@@ -364,10 +480,27 @@ impl Leader {
                         seen: Instant::now(),
                         progressed: Instant::now(),
                         alive: true,
+                        done: false,
+                        compute_us: 0,
+                        slow_since: None,
+                        straggler: false,
                     },
                 );
             }
-            Message::RankDown { run, rank, pid, .. } => {
+            Message::RankDone { run, rank, pid, .. } => {
+                self.check_run(&run)?;
+                if let Some(info) = state.ranks.get_mut(&rank).filter(|i| i.pid == pid) {
+                    info.alive = false;
+                    info.done = true;
+                }
+            }
+            Message::RankDown {
+                run,
+                rank,
+                pid,
+                unix_ms,
+                ..
+            } => {
                 self.check_run(&run)?;
                 if let Some(info) = state.ranks.get_mut(&rank).filter(|i| i.pid == pid) {
                     info.alive = false;
@@ -375,7 +508,7 @@ impl Leader {
                         rank,
                         node: node.to_string(),
                         pid,
-                        at: Instant::now(),
+                        unix_ms,
                     });
                 }
             }
@@ -446,6 +579,9 @@ impl Leader {
                         match run.commit(step, world_size).await {
                             Ok(_) => {
                                 metrics.durable_step.set(step.step as i64);
+                                metrics
+                                    .durable_commit_timestamp
+                                    .set(lazarus_shared::store::now_unix_ms() as f64 / 1e3);
                                 if let Some(started) = started {
                                     metrics
                                         .commit_latency_seconds
@@ -475,12 +611,64 @@ impl Leader {
                         }
                         let ago = Duration::from_millis(beat.seen_ms_ago);
                         info.seen = Instant::now().checked_sub(ago).unwrap_or_else(Instant::now);
+                        if beat.compute_us > 0 {
+                            info.compute_us = beat.compute_us;
+                        }
                     }
                 }
+                self.find_stragglers(&mut state);
             }
             other => bail!("unexpected {other:?} from node {node}"),
         }
         Ok(())
+    }
+
+    /// Marks the ranks whose compute per step has exceeded the median by more than
+    /// `straggler_margin` for `straggler_seconds`. With an even number of ranks the median
+    /// is the lower middle one, so with two ranks the slower is compared to the faster.
+    fn find_stragglers(&self, state: &mut State) {
+        let mut times: Vec<u64> = state
+            .ranks
+            .values()
+            .filter(|r| r.alive && r.compute_us > 0)
+            .map(|r| r.compute_us)
+            .collect();
+        if times.len() < 2 {
+            return;
+        }
+        times.sort_unstable();
+        let median = times[(times.len() - 1) / 2] as f64;
+        let limit = median * (1.0 + self.cfg.straggler_margin);
+        let mut count = 0;
+        for (rank, info) in state.ranks.iter_mut() {
+            let slow = info.alive && info.compute_us as f64 > limit;
+            if !slow {
+                if info.straggler {
+                    tracing::info!(rank, node = %info.node, "rank is no longer a straggler");
+                }
+                info.slow_since = None;
+                info.straggler = false;
+                continue;
+            }
+            let since = *info.slow_since.get_or_insert_with(Instant::now);
+            if !info.straggler && since.elapsed().as_secs_f64() >= self.cfg.straggler_seconds {
+                info.straggler = true;
+                tracing::warn!(
+                    rank,
+                    node = %info.node,
+                    compute_ms = info.compute_us as f64 / 1e3,
+                    median_ms = median / 1e3,
+                    "straggler: rank {rank} on {} computes {:.1} ms per step, {:.2}x the median {:.1} ms, for {:.0} s",
+                    info.node,
+                    info.compute_us as f64 / 1e3,
+                    info.compute_us as f64 / median,
+                    median / 1e3,
+                    since.elapsed().as_secs_f64()
+                );
+            }
+            count += i64::from(info.straggler);
+        }
+        self.metrics.stragglers.set(count);
     }
 
     fn check_run(&self, run: &RunId) -> Result<()> {
@@ -505,7 +693,7 @@ impl Leader {
                 (Some(m), Some(d)) => Some(m.max(d.step)),
                 (m, d) => m.or(d.map(|d| d.step)),
             };
-            state.chosen = chosen;
+            state.chosen = Some(chosen);
         }
         let replica = self.state.lock().await.replica_holder.get(&rank).cloned();
         Ok(Message::StepChoice {
@@ -527,6 +715,8 @@ impl Leader {
                 pid: info.pid,
                 step: info.step,
                 last_seen_ms_ago: info.seen.elapsed().as_millis() as u64,
+                compute_ms: (info.compute_us > 0).then(|| info.compute_us as f64 / 1e3),
+                straggler: info.straggler,
             })
             .collect();
         ranks.sort_by_key(|r| r.rank);
@@ -617,7 +807,16 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
                                 node::memory_committed(&daemon, step, durable).await;
                             }
                             Message::KillRanks { run } if run == daemon.cfg.run => {
-                                node::kill_ranks(&daemon).await;
+                                node::signal_ranks(&daemon, "KILL").await;
+                            }
+                            Message::StopRanks { run } if run == daemon.cfg.run => {
+                                node::signal_ranks(&daemon, "TERM").await;
+                            }
+                            Message::MakeDurable { run, step } if run == daemon.cfg.run => {
+                                node::make_durable(&daemon, step).await;
+                            }
+                            Message::UploadReplica { run, rank, step } if run == daemon.cfg.run => {
+                                tokio::spawn(node::upload_replica(daemon.clone(), rank, step));
                             }
                             Message::SetBuddy { address } => {
                                 let buddy = address.and_then(|a| a.parse().ok());
@@ -679,6 +878,7 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
                 pid: s.pid,
                 step: s.last_step,
                 seen_ms_ago: s.last_seen.elapsed().as_millis() as u64,
+                compute_us: s.compute_us,
             })
             .collect(),
     }

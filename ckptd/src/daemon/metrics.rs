@@ -39,6 +39,13 @@ pub struct Metrics {
     pub errors: Family<Cause, Counter>,
     pub peer_rejected: Family<Cause, Counter>,
     pub replicas_held_bytes: Gauge,
+    pub durable_commit_timestamp: Gauge<f64, AtomicU64>,
+    pub stragglers: Gauge,
+    pub nodes_drained: Gauge,
+    pub spare_nodes: Gauge,
+    pub faults: Counter,
+    pub leader: Gauge,
+    pub supervising: Gauge,
 }
 
 impl Metrics {
@@ -60,6 +67,13 @@ impl Metrics {
             errors: Family::default(),
             peer_rejected: Family::default(),
             replicas_held_bytes: Gauge::default(),
+            durable_commit_timestamp: Gauge::default(),
+            stragglers: Gauge::default(),
+            nodes_drained: Gauge::default(),
+            spare_nodes: Gauge::default(),
+            faults: Counter::default(),
+            leader: Gauge::default(),
+            supervising: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -117,12 +131,52 @@ impl Metrics {
             "Newest durable step (commit record written)",
             m.durable_step.clone(),
         );
+        // Every tier's series exists from the start, so the first T2 restore is an
+        // increase (an alert on `increase(...)` would miss a series that starts at 1).
+        for tier in ["t0", "t1", "t2"] {
+            drop(m.restores.get_or_create(&TierLabel { tier: tier.into() }));
+        }
         registry.register("restores", "Restores served, by tier", m.restores.clone());
         registry.register("errors", "Errors by cause", m.errors.clone());
         registry.register(
             "peer_messages_rejected",
             "Peer messages dropped: unauthenticated, malformed or oversized",
             m.peer_rejected.clone(),
+        );
+        registry.register(
+            "leader",
+            "1 on the leader daemon (lead = true), else 0",
+            m.leader.clone(),
+        );
+        registry.register(
+            "supervising",
+            "1 on a leader that supervises the training world, else 0",
+            m.supervising.clone(),
+        );
+        registry.register(
+            "durable_commit_timestamp_seconds",
+            "Leader: Unix time of the newest durable commit record (or of its start, before any)",
+            m.durable_commit_timestamp.clone(),
+        );
+        registry.register(
+            "stragglers",
+            "Leader: ranks persistently slower than the median by more than straggler_margin",
+            m.stragglers.clone(),
+        );
+        registry.register(
+            "nodes_drained",
+            "Supervising leader: nodes it drained in Slurm that are still out",
+            m.nodes_drained.clone(),
+        );
+        registry.register(
+            "spare_nodes",
+            "Supervising leader: connected idle nodes ready to replace a lost one",
+            m.spare_nodes.clone(),
+        );
+        registry.register(
+            "supervisor_faults",
+            "Supervising leader: failures that stopped the world",
+            m.faults.clone(),
         );
         registry.register(
             "replicas_held_bytes",

@@ -134,6 +134,19 @@ pub async fn run(cfg: Config) -> Result<()> {
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
     let unix = node::bind_socket(&cfg)?;
     let (to_leader, from_node) = mpsc::unbounded_channel();
+    if cfg.lead {
+        metrics.leader.set(1);
+        metrics
+            .supervising
+            .set(i64::from(cfg.supervision.is_some()));
+        // The age of the newest durable step counts from its commit record, or from now.
+        let newest = match run.latest().await {
+            Ok(Some(step)) => run.load_commit(step).await.ok().map(|c| c.created_unix_ms),
+            _ => None,
+        };
+        let since = newest.unwrap_or_else(lazarus_shared::store::now_unix_ms);
+        metrics.durable_commit_timestamp.set(since as f64 / 1e3);
+    }
     let leader = cfg.lead.then(|| {
         Arc::new(leader::Leader::new(
             cfg.clone(),
@@ -168,15 +181,39 @@ pub async fn run(cfg: Config) -> Result<()> {
     tokio::spawn(node::serve(daemon.clone(), unix));
     tokio::spawn(leader::link(daemon.clone(), from_node));
     tokio::spawn(node::expire_pending(daemon.clone()));
+    let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
     if let (Some(plan), Some(leader)) = (daemon.cfg.supervision.clone(), daemon.leader.clone()) {
         tracing::info!(launcher = ?plan.launcher, active_nodes = plan.active_nodes, "supervising the training world");
-        tokio::spawn(supervisor::supervise(daemon.clone(), leader, plan));
+        let exit_when_done = plan.exit_when_done;
+        let supervisor = tokio::spawn(supervisor::supervise(daemon.clone(), leader.clone(), plan));
+        tokio::spawn(async move {
+            if let Ok(ending) = supervisor.await {
+                if exit_when_done {
+                    let _ = done_tx.send(ending).await;
+                }
+            }
+        });
+        // SIGUSR1 (Slurm's warning before the time limit, or an operator): checkpoint and stop.
+        let mut usr1 =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
+                .context("installing the SIGUSR1 handler")?;
+        tokio::spawn(async move {
+            while usr1.recv().await.is_some() {
+                tracing::warn!(
+                    "SIGUSR1: preempting the run (last snapshot made durable, then stop)"
+                );
+                leader.request_preemption();
+            }
+        });
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
+        Some(ending) = done.recv() => {
+            tracing::info!(?ending, "supervision ended; exiting");
+        }
     }
     tracing::info!("stopping: letting uploads in flight finish (up to 60 s)");
     let _ = std::fs::remove_file(&daemon.cfg.socket);

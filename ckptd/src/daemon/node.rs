@@ -79,6 +79,8 @@ pub struct RankState {
     pub base: Option<Base>,
     pub last_step: u64,
     pub last_seen: Instant,
+    /// The rank's own compute per step (microseconds), smoothed over its recent reports.
+    pub compute_us: u64,
 }
 
 impl RankState {
@@ -165,6 +167,7 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                         base: state.base,
                         last_step: 0,
                         last_seen: Instant::now(),
+                        compute_us: 0,
                     },
                 );
             }
@@ -231,8 +234,9 @@ pub async fn serve(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixListen
     }
 }
 
-/// The supervisor stops the world: SIGKILL every registered local rank.
-pub async fn kill_ranks(daemon: &Arc<Daemon>) {
+/// The supervisor stops the world (`KILL`) or asks it to checkpoint and exit (`TERM`): the
+/// signal goes to every registered local rank.
+pub async fn signal_ranks(daemon: &Arc<Daemon>, signal: &str) {
     let pids: Vec<(Rank, u32)> = daemon
         .ranks
         .lock()
@@ -242,9 +246,9 @@ pub async fn kill_ranks(daemon: &Arc<Daemon>) {
         .map(|s| (s.rank, s.pid))
         .collect();
     for (rank, pid) in pids {
-        tracing::info!(rank, pid, "killing the rank (supervisor stops the world)");
+        tracing::info!(rank, pid, signal, "signalling the rank for the supervisor");
         let _ = tokio::process::Command::new("kill")
-            .args(["-KILL", &pid.to_string()])
+            .args([&format!("-{signal}"), &pid.to_string()])
             .status()
             .await;
     }
@@ -262,6 +266,7 @@ async fn rank_gone(daemon: &Arc<Daemon>, rank: Rank, pid: u32) {
             run: daemon.cfg.run.clone(),
             rank,
             pid,
+            unix_ms: lazarus_shared::store::now_unix_ms(),
         });
     }
 }
@@ -340,6 +345,12 @@ async fn session(
                     .get_mut(&r)
                     .ok_or_else(|| anyhow!("rank {r} vanished"))?;
                 tracing::info!(rank = r, pid = state.pid, "rank finished");
+                let _ = daemon.to_leader.send(Message::RankDone {
+                    node: daemon.cfg.node.clone(),
+                    run: daemon.cfg.run.clone(),
+                    rank: r,
+                    pid: state.pid,
+                });
                 state.pid = 0;
                 (
                     Message::Held {
@@ -364,12 +375,20 @@ async fn session(
                     Vec::new(),
                 )
             }
-            (Message::Poll { step }, Some(r)) => {
+            (Message::Poll { step, compute_us }, Some(r)) => {
                 let mut ranks = daemon.ranks.lock().await;
                 let state = ranks
                     .get_mut(&r)
                     .ok_or_else(|| anyhow!("rank {r} vanished"))?;
                 state.last_step = step;
+                // Smoothed: one slow step is not a straggler.
+                if compute_us > 0 {
+                    state.compute_us = if state.compute_us == 0 {
+                        compute_us
+                    } else {
+                        (4 * state.compute_us + compute_us) / 5
+                    };
+                }
                 state.last_seen = Instant::now();
                 (
                     Message::Held {
@@ -489,6 +508,7 @@ async fn register(
                 base: None,
                 last_step: 0,
                 last_seen: Instant::now(),
+                compute_us: 0,
             }
         }
     };
@@ -507,8 +527,11 @@ async fn register(
         )?;
         if file.metadata()?.len() != slot_bytes {
             file.set_len(slot_bytes)
-                .with_context(|| format!("sizing {} (is shm full?)", path.display()))?;
+                .with_context(|| format!("sizing {}", path.display()))?;
         }
+        // Reserve every page now: a rank writing a slot through its mapping into a full
+        // tmpfs would die of SIGBUS; here it is a clear refusal instead.
+        reserve(&file, slot_bytes, &path)?;
     }
     state.persist()?;
     let reply = Message::Registered {
@@ -758,6 +781,18 @@ pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
     }
 }
 
+/// The leader wants `step` durable (the job is ending): upload each rank's T0 of that step
+/// unless an upload is running (the leader asks again).
+pub async fn make_durable(daemon: &Arc<Daemon>, step: u64) {
+    let mut ranks = daemon.ranks.lock().await;
+    for state in ranks.values_mut() {
+        if state.t0.as_ref().is_some_and(|t0| t0.step == step) && !state.uploading {
+            state.uploading = true;
+            tokio::spawn(upload(daemon.clone(), state.rank));
+        }
+    }
+}
+
 struct Counting<'a>(&'a super::metrics::Metrics);
 
 impl Progress for Counting<'_> {
@@ -838,26 +873,7 @@ async fn upload_inner(daemon: &Arc<Daemon>, rank: Rank) -> Result<(StepKey, Opti
         }
         _ => None,
     };
-    let shard = SourcedShard {
-        step: key,
-        rank,
-        world_size,
-        tensors: tensors
-            .iter()
-            .map(|t| SourcedTensor {
-                name: t.name.clone(),
-                dtype: t.dtype,
-                global_shape: t.global_shape.clone(),
-                slice: t.slice.clone(),
-                data: range(t, &source),
-            })
-            .collect(),
-        blobs: snap
-            .blobs
-            .iter()
-            .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
-            .collect(),
-    };
+    let shard = sourced_shard(key, rank, world_size, &tensors, &source, &snap.blobs);
     let manifest = daemon
         .run
         .write_shard_sourced(shard, bases.as_ref(), &Counting(&daemon.metrics))
@@ -882,6 +898,103 @@ async fn upload_inner(daemon: &Arc<Daemon>, rank: Rank) -> Result<(StepKey, Opti
         None
     };
     Ok((key, new_base))
+}
+
+/// Allocates `len` bytes of `file` (shm pages or disk blocks), so later writes cannot fail
+/// for lack of space.
+pub fn reserve(file: &std::fs::File, len: u64, path: &Path) -> Result<()> {
+    rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len).map_err(|error| {
+        let free = rustix::fs::fstatvfs(file)
+            .map(|s| s.f_bavail * s.f_frsize)
+            .unwrap_or(0);
+        anyhow!(
+            "cannot reserve {len} bytes for {}: {error} ({free} bytes free there; is shm full? see runbooks/disk-or-shm-full.md)",
+            path.display()
+        )
+    })
+}
+
+/// A rank's shard whose tensors are read from a slot (or replica) file.
+fn sourced_shard(
+    step: StepKey,
+    rank: Rank,
+    world_size: u32,
+    tensors: &[SlotTensor],
+    source: &Arc<dyn ByteSource>,
+    blobs: &[(String, Vec<u8>)],
+) -> SourcedShard {
+    SourcedShard {
+        step,
+        rank,
+        world_size,
+        tensors: tensors
+            .iter()
+            .map(|t| SourcedTensor {
+                name: t.name.clone(),
+                dtype: t.dtype,
+                global_shape: t.global_shape.clone(),
+                slice: t.slice.clone(),
+                data: SourceRange {
+                    source: source.clone(),
+                    offset: t.offset,
+                    len: t.bytes,
+                },
+            })
+            .collect(),
+        blobs: blobs
+            .iter()
+            .map(|(n, b)| (n.clone(), Bytes::from(b.clone())))
+            .collect(),
+    }
+}
+
+/// The leader shrinks the world after losing a node: this daemon uploads the replica it
+/// holds of `rank`'s `step` (T1) as that rank's durable shard, after checking every chunk
+/// against the hashes taken when it arrived.
+pub async fn upload_replica(daemon: Arc<Daemon>, rank: Rank, step: u64) {
+    match upload_replica_inner(&daemon, rank, step).await {
+        Ok((key, world_size)) => {
+            let _ = daemon.to_leader.send(Message::Stored {
+                node: daemon.cfg.node.clone(),
+                run: daemon.cfg.run.clone(),
+                rank,
+                world_size,
+                step: key,
+            });
+        }
+        Err(error) => {
+            daemon.metrics.error("upload");
+            tracing::error!(rank, step, error = %format!("{error:#}"), "cannot upload the replica");
+        }
+    }
+}
+
+async fn upload_replica_inner(
+    daemon: &Arc<Daemon>,
+    rank: Rank,
+    step: u64,
+) -> Result<(StepKey, u32)> {
+    let (data, meta) = peer::held_replica(daemon, rank, step)?
+        .ok_or_else(|| anyhow!("no replica of rank {rank} step {step} here"))?;
+    verify_slot(&data, meta.slot_bytes, &meta.chunks).await?;
+    let started = Instant::now();
+    let key = StepKey::new(step, daemon.run.current_timeline().await?);
+    let source: Arc<dyn ByteSource> = Arc::new(SlotFile::open(&data)?);
+    let shard = sourced_shard(
+        key,
+        rank,
+        meta.world_size,
+        &meta.tensors,
+        &source,
+        &meta.blobs,
+    );
+    let manifest = daemon
+        .run
+        .write_shard_sourced(shard, None, &Counting(&daemon.metrics))
+        .await?;
+    daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);
+    tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), seconds = started.elapsed().as_secs_f64(), "replica stored as the rank's shard");
+    Ok((key, meta.world_size))
 }
 
 /// Copies `len` bytes in slot-chunk pieces (bounded memory).

@@ -26,16 +26,16 @@ const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A replica's description (`meta.json`, written last: its presence means complete).
 #[derive(Clone, Debug, Serialize, Deserialize)]
-struct ReplicaMeta {
-    from_node: String,
-    run: RunId,
-    rank: Rank,
-    world_size: u32,
-    step: u64,
-    slot_bytes: u64,
-    tensors: Vec<SlotTensor>,
-    chunks: Vec<ChunkHash>,
-    blobs: Vec<(String, Vec<u8>)>,
+pub struct ReplicaMeta {
+    pub from_node: String,
+    pub run: RunId,
+    pub rank: Rank,
+    pub world_size: u32,
+    pub step: u64,
+    pub slot_bytes: u64,
+    pub tensors: Vec<SlotTensor>,
+    pub chunks: Vec<ChunkHash>,
+    pub blobs: Vec<(String, Vec<u8>)>,
 }
 
 fn replica_dir(daemon: &Daemon, rank: Rank) -> PathBuf {
@@ -218,7 +218,8 @@ async fn receive_replica(
     let data_path = incoming.join("data");
     let file = std::fs::File::create(&data_path)?;
     file.set_len(meta.slot_bytes)
-        .with_context(|| format!("sizing {} (is shm full?)", data_path.display()))?;
+        .with_context(|| format!("sizing {}", data_path.display()))?;
+    super::node::reserve(&file, meta.slot_bytes, &data_path)?;
     let file = Arc::new(file);
     let expected = chunk_count(meta.slot_bytes);
     let mut received = vec![None; expected as usize];
@@ -309,6 +310,20 @@ async fn write_chunk(
 }
 
 /// Streams this daemon's replica of (rank, step) back to the asker.
+/// The complete replica of `rank`'s `step` held here: its data file and description.
+pub fn held_replica(
+    daemon: &Daemon,
+    rank: Rank,
+    step: u64,
+) -> Result<Option<(PathBuf, ReplicaMeta)>> {
+    let dir = replica_dir(daemon, rank).join(format!("step-{step}"));
+    match std::fs::read(dir.join("meta.json")) {
+        Ok(bytes) => Ok(Some((dir.join("data"), serde_json::from_slice(&bytes)?))),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(error.into()),
+    }
+}
+
 async fn send_replica(
     daemon: &Arc<Daemon>,
     stream: &mut TcpStream,
@@ -316,9 +331,9 @@ async fn send_replica(
     step: u64,
 ) -> Result<()> {
     let dir = replica_dir(daemon, rank).join(format!("step-{step}"));
-    let meta: ReplicaMeta = match std::fs::read(dir.join("meta.json")) {
-        Ok(bytes) => serde_json::from_slice(&bytes)?,
-        Err(_) => {
+    let meta = match held_replica(daemon, rank, step)? {
+        Some((_, meta)) => meta,
+        None => {
             let reply = Message::Ack {
                 ok: false,
                 reason: format!("no replica of rank {rank} step {step} here"),

@@ -16,7 +16,9 @@ use std::time::{Duration, Instant};
 
 use tokio::process::{Child, Command};
 
-use super::config::{Launcher, Supervision};
+use lazarus_shared::Rank;
+
+use super::config::{Launcher, NoSpare, Supervision};
 use super::leader::{Leader, NodeView};
 use super::Daemon;
 
@@ -26,6 +28,8 @@ const TICK: Duration = Duration::from_millis(50);
 #[derive(Debug)]
 enum Outcome {
     Completed,
+    /// SIGUSR1: the ranks checkpointed and exited.
+    Preempted,
     Fault {
         kind: &'static str,
         detail: String,
@@ -33,59 +37,132 @@ enum Outcome {
     },
 }
 
-pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervision) {
-    let mut generation = 0u32;
+/// How supervision ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    Completed,
+    Preempted,
+}
+
+/// What a leader that starts with the run's timeline already written finds.
+enum Found {
+    /// Every rank of the world is registered and alive: it keeps running.
+    World(Vec<String>),
+    /// Some ranks came back, not all: that world is stopped.
+    Partial(String),
+    Nothing,
+}
+
+pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervision) -> Ending {
+    let run = daemon.cfg.run.as_str();
+    let history = leader.stored_events().await;
+    let mut generation = history.iter().map(|e| e.generation).max().unwrap_or(0);
+    // Nodes drained by an earlier leader stay out until Slurm says they are back.
+    let mut drained: Vec<String> = history
+        .iter()
+        .filter(|e| e.kind == "drained")
+        .filter_map(|e| e.detail.split_whitespace().next().map(String::from))
+        .collect();
+    drained.dedup();
+    let mut target = plan.active_nodes;
     let mut active: Vec<String> = Vec::new();
-    let mut drained: Vec<String> = Vec::new();
-    loop {
-        active = wait_for_nodes(&leader, &plan, active, &drained, generation).await;
-        leader.pair(&active).await;
-        leader.set_supervision(generation, &active, &drained).await;
-        let (_, nodes) = leader.view().await;
-        let mut child = match launch(&daemon, &plan, &active, &nodes) {
-            Ok(child) => child,
-            Err(error) => {
+    let mut adopted = None;
+    if !history.is_empty() {
+        // A restarted leader (or a requeued job): a world may still be running.
+        match adopt(&leader, &plan).await {
+            Found::World(nodes) => adopted = Some(nodes),
+            Found::Partial(detail) => {
+                leader.record(generation, "fault", detail).await;
+                stop(&leader, None, &plan, run).await;
                 leader
-                    .record(generation, "launch_failed", format!("{error:#}"))
+                    .record(
+                        generation,
+                        "stopped",
+                        "every rank of the world is gone".into(),
+                    )
                     .await;
-                tokio::time::sleep(Duration::from_secs(5)).await;
-                continue;
+                leader.forget_ranks().await;
+                generation += 1;
             }
-        };
-        leader
-            .record(
-                generation,
-                if generation == 0 {
-                    "launch"
-                } else {
-                    "relaunch"
-                },
-                format!(
-                    "{} on {} (launcher pid {})",
-                    match plan.launcher {
-                        Launcher::Mpiexec => "mpiexec",
-                        Launcher::Srun => "srun",
+            Found::Nothing => generation += 1,
+        }
+    }
+    loop {
+        let mut child = None;
+        if let Some(nodes) = adopted.take() {
+            active = nodes;
+            leader.set_supervision(generation, &active, &drained).await;
+            leader
+                .record(
+                    generation,
+                    "adopted",
+                    format!(
+                        "the world on {} kept running; this leader supervises it",
+                        active.join(",")
+                    ),
+                )
+                .await;
+        } else {
+            let Some(nodes) =
+                wait_for_nodes(&leader, &plan, &mut target, active, &drained, generation).await
+            else {
+                let detail = finish(&leader).await;
+                leader.record(generation, "preempted", detail).await;
+                return Ending::Preempted;
+            };
+            active = nodes;
+            leader.pair(&active).await;
+            leader.set_supervision(generation, &active, &drained).await;
+            let (_, nodes) = leader.view().await;
+            match launch(&daemon, &plan, &active, &nodes) {
+                Ok(launched) => child = Some(launched),
+                Err(error) => {
+                    leader
+                        .record(generation, "launch_failed", format!("{error:#}"))
+                        .await;
+                    tokio::time::sleep(Duration::from_secs(5)).await;
+                    continue;
+                }
+            }
+            leader
+                .record(
+                    generation,
+                    if generation == 0 {
+                        "launch"
+                    } else {
+                        "relaunch"
                     },
-                    active.join(","),
-                    child.id().unwrap_or(0)
-                ),
-            )
-            .await;
-        let outcome = watch(&leader, &mut child, &plan, &active, generation).await;
+                    format!(
+                        "{} on {} (launcher pid {})",
+                        match plan.launcher {
+                            Launcher::Mpiexec => "mpiexec",
+                            Launcher::Srun => "srun",
+                        },
+                        active.join(","),
+                        child.as_ref().and_then(Child::id).unwrap_or(0)
+                    ),
+                )
+                .await;
+        }
+        let outcome = watch(&leader, child.as_mut(), &plan, &active, generation).await;
         match outcome {
-            Outcome::Completed => {
-                leader
-                    .record(generation, "completed", "the trainer finished".into())
-                    .await;
-                return;
+            Outcome::Completed | Outcome::Preempted => {
+                let (kind, ending) = match outcome {
+                    Outcome::Completed => ("completed", Ending::Completed),
+                    _ => ("preempted", Ending::Preempted),
+                };
+                let detail = finish(&leader).await;
+                leader.record(generation, kind, detail).await;
+                return ending;
             }
             Outcome::Fault {
                 kind,
                 detail,
                 lost_node,
             } => {
+                leader.count_fault();
                 leader.record(generation, kind, detail).await;
-                stop(&leader, &mut child, &plan, daemon.cfg.run.as_str()).await;
+                stop(&leader, child.as_mut(), &plan, run).await;
                 leader
                     .record(
                         generation,
@@ -94,6 +171,7 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
                     )
                     .await;
                 if let Some(lost) = lost_node {
+                    let (ranks, nodes) = leader.view().await;
                     active.retain(|n| *n != lost);
                     // Under Slurm the node stays out until an operator resumes it; without
                     // Slurm, it may serve again once its daemon is back.
@@ -102,6 +180,17 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
                         leader
                             .record(generation, "drained", format!("{lost} drained in Slurm"))
                             .await;
+                    }
+                    let spare = nodes.iter().any(|n| {
+                        alive(n, &plan) && !active.contains(&n.node) && !drained.contains(&n.node)
+                    });
+                    if plan.when_no_spare == NoSpare::Shrink && !spare {
+                        let lost_ranks: Vec<Rank> = ranks
+                            .iter()
+                            .filter(|r| r.node == lost)
+                            .map(|r| r.rank)
+                            .collect();
+                        secure(&leader, generation, &lost_ranks).await;
                     }
                 }
                 leader
@@ -114,19 +203,135 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
     }
 }
 
-/// Keeps the healthy active nodes and fills up with spares (connected nodes not active and
-/// not drained), waiting until there are enough.
+/// Waits (a few heartbeats) for the ranks of a world that kept running while no leader was
+/// there: the nodes' hellos list them, and each rank re-registers with its restarted daemon.
+async fn adopt(leader: &Leader, plan: &Supervision) -> Found {
+    let grace = Duration::from_secs_f64((2.0 * plan.heartbeat_timeout_seconds).max(3.0));
+    let started = Instant::now();
+    loop {
+        let (ranks, _) = leader.view().await;
+        let world = leader.world_size().await as usize;
+        let live: Vec<_> = ranks.iter().filter(|r| r.alive).collect();
+        if world > 0 && live.len() == world {
+            let mut nodes: Vec<String> = Vec::new();
+            for rank in &live {
+                if !nodes.contains(&rank.node) {
+                    nodes.push(rank.node.clone());
+                }
+            }
+            return Found::World(nodes);
+        }
+        if started.elapsed() > grace {
+            if live.is_empty() {
+                return Found::Nothing;
+            }
+            let names: Vec<String> = live.iter().map(|r| r.rank.to_string()).collect();
+            return Found::Partial(format!(
+                "after the leader restarted, only ranks {} of {world} came back",
+                names.join(",")
+            ));
+        }
+        tokio::time::sleep(TICK).await;
+    }
+}
+
+/// Before a smaller world restores (through T2, resharded), makes the newest memory-committed
+/// step durable: the survivors upload their T0 and the lost ranks' buddies their T1, so the
+/// shrink loses no step.
+async fn secure(leader: &Leader, generation: u32, lost: &[Rank]) {
+    let (memory, durable) = leader.steps().await;
+    let Some(step) = memory.filter(|m| durable < Some(*m)) else {
+        return;
+    };
+    let started = Instant::now();
+    let missing = leader.make_durable_without(step, lost).await;
+    if !missing.is_empty() {
+        leader
+            .record(
+                generation,
+                "secure_failed",
+                format!("no replica holder known for ranks {missing:?}: the smaller world restores the newest durable step"),
+            )
+            .await;
+        return;
+    }
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while Instant::now() < deadline {
+        if leader.steps().await.1 >= Some(step) {
+            leader
+                .record(
+                    generation,
+                    "secured",
+                    format!(
+                        "step {step} made durable from the survivors' T0 and the lost ranks' T1 ({:.2} s)",
+                        started.elapsed().as_secs_f64()
+                    ),
+                )
+                .await;
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    leader
+        .record(
+            generation,
+            "secure_failed",
+            format!("step {step} did not become durable within 120 s: the smaller world restores the newest durable step"),
+        )
+        .await;
+}
+
+/// The world has ended (completed or preempted): makes sure its newest memory-committed step
+/// is durable, asking the nodes to upload it when the trainer's last snapshot did not.
+async fn finish(leader: &Leader) -> String {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut asked = Instant::now();
+    loop {
+        let (memory, durable) = leader.steps().await;
+        match memory {
+            Some(step) if durable < Some(step) => {
+                if Instant::now() > deadline {
+                    return format!(
+                        "step {step} is in memory only: no durable commit within 120 s (newest durable: {})",
+                        durable.map_or("none".into(), |d| d.to_string())
+                    );
+                }
+                if asked.elapsed() > Duration::from_millis(500) {
+                    leader.make_durable(step).await;
+                    asked = Instant::now();
+                }
+            }
+            _ => {
+                return match durable {
+                    Some(step) => format!("step {step} is durable"),
+                    None => "no step is durable".into(),
+                }
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Keeps the healthy active nodes and fills up to `target` with spares (connected nodes
+/// neither active nor drained). With none left it waits, or under the shrink policy lowers
+/// `target` to the healthy nodes it has. `None`: preempted while waiting.
 async fn wait_for_nodes(
     leader: &Leader,
     plan: &Supervision,
+    target: &mut usize,
     mut active: Vec<String>,
     drained: &[String],
     generation: u32,
-) -> Vec<String> {
+) -> Option<Vec<String>> {
     let mut said_waiting = false;
     let mut drained = drained.to_vec();
+    // Nodes that join a world that lost some are swaps; a first world just starts.
+    let replacing = !active.is_empty();
     let mut checked = Instant::now();
     loop {
+        if leader.preempting() {
+            return None;
+        }
         // A drained node an operator resumed in Slurm may serve again.
         if !drained.is_empty() && checked.elapsed() > Duration::from_secs(2) {
             checked = Instant::now();
@@ -142,11 +347,11 @@ async fn wait_for_nodes(
         let healthy = |name: &str| nodes.iter().any(|n| n.node == name && alive(n, plan));
         active.retain(|n| healthy(n));
         for node in &nodes {
-            if active.len() >= plan.active_nodes {
+            if active.len() >= *target {
                 break;
             }
             if alive(node, plan) && !active.contains(&node.node) && !drained.contains(&node.node) {
-                if generation > 0 {
+                if replacing {
                     leader
                         .record(
                             generation,
@@ -158,9 +363,28 @@ async fn wait_for_nodes(
                 active.push(node.node.clone());
             }
         }
-        if active.len() >= plan.active_nodes {
+        if active.len() >= *target {
             active.sort();
-            return active;
+            return Some(active);
+        }
+        let shrink = plan.when_no_spare == NoSpare::Shrink
+            && generation > 0
+            && active.len() >= plan.min_active_nodes;
+        if shrink {
+            leader
+                .record(
+                    generation,
+                    "shrink",
+                    format!(
+                        "no spare left: continuing on {} node(s) instead of {}; the ranks restore from T2, resharded",
+                        active.len(),
+                        *target
+                    ),
+                )
+                .await;
+            *target = active.len();
+            active.sort();
+            return Some(active);
         }
         if !said_waiting && generation > 0 {
             leader
@@ -170,7 +394,7 @@ async fn wait_for_nodes(
                     format!(
                         "{} of {} nodes healthy and no spare left; waiting for a node",
                         active.len(),
-                        plan.active_nodes
+                        *target
                     ),
                 )
                 .await;
@@ -249,18 +473,37 @@ fn socket_template(socket: &str, node: &str) -> String {
     }
 }
 
-/// Watches the world until it completes or fails.
+/// Watches the world until it completes, is preempted, or fails. `child` is the launcher;
+/// an adopted world has none, and is complete when every rank said `Bye`.
 async fn watch(
     leader: &Leader,
-    child: &mut Child,
+    mut child: Option<&mut Child>,
     plan: &Supervision,
     active: &[String],
     generation: u32,
 ) -> Outcome {
     let launched = Instant::now();
-    let (mut restored, mut first_step) = (false, false);
+    let (mut restored, mut first_step) = (child.is_none(), child.is_none());
+    let mut stopping = false;
     loop {
         tokio::time::sleep(TICK).await;
+        leader.count_spares().await;
+        if !stopping && leader.preempting() {
+            stopping = true;
+            leader.stop_all_ranks().await;
+            leader
+                .record(
+                    generation,
+                    "preempting",
+                    "SIGUSR1: the ranks make a last snapshot and exit".into(),
+                )
+                .await;
+        }
+        let ended = if stopping {
+            Outcome::Preempted
+        } else {
+            Outcome::Completed
+        };
         // A lost node first, then a dead rank, then the launcher's own exit: the most
         // specific cause names the fault.
         let (ranks, nodes) = leader.view().await;
@@ -281,19 +524,29 @@ async fn watch(
                 };
             }
         }
-        if let Some(down) = leader.take_downs().await.into_iter().next() {
-            return rank_died(down);
+        let downs = leader.take_downs().await;
+        if !downs.is_empty() {
+            return rank_died(leader, downs).await;
         }
-        if let Ok(Some(status)) = child.try_wait() {
+        if child.is_none()
+            && !ranks.is_empty()
+            && ranks.len() >= active.len()
+            && ranks.iter().all(|r| r.done)
+        {
+            return ended;
+        }
+        let exited = child.as_mut().and_then(|c| c.try_wait().ok().flatten());
+        if let Some(status) = exited {
             if status.success() {
-                return Outcome::Completed;
+                return ended;
             }
             // The launcher often notices a dead rank first; give the daemon's report a
             // moment to name it.
             let deadline = Instant::now() + Duration::from_millis(300);
             while Instant::now() < deadline {
-                if let Some(down) = leader.take_downs().await.into_iter().next() {
-                    return rank_died(down);
+                let downs = leader.take_downs().await;
+                if !downs.is_empty() {
+                    return rank_died(leader, downs).await;
                 }
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
@@ -305,8 +558,10 @@ async fn watch(
         }
         let everyone = ranks.len() >= active.len() && ranks.iter().all(|r| r.alive);
         if everyone {
-            let chosen = leader.chosen_step().await.unwrap_or(0);
+            let asked = leader.chosen_step().await;
+            let chosen = asked.unwrap_or(0);
             if !restored
+                && asked.is_some()
                 && ranks
                     .iter()
                     .all(|r| r.step >= chosen && r.step > 0 || chosen == 0)
@@ -357,15 +612,28 @@ async fn watch(
     }
 }
 
-fn rank_died(down: super::leader::RankDown) -> Outcome {
+/// A rank died. The launcher kills the others within moments, and their reports may come
+/// first (another node's report travels further): the reports of the next 100 ms are
+/// gathered, and the first death by its node's clock is the fault.
+async fn rank_died(leader: &Leader, mut downs: Vec<super::leader::RankDown>) -> Outcome {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    downs.extend(leader.take_downs().await);
+    downs.sort_by_key(|d| d.unix_ms);
+    let first = &downs[0];
+    let others: Vec<String> = downs[1..].iter().map(|d| d.rank.to_string()).collect();
     Outcome::Fault {
         kind: "fault",
         detail: format!(
-            "rank {} (pid {} on {}) died; detected {} ms after its connection closed",
-            down.rank,
-            down.pid,
-            down.node,
-            down.at.elapsed().as_millis()
+            "rank {} (pid {} on {}) died; declared {} ms after its connection closed{}",
+            first.rank,
+            first.pid,
+            first.node,
+            lazarus_shared::store::now_unix_ms().saturating_sub(first.unix_ms),
+            if others.is_empty() {
+                String::new()
+            } else {
+                format!("; ranks {} went down after it", others.join(","))
+            }
         ),
         lost_node: None,
     }
@@ -373,23 +641,21 @@ fn rank_died(down: super::leader::RankDown) -> Outcome {
 
 /// Stops the whole world: every daemon kills its ranks, the launcher's process group is
 /// killed, and this waits (bounded) until the launcher is gone and no rank is connected.
-async fn stop(leader: &Leader, child: &mut Child, plan: &Supervision, run: &str) {
+async fn stop(leader: &Leader, child: Option<&mut Child>, plan: &Supervision, run: &str) {
     leader.kill_all_ranks().await;
     if plan.launcher == Launcher::Srun {
-        // The step's job: cancelled, so its nodes are free for the relaunch.
-        let _ = Command::new("scancel")
-            .arg(format!("--name=lazarus-{run}"))
-            .status()
-            .await;
+        cancel_slurm_world(run).await;
     }
-    if let Some(pid) = child.id() {
-        let _ = Command::new("kill")
-            .args(["-KILL", "--", &format!("-{pid}")])
-            .status()
-            .await;
+    if let Some(child) = child {
+        if let Some(pid) = child.id() {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{pid}")])
+                .status()
+                .await;
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(15), child.wait()).await;
     }
     let deadline = Instant::now() + Duration::from_secs(15);
-    let _ = tokio::time::timeout(Duration::from_secs(15), child.wait()).await;
     while Instant::now() < deadline {
         let (ranks, nodes) = leader.view().await;
         // A rank on a node whose daemon is gone went with its node.
@@ -398,6 +664,34 @@ async fn stop(leader: &Leader, child: &mut Child, plan: &Supervision, run: &str)
             break;
         }
         tokio::time::sleep(TICK).await;
+    }
+}
+
+/// Cancels the world's Slurm work, so its nodes are free for the relaunch: inside an
+/// allocation (the batch script) the world is a step named `lazarus-RUN`; outside one, srun
+/// made a job of that name.
+async fn cancel_slurm_world(run: &str) {
+    let name = format!("lazarus-{run}");
+    let Ok(job) = std::env::var("SLURM_JOB_ID") else {
+        let _ = Command::new("scancel")
+            .arg(format!("--name={name}"))
+            .status()
+            .await;
+        return;
+    };
+    let Ok(output) = Command::new("squeue")
+        .args(["-h", "-s", "-j", &job, "-o", "%i %j"])
+        .output()
+        .await
+    else {
+        return;
+    };
+    for line in String::from_utf8_lossy(&output.stdout).lines() {
+        if let Some((step, step_name)) = line.trim().split_once(' ') {
+            if step_name.trim() == name {
+                let _ = Command::new("scancel").arg(step).status().await;
+            }
+        }
     }
 }
 
