@@ -7,10 +7,13 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
-use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::runbook::Runbook;
+use lazarus_tests::supervision::{
+    events, kill, kinds, leader_status, now_ms, rank_pid_at, supervised_with, wait_for_event_or,
+};
 use lazarus_tests::train::{loss_texts as losses, prepared, small_model_args};
 use lazarus_tests::{bin, Ctl};
 
@@ -55,18 +58,14 @@ fn supervised(
     envs: Vec<(String, String)>,
 ) -> (Cluster, Ctl) {
     let store = format!("file://{}", dir.join("store").display());
-    let mut leader_extra: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
-    for arg in trainer_args(dir, run, &store) {
-        leader_extra.push(format!("--trainer-arg={arg}"));
-    }
-    let settings = Settings {
-        durable_every_steps: 50,
-        leader_extra,
-        ..Settings::default()
-    };
-    let cluster = Cluster::start(dir, run, &store, nodes, &settings, envs);
-    let ctl = Ctl::new(store, &dir.join("index"));
-    (cluster, ctl)
+    supervised_with(
+        dir,
+        run,
+        nodes,
+        flags,
+        &trainer_args(dir, run, &store),
+        envs,
+    )
 }
 
 /// What the supervision runbooks read from the environment.
@@ -83,95 +82,13 @@ fn runbook_env(cluster: &Cluster, run: &str) -> Vec<(&'static str, String)> {
     ]
 }
 
-fn kinds(timeline: &[serde_json::Value]) -> Vec<String> {
-    timeline
-        .iter()
-        .map(|e| e["kind"].as_str().unwrap_or_default().to_string())
-        .collect()
-}
-
-/// Sends `signal` to `pid`; whether it was delivered.
-fn kill(signal: &str, pid: impl ToString) -> bool {
-    Command::new("kill")
-        .args([&format!("-{signal}"), &pid.to_string()])
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_millis() as u64
-}
-
-fn events(ctl: &Ctl, run: &str) -> Vec<serde_json::Value> {
-    let output = ctl.run(&["--json", "events", run]);
-    if !output.status.success() {
-        return Vec::new();
-    }
-    serde_json::from_slice::<serde_json::Value>(&output.stdout)
-        .ok()
-        .and_then(|v| v.as_array().cloned())
-        .unwrap_or_default()
-}
-
 fn wait_for_event(ctl: &Ctl, run: &str, kind: &str, count: usize, cluster: &Cluster) {
     wait_for_event_or(ctl, run, kind, count, || cluster.logs());
-}
-
-/// Waits for the `count`th event of `kind`; on timeout, fails with `logs()`.
-fn wait_for_event_or(ctl: &Ctl, run: &str, kind: &str, count: usize, logs: impl Fn() -> String) {
-    let deadline = Instant::now() + Duration::from_secs(180);
-    while events(ctl, run)
-        .iter()
-        .filter(|e| e["kind"] == kind)
-        .count()
-        < count
-    {
-        assert!(
-            Instant::now() < deadline,
-            "no {kind} event #{count}: {:#?}\n{}",
-            events(ctl, run),
-            logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
 }
 
 /// The pid of a rank of the running world, from the leader, once it is past `past_step`.
 fn rank_pid(cluster: &Cluster, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
     rank_pid_at(&cluster.leader(), &cluster.key_file, ctl, rank, past_step)
-}
-
-fn leader_status(leader: &str, key_file: &Path, ctl: &Ctl) -> serde_json::Value {
-    let output = ctl.run(&[
-        "--json",
-        "status",
-        "--leader",
-        leader,
-        "--key-file",
-        key_file.to_str().unwrap(),
-    ]);
-    serde_json::from_slice(&output.stdout).unwrap_or_default()
-}
-
-fn rank_pid_at(leader: &str, key_file: &Path, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let status = leader_status(leader, key_file, ctl);
-        let found = status["runs"][0]["ranks"]
-            .as_array()
-            .and_then(|ranks| ranks.iter().find(|r| r["rank"] == rank).cloned());
-        if let Some(r) = found.filter(|r| r["step"].as_u64().unwrap_or(0) > past_step) {
-            return r["pid"].as_u64().unwrap() as u32;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "rank {rank} never passed step {past_step}: {status}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 #[test]

@@ -286,9 +286,21 @@ impl Drop for Cluster {
         }
         // Launchers and ranks of a test that ended early (their command lines name the
         // test's directory) would otherwise train on, and wait for their daemons.
+        let pattern: String = self
+            .dir
+            .display()
+            .to_string()
+            .chars()
+            .flat_map(|c| {
+                let special = "\\.^$|?*+()[]{}".contains(c);
+                special
+                    .then_some('\\')
+                    .into_iter()
+                    .chain(std::iter::once(c))
+            })
+            .collect();
         let _ = Command::new("pkill")
-            .args(["-KILL", "-f"])
-            .arg(self.dir.display().to_string())
+            .args(["-KILL", "-f", &pattern])
             .status();
         let _ = std::fs::remove_dir_all(&self.shm_root);
     }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 pub mod cluster;
 pub mod runbook;
+pub mod supervision;
 pub mod toy;
 pub mod train;
 

@@ -1,0 +1,127 @@
+//! Driving a supervising leader from tests and benchmarks: start one over a cluster of
+//! daemons, read its timeline, find and signal its ranks.
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::cluster::{Cluster, Settings};
+use crate::Ctl;
+
+/// `nodes` daemons for `run` (store under `dir/store`, durable every 50 steps); node 1 leads
+/// and supervises with `flags` (e.g. `--supervise mpiexec --active-nodes 2`), launching the
+/// trainer with `trainer_args`.
+pub fn supervised_with(
+    dir: &Path,
+    run: &str,
+    nodes: usize,
+    flags: &[&str],
+    trainer_args: &[String],
+    envs: Vec<(String, String)>,
+) -> (Cluster, Ctl) {
+    let store = format!("file://{}", dir.join("store").display());
+    let mut leader_extra: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+    for arg in trainer_args {
+        leader_extra.push(format!("--trainer-arg={arg}"));
+    }
+    let settings = Settings {
+        durable_every_steps: 50,
+        leader_extra,
+        ..Settings::default()
+    };
+    let cluster = Cluster::start(dir, run, &store, nodes, &settings, envs);
+    let ctl = Ctl::new(store, &dir.join("index"));
+    (cluster, ctl)
+}
+
+/// Sends `signal` to `pid`; whether it was delivered.
+pub fn kill(signal: &str, pid: impl ToString) -> bool {
+    Command::new("kill")
+        .args([&format!("-{signal}"), &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .expect("the clock is after 1970")
+        .as_millis() as u64
+}
+
+/// The run's timeline, oldest first (empty while there is none).
+pub fn events(ctl: &Ctl, run: &str) -> Vec<serde_json::Value> {
+    let output = ctl.run(&["--json", "events", run]);
+    if !output.status.success() {
+        return Vec::new();
+    }
+    serde_json::from_slice::<serde_json::Value>(&output.stdout)
+        .ok()
+        .and_then(|v| v.as_array().cloned())
+        .unwrap_or_default()
+}
+
+/// Waits for the `count`th event of `kind`; on timeout, fails with `logs()`.
+pub fn wait_for_event_or(
+    ctl: &Ctl,
+    run: &str,
+    kind: &str,
+    count: usize,
+    logs: impl Fn() -> String,
+) {
+    let deadline = Instant::now() + Duration::from_secs(180);
+    while events(ctl, run)
+        .iter()
+        .filter(|e| e["kind"] == kind)
+        .count()
+        < count
+    {
+        assert!(
+            Instant::now() < deadline,
+            "no {kind} event #{count}: {:#?}\n{}",
+            events(ctl, run),
+            logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// What `ckptctl status` says of the leader (null while it does not answer).
+pub fn leader_status(leader: &str, key_file: &Path, ctl: &Ctl) -> serde_json::Value {
+    let output = ctl.run(&[
+        "--json",
+        "status",
+        "--leader",
+        leader,
+        "--key-file",
+        key_file.to_str().expect("a UTF-8 path"),
+    ]);
+    serde_json::from_slice(&output.stdout).unwrap_or_default()
+}
+
+/// The pid of a rank of the running world, once it is past `past_step`.
+pub fn rank_pid_at(leader: &str, key_file: &Path, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let status = leader_status(leader, key_file, ctl);
+        let found = status["runs"][0]["ranks"]
+            .as_array()
+            .and_then(|ranks| ranks.iter().find(|r| r["rank"] == rank).cloned());
+        if let Some(r) = found.filter(|r| r["step"].as_u64().unwrap_or(0) > past_step) {
+            return r["pid"].as_u64().expect("a pid") as u32;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank {rank} never passed step {past_step}: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The kinds of a timeline's events, in order.
+pub fn kinds(timeline: &[serde_json::Value]) -> Vec<String> {
+    timeline
+        .iter()
+        .map(|e| e["kind"].as_str().unwrap_or_default().to_string())
+        .collect()
+}
