@@ -46,17 +46,6 @@ fn wait_for_latest(ctl: &Ctl, run: &str, step: u64) {
     }
 }
 
-fn committed_steps(ctl: &Ctl, run: &str) -> Vec<u64> {
-    let listed = ctl.json(&["list", run]);
-    listed["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["state"] == "committed")
-        .map(|s| s["step"]["step"].as_u64().unwrap())
-        .collect()
-}
-
 /// Starts the ranks on a long run, waits for `step`, and SIGKILLs rank 1. Returns once the
 /// launcher has ended the job.
 fn kill_rank_at(cluster: &Cluster, args: &[String], step: u64) {
@@ -112,7 +101,7 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
     assert!(said.contains("0 snapshots skipped"), "{said}");
     let ctl = Ctl::new(store.clone(), &dir.join("index"));
     wait_for_latest(&ctl, "e2e", 30);
-    assert_eq!(committed_steps(&ctl, "e2e"), vec![5, 10, 15, 20, 25, 30]);
+    assert_eq!(ctl.committed("e2e"), vec![5, 10, 15, 20, 25, 30]);
     ctl.expect(0, &["verify", "e2e", "--all", "--read-data"]);
     assert_eq!(
         cluster.metric(0, "lazarus_ckptd_memory_committed_step"),
@@ -224,7 +213,7 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
         ],
     );
     assert!(status.contains("memory-committed step 30"), "{status}");
-    assert_eq!(committed_steps(&ctl, "e2e"), vec![5, 10, 15, 20, 25, 30]);
+    assert_eq!(ctl.committed("e2e"), vec![5, 10, 15, 20, 25, 30]);
 }
 
 #[test]
@@ -331,7 +320,7 @@ fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
     );
     let ctl = Ctl::new(store, &dir.join("index"));
     wait_for_latest(&ctl, "restart", 60);
-    let steps = committed_steps(&ctl, "restart");
+    let steps = ctl.committed("restart");
     assert!(steps.len() >= 5, "{steps:?}");
     ctl.expect(0, &["verify", "restart", "--all", "--read-data"]);
     // What the killed upload left behind is garbage only gc collects; committed steps stay.
@@ -349,7 +338,7 @@ fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
         ],
     );
     println!("{gc}");
-    assert_eq!(committed_steps(&ctl, "restart"), steps);
+    assert_eq!(ctl.committed("restart"), steps);
     ctl.expect(0, &["verify", "restart", "--all", "--read-data"]);
 }
 
@@ -363,7 +352,7 @@ fn two_nodes_stream_to_a_real_s3_server() {
     let mut ctl = Ctl::new(store, &dir.join("index"));
     ctl.envs = s3.envs();
     wait_for_latest(&ctl, "s3run", 12);
-    assert_eq!(committed_steps(&ctl, "s3run"), vec![5, 10, 12]);
+    assert_eq!(ctl.committed("s3run"), vec![5, 10, 12]);
     ctl.expect(0, &["verify", "s3run", "--all", "--read-data"]);
 }
 

@@ -10,17 +10,6 @@ use rand::{Rng, SeedableRng};
 
 const TRIALS: u64 = 50;
 
-fn committed_steps(ctl: &Ctl) -> Vec<u64> {
-    let listed = ctl.json(&["list", "r"]);
-    listed["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["state"] == "committed")
-        .map(|s| s["step"]["step"].as_u64().unwrap())
-        .collect()
-}
-
 #[test]
 fn sigkilled_imports_never_leave_a_false_commit() {
     let seed: u64 = std::env::var("LAZARUS_TEST_SEED")
@@ -83,7 +72,7 @@ fn sigkilled_imports_never_leave_a_false_commit() {
         ));
         child.kill().unwrap();
         child.wait().unwrap();
-        let committed = committed_steps(&ctl);
+        let committed = ctl.committed("r");
         if !committed.contains(&trial) {
             killed_before_commit += 1;
         }
@@ -101,7 +90,7 @@ fn sigkilled_imports_never_leave_a_false_commit() {
         killed_before_commit > 0,
         "no kill landed before a commit: the test did not exercise crashes"
     );
-    assert_eq!(committed_steps(&ctl), (0..=TRIALS).collect::<Vec<_>>());
+    assert_eq!(ctl.committed("r"), (0..=TRIALS).collect::<Vec<_>>());
 
     // gc with nothing to drop removes exactly the unreferenced chunks.
     let mut referenced = BTreeSet::new();

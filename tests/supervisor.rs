@@ -224,14 +224,9 @@ fn a_lost_node_is_replaced_by_a_hot_spare_that_restores_from_the_buddy() {
 
 #[test]
 fn under_slurm_a_lost_node_is_drained_and_a_spare_takes_over() {
-    let conf = match lazarus_tests::slurm_cluster() {
-        Ok(conf) => conf,
-        Err(why) => {
-            println!("skipped: {why}");
-            return;
-        }
+    let Some((conf, _exclusive)) = lazarus_tests::exclusive_slurm_cluster() else {
+        return;
     };
-    let _exclusive = lazarus_tests::slurm_exclusive();
     let (_guard, dir) = prepared();
     let envs = vec![("SLURM_CONF".to_string(), conf.display().to_string())];
     let flags = ["--supervise", "srun", "--active-nodes", "2"];
@@ -393,17 +388,6 @@ fn two_failures_in_a_row_and_no_spare_left_wait_then_recover() {
     ctl.expect(0, &["verify", "twice", "--all", "--read-data"]);
 }
 
-/// The committed steps of `run`.
-fn committed(ctl: &Ctl, run: &str) -> Vec<u64> {
-    ctl.json(&["list", run])["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["state"] == "committed")
-        .map(|s| s["step"]["step"].as_u64().unwrap())
-        .collect()
-}
-
 #[test]
 fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
     let (_guard, dir) = prepared();
@@ -413,7 +397,7 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
 
     // Past the first durable step, the leader's daemon dies; the world keeps training.
     rank_pid(&cluster, &ctl, 0, 55);
-    let before = committed(&ctl, "adopted");
+    let before = ctl.committed("adopted");
     assert!(before.contains(&50), "{before:?}");
     cluster.kill_node(0);
     std::thread::sleep(Duration::from_millis(500));
@@ -438,7 +422,7 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
         "{fault}"
     );
     // No committed step was lost, and every one still verifies.
-    let after = committed(&ctl, "adopted");
+    let after = ctl.committed("adopted");
     for step in &before {
         assert!(after.contains(step), "step {step} lost: {after:?}");
     }
@@ -623,14 +607,9 @@ fn a_throttled_rank_is_reported_as_a_straggler() {
 
 #[test]
 fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
-    let conf = match lazarus_tests::slurm_cluster() {
-        Ok(conf) => conf,
-        Err(why) => {
-            println!("skipped: {why}");
-            return;
-        }
+    let Some((conf, _exclusive)) = lazarus_tests::exclusive_slurm_cluster() else {
+        return;
     };
-    let _exclusive = lazarus_tests::slurm_exclusive();
     let (_guard, dir) = prepared();
     let expected = reference_losses(&dir);
     let store = format!("file://{}", dir.join("store").display());
@@ -720,7 +699,7 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
         .and_then(|n| n.parse().ok())
         .unwrap_or_else(|| panic!("{preempted}"));
     assert!(step > 60 && step < STEPS, "{preempted}");
-    assert!(committed(&ctl, "preempted").contains(&step));
+    assert!(ctl.committed("preempted").contains(&step));
 
     // The job requeues itself. Slurm holds a requeued job about two minutes before it may
     // start again; release it now, as an operator in a hurry would.
@@ -790,7 +769,7 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
         );
     }
     assert!(!kinds.contains(&"fault".to_string()), "{kinds:?}");
-    assert!(committed(&ctl, "preempted").contains(&STEPS));
+    assert!(ctl.committed("preempted").contains(&STEPS));
     ctl.expect(0, &["verify", "preempted", "--all", "--read-data"]);
     assert_eq!(
         losses(&dir, "preempted"),

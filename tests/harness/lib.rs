@@ -101,6 +101,17 @@ impl Ctl {
         stdout + &stderr
     }
 
+    /// The committed steps of `run`, oldest first.
+    pub fn committed(&self, run: &str) -> Vec<u64> {
+        self.json(&["list", run])["steps"]
+            .as_array()
+            .expect("list --json has steps")
+            .iter()
+            .filter(|s| s["state"] == "committed")
+            .filter_map(|s| s["step"]["step"].as_u64())
+            .collect()
+    }
+
     pub fn json(&self, args: &[&str]) -> serde_json::Value {
         let mut all = vec!["--json"];
         all.extend_from_slice(args);
@@ -343,4 +354,16 @@ pub fn slurm_exclusive() -> std::sync::MutexGuard<'static, ()> {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     LOCK.lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The local Slurm cluster held exclusively by this test, or `None` (after saying why) where
+/// it cannot run.
+pub fn exclusive_slurm_cluster() -> Option<(PathBuf, std::sync::MutexGuard<'static, ()>)> {
+    match slurm_cluster() {
+        Ok(conf) => Some((conf, slurm_exclusive())),
+        Err(why) => {
+            println!("skipped: {why}");
+            None
+        }
+    }
 }
