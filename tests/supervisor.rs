@@ -13,6 +13,7 @@ use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::runbook::Runbook;
 use lazarus_tests::supervision::{
     events, kill, kinds, leader_status, now_ms, rank_pid_at, supervised_with, wait_for_event_or,
+    wait_for_event_within,
 };
 use lazarus_tests::train::{loss_texts as losses, prepared, small_model_args};
 use lazarus_tests::{bin, Ctl};
@@ -727,25 +728,24 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
     );
     assert!(confirmed.contains("Restarts=1"), "{confirmed}");
     // Slurm holds the requeued job about two minutes, then starts it again.
-    let deadline = Instant::now() + Duration::from_secs(400);
-    while kinds(&events(&ctl, "preempted"))
-        .iter()
-        .filter(|k| *k == "first_step")
-        .count()
-        < 2
-    {
-        let shown = slurm("scontrol")
-            .args(["show", "job", &job])
-            .output()
-            .unwrap();
-        assert!(
-            Instant::now() < deadline,
-            "the requeued job did not resume: {}\n{}",
-            text_of(&shown),
-            job_log()
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    wait_for_event_within(
+        &ctl,
+        "preempted",
+        "first_step",
+        2,
+        Duration::from_secs(400),
+        || {
+            let shown = slurm("scontrol")
+                .args(["show", "job", &job])
+                .output()
+                .unwrap();
+            format!(
+                "the requeued job did not resume: {}\n{}",
+                text_of(&shown),
+                job_log()
+            )
+        },
+    );
     let verified = runbook.run("Verify it worked", &env);
     assert!(
         verified.contains(&format!("every rank is at step {step} ")),

@@ -61,7 +61,7 @@ pub fn events(ctl: &Ctl, run: &str) -> Vec<serde_json::Value> {
         .unwrap_or_default()
 }
 
-/// Waits for the `count`th event of `kind`; on timeout, fails with `logs()`.
+/// Waits (up to 180 s) for the `count`th event of `kind`; on timeout, fails with `logs()`.
 pub fn wait_for_event_or(
     ctl: &Ctl,
     run: &str,
@@ -69,7 +69,19 @@ pub fn wait_for_event_or(
     count: usize,
     logs: impl Fn() -> String,
 ) {
-    let deadline = Instant::now() + Duration::from_secs(180);
+    wait_for_event_within(ctl, run, kind, count, Duration::from_secs(180), logs);
+}
+
+/// [`wait_for_event_or`] with its own time limit.
+pub fn wait_for_event_within(
+    ctl: &Ctl,
+    run: &str,
+    kind: &str,
+    count: usize,
+    limit: Duration,
+    logs: impl Fn() -> String,
+) {
+    let deadline = Instant::now() + limit;
     while events(ctl, run)
         .iter()
         .filter(|e| e["kind"] == kind)

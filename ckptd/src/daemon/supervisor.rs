@@ -255,22 +255,18 @@ async fn secure(leader: &Leader, generation: u32, lost: &[Rank]) {
             .await;
         return;
     }
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while Instant::now() < deadline {
-        if leader.steps().await.1 >= Some(step) {
-            leader
-                .record(
-                    generation,
-                    "secured",
-                    format!(
-                        "step {step} made durable from the survivors' T0 and the lost ranks' T1 ({:.2} s)",
-                        started.elapsed().as_secs_f64()
-                    ),
-                )
-                .await;
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    if wait_durable(leader, step, Duration::from_secs(120), false).await {
+        leader
+            .record(
+                generation,
+                "secured",
+                format!(
+                    "step {step} made durable from the survivors' T0 and the lost ranks' T1 ({:.2} s)",
+                    started.elapsed().as_secs_f64()
+                ),
+            )
+            .await;
+        return;
     }
     leader
         .record(
@@ -281,34 +277,39 @@ async fn secure(leader: &Leader, generation: u32, lost: &[Rank]) {
         .await;
 }
 
+/// Waits up to `limit` for `step` to be durable; with `nudge`, asks the nodes every 500 ms
+/// to upload their T0 of it. Says whether it became durable.
+async fn wait_durable(leader: &Leader, step: u64, limit: Duration, nudge: bool) -> bool {
+    let deadline = Instant::now() + limit;
+    let mut asked = Instant::now();
+    while Instant::now() < deadline {
+        if leader.steps().await.1 >= Some(step) {
+            return true;
+        }
+        if nudge && asked.elapsed() > Duration::from_millis(500) {
+            leader.make_durable(step).await;
+            asked = Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
 /// The world has ended (completed or preempted): makes sure its newest memory-committed step
 /// is durable, asking the nodes to upload it when the trainer's last snapshot did not.
 async fn finish(leader: &Leader) -> String {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut asked = Instant::now();
-    loop {
-        let (memory, durable) = leader.steps().await;
-        match memory {
-            Some(step) if durable < Some(step) => {
-                if Instant::now() > deadline {
-                    return format!(
-                        "step {step} is in memory only: no durable commit within 120 s (newest durable: {})",
-                        durable.map_or("none".into(), |d| d.to_string())
-                    );
-                }
-                if asked.elapsed() > Duration::from_millis(500) {
-                    leader.make_durable(step).await;
-                    asked = Instant::now();
-                }
-            }
-            _ => {
-                return match durable {
-                    Some(step) => format!("step {step} is durable"),
-                    None => "no step is durable".into(),
-                }
-            }
+    let (memory, durable) = leader.steps().await;
+    if let Some(step) = memory.filter(|m| durable < Some(*m)) {
+        if !wait_durable(leader, step, Duration::from_secs(120), true).await {
+            return format!(
+                "step {step} is in memory only: no durable commit within 120 s (newest durable: {})",
+                leader.steps().await.1.map_or("none".into(), |d| d.to_string())
+            );
         }
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    match leader.steps().await.1 {
+        Some(step) => format!("step {step} is durable"),
+        None => "no step is durable".into(),
     }
 }
 
