@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
 use lazarus_tests::runbook::Runbook;
+use lazarus_tests::supervision::kill;
 use lazarus_tests::train::{loss_texts as losses, pid_in_rank_table, prepared, small_model_args};
 use lazarus_tests::{bin, Ctl, S3Server};
 
@@ -425,19 +426,20 @@ fn a_full_shm_is_a_clear_refusal_and_the_runbook_frees_it() {
     let (_guard, dir) = prepared();
     let store = format!("file://{}", dir.join("store").display());
     let mut cluster = Cluster::start(&dir, "shmfull", &store, 2, &Settings::default(), Vec::new());
-    // Node 2's shm is a 128 MB tmpfs, 80 MB of it left over from an old run.
+    // Node 2's shm is a 192 MB tmpfs, 150 MB of it left over from an old run.
     let shm = cluster.nodes[1].shm.clone();
     cluster.kill_node(1);
-    let Some(_tmpfs) = Tmpfs::mount(&shm, 128) else {
+    let Some(_tmpfs) = Tmpfs::mount(&shm, 192) else {
         println!("skipped: cannot mount a tmpfs here (needs root)");
         return;
     };
     let old = shm.join("old-run/ranks/rank-0");
     std::fs::create_dir_all(&old).unwrap();
-    std::fs::write(old.join("slot-0"), vec![1u8; 80 << 20]).unwrap();
+    std::fs::write(old.join("slot-0"), vec![1u8; 150 << 20]).unwrap();
     cluster.start_node(1);
 
-    // Rank 1 needs three 19.5 MB slots: refused at registration, with the reason.
+    // Rank 1 needs four 19.5 MB slots: refused at registration, with the reason. Once the
+    // runbook has freed the old run, its slots, delta base and two replicas of rank 0 fit.
     let args = trainer_args(&dir, "shmfull", &store, 10, "skip");
     let output = cluster.mpiexec(&args).output().unwrap();
     let text = text_of(&output);
@@ -496,6 +498,29 @@ fn a_storage_outage_pauses_durable_commits_and_they_resume_after_it() {
         assert!(Instant::now() < deadline, "{}", cluster.logs());
         std::thread::sleep(Duration::from_millis(100));
     }
+
+    // The store hangs (it stops answering): the uploads in flight hang with it, but memory
+    // commits (T0 + T1) go on, because an upload holds a slot of its own.
+    // (Before, the hung upload kept its daemon busy and the ranks skipped every snapshot
+    // until the request timed out.)
+    let memory_before = cluster.metric(0, "lazarus_ckptd_memory_committed_step");
+    assert!(kill("STOP", s3.pid()));
+    let hung = Instant::now();
+    loop {
+        let memory = cluster.metric(0, "lazarus_ckptd_memory_committed_step");
+        if memory >= memory_before + 10.0 {
+            break;
+        }
+        if hung.elapsed() > Duration::from_secs(30) {
+            kill("CONT", s3.pid());
+            panic!(
+                "memory commits stalled while the store hung: step {memory_before} -> {memory}\n{}",
+                cluster.logs()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(kill("CONT", s3.pid()));
 
     // The store goes away for a while; training goes on.
     s3.stop();

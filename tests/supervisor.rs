@@ -121,7 +121,8 @@ fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
     assert!(detected_ms < 2000, "{fault}");
     assert!(
         fault["detail"].as_str().unwrap().starts_with("rank 1 "),
-        "{fault}"
+        "{fault}\n{timeline:#?}\n{}",
+        cluster.logs()
     );
 
     // 2. SIGSTOP rank 0: no progress for 3 s is a hang; the world is stopped and relaunched.
@@ -398,8 +399,18 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
 
     // Past the first durable step, the leader's daemon dies; the world keeps training.
     rank_pid(&cluster, &ctl, 0, 55);
-    let before = ctl.committed("adopted");
-    assert!(before.contains(&50), "{before:?}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let before = loop {
+        let committed = ctl.committed("adopted");
+        if committed.contains(&50) {
+            break committed;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "step 50 never became durable: {committed:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
     cluster.kill_node(0);
     std::thread::sleep(Duration::from_millis(500));
     cluster.start_node(0);
@@ -420,7 +431,8 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
     let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
     assert!(
         fault["detail"].as_str().unwrap().starts_with("rank 1 "),
-        "{fault}"
+        "{fault}\n{timeline:#?}\n{}",
+        cluster.logs()
     );
     // No committed step was lost, and every one still verifies.
     let after = ctl.committed("adopted");

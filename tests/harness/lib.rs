@@ -200,6 +200,10 @@ impl S3Server {
     }
 
     /// An outage: the server is killed; its data stays.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     pub fn stop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();

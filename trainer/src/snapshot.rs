@@ -1,12 +1,12 @@
 //! The optimizer's state memory and the hand-off to the node's `ckptd`.
 //!
 //! Without `ckptd`, the state is one heap buffer updated in place. With `ckptd`, it lives in
-//! the daemon's three shm slot files, mapped here. The daemon *holds* some slots (its
-//! committed T0, the snapshot it is working on); the trainer never writes a held slot. Each
-//! optimizer update reads the current slot and writes the next state into a free one (or in
-//! place when the current slot is not held), so after an update the new state already sits in
-//! a slot the daemon can read: a snapshot is a message naming that slot, whatever the state's
-//! size.
+//! the daemon's four shm slot files, mapped here. The daemon *holds* some slots (its
+//! committed T0, the snapshot it is working on, the durable upload in flight); the trainer
+//! never writes a held slot. Each optimizer update reads the current slot and writes the
+//! next state into a free one (or in place when the current slot is not held), so after an
+//! update the new state already sits in a slot the daemon can read: a snapshot is a message
+//! naming that slot, whatever the state's size.
 
 use std::io;
 use std::os::unix::net::UnixStream;
@@ -169,7 +169,7 @@ impl StateMemory {
         }
         let next = (0..self.buffers.len())
             .find(|i| *i != current && !self.held.contains(i))
-            .expect("ckptd holds at most two of three slots");
+            .expect("ckptd holds at most three of four slots");
         self.next = next;
         let (from, to) = if current < next {
             let (a, b) = self.buffers.split_at_mut(next);

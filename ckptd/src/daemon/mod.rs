@@ -34,8 +34,9 @@ use node::RankState;
 
 /// Raw bytes per chunk of a slot, for T0 verification and T1 replication.
 pub const SLOT_CHUNK_BYTES: u64 = 4 << 20;
-/// Slot files per rank: the committed T0, the one in flight, and the rank's working copy.
-pub const SLOTS_PER_RANK: u32 = 3;
+/// Slot files per rank: the committed T0, the snapshot in flight, the durable upload in
+/// flight, and the rank's working copy.
+pub const SLOTS_PER_RANK: u32 = 4;
 
 /// Everything the daemon's tasks share.
 #[derive(Debug)]
@@ -224,7 +225,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             .lock()
             .await
             .values()
-            .any(|s| s.uploading || s.working.is_some())
+            .any(|s| s.uploading.is_some() || s.working.is_some())
         {
             break;
         }

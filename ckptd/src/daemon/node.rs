@@ -2,8 +2,9 @@
 //! pipeline (hash, replicate to the buddy, report to the leader, upload durable steps), and
 //! restores from T0, T1 or T2.
 //!
-//! A rank owns nothing in shm: its three slot files belong to the daemon. A slot the daemon
-//! *holds* (the committed T0, the snapshot in flight, a restore) is read-only for the rank;
+//! A rank owns nothing in shm: its four slot files belong to the daemon. A slot the daemon
+//! *holds* (the committed T0, the snapshot in flight, a restore, the durable upload in
+//! flight) is read-only for the rank;
 //! the rank's optimizer writes its next state into a slot that is not held, so handing a
 //! snapshot over is telling the daemon which slot holds which step. The held set is only ever
 //! shrunk after `state.json` says which slot is T0, so a daemon restarted at any moment
@@ -75,7 +76,9 @@ pub struct RankState {
     pub pending_at: Instant,
     /// The slot being hashed and replicated.
     pub working: Option<u32>,
-    pub uploading: bool,
+    /// The slot being uploaded as a durable step. It is held apart from T0, so memory
+    /// snapshots and commits go on while an upload is slow or storage is down.
+    pub uploading: Option<u32>,
     pub base: Option<Base>,
     pub last_step: u64,
     pub last_seen: Instant,
@@ -94,6 +97,7 @@ impl RankState {
             self.t0.as_ref().map(|s| s.slot),
             self.pending.as_ref().map(|s| s.slot),
             self.working,
+            self.uploading,
         ]
         .into_iter()
         .flatten()
@@ -104,7 +108,7 @@ impl RankState {
     }
 
     pub fn busy(&self) -> bool {
-        self.pending.is_some() || self.working.is_some() || self.uploading
+        self.pending.is_some() || self.working.is_some()
     }
 
     fn free_slot(&self) -> Option<u32> {
@@ -163,7 +167,7 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                         pending_at: Instant::now(),
                         replica_at: None,
                         working: None,
-                        uploading: false,
+                        uploading: None,
                         base: state.base,
                         last_step: 0,
                         last_seen: Instant::now(),
@@ -468,7 +472,8 @@ async fn register(
         .filter(|s| s.rank != rank)
         .map(|s| s.slot_bytes * u64::from(SLOTS_PER_RANK))
         .sum();
-    let needed = slot_bytes * u64::from(SLOTS_PER_RANK) * if daemon.cfg.delta { 4 } else { 3 } / 3;
+    // The slots, and with delta encoding the base copy of the last durable step.
+    let needed = slot_bytes * (u64::from(SLOTS_PER_RANK) + u64::from(daemon.cfg.delta));
     if others + needed > daemon.cfg.memory_budget_bytes {
         bail!(
             "rank {rank} needs {needed} bytes of shm slots; with the other ranks that is over memory_budget_bytes {}",
@@ -504,7 +509,7 @@ async fn register(
                 pending_at: Instant::now(),
                 replica_at: None,
                 working: None,
-                uploading: false,
+                uploading: None,
                 base: None,
                 last_step: 0,
                 last_seen: Instant::now(),
@@ -774,11 +779,23 @@ pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
             daemon.metrics.error("state");
             tracing::error!(error = %format!("{error:#}"), "cannot record T0");
         }
-        if durable && !state.uploading {
-            state.uploading = true;
-            tokio::spawn(upload(daemon.clone(), state.rank));
+        if durable {
+            start_upload(daemon, state);
         }
     }
+}
+
+/// Uploads the rank's T0 unless an upload is already running; that one catches up with the
+/// newest durable-requested T0 when it ends.
+fn start_upload(daemon: &Arc<Daemon>, state: &mut RankState) {
+    if state.uploading.is_some() {
+        return;
+    }
+    let Some(snap) = state.t0.clone() else {
+        return;
+    };
+    state.uploading = Some(snap.slot);
+    tokio::spawn(upload(daemon.clone(), state.rank, snap));
 }
 
 /// The leader wants `step` durable (the job is ending): upload each rank's T0 of that step
@@ -786,9 +803,8 @@ pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
 pub async fn make_durable(daemon: &Arc<Daemon>, step: u64) {
     let mut ranks = daemon.ranks.lock().await;
     for state in ranks.values_mut() {
-        if state.t0.as_ref().is_some_and(|t0| t0.step == step) && !state.uploading {
-            state.uploading = true;
-            tokio::spawn(upload(daemon.clone(), state.rank));
+        if state.t0.as_ref().is_some_and(|t0| t0.step == step) {
+            start_upload(daemon, state);
         }
     }
 }
@@ -802,11 +818,13 @@ impl Progress for Counting<'_> {
 }
 
 /// Uploads a rank's T0 through the store library and tells the leader its manifest is stored.
-async fn upload(daemon: Arc<Daemon>, rank: Rank) {
-    let result = upload_inner(&daemon, rank).await;
+/// A durable step committed to memory meanwhile is uploaded next.
+async fn upload(daemon: Arc<Daemon>, rank: Rank, snap: Snap) {
+    let uploaded = snap.step;
+    let result = upload_inner(&daemon, rank, snap).await;
     let mut ranks = daemon.ranks.lock().await;
     if let Some(state) = ranks.get_mut(&rank) {
-        state.uploading = false;
+        state.uploading = None;
         match result {
             Ok((step, base)) => {
                 if let Some(base) = base {
@@ -822,6 +840,13 @@ async fn upload(daemon: Arc<Daemon>, rank: Rank) {
                     world_size: state.world_size,
                     step,
                 });
+                if state
+                    .t0
+                    .as_ref()
+                    .is_some_and(|t0| t0.durable_requested && t0.step > uploaded)
+                {
+                    start_upload(&daemon, state);
+                }
             }
             Err(error) => {
                 daemon.metrics.error("upload");
@@ -831,15 +856,17 @@ async fn upload(daemon: Arc<Daemon>, rank: Rank) {
     }
 }
 
-async fn upload_inner(daemon: &Arc<Daemon>, rank: Rank) -> Result<(StepKey, Option<Base>)> {
-    let (snap, path, dir, tensors, world_size, base, slot_bytes) = {
+async fn upload_inner(
+    daemon: &Arc<Daemon>,
+    rank: Rank,
+    snap: Snap,
+) -> Result<(StepKey, Option<Base>)> {
+    let (path, dir, tensors, world_size, base, slot_bytes) = {
         let ranks = daemon.ranks.lock().await;
         let state = ranks
             .get(&rank)
             .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-        let snap = state.t0.clone().ok_or_else(|| anyhow!("no T0 to upload"))?;
         (
-            snap.clone(),
             state.slot_path(snap.slot),
             state.dir.clone(),
             state.tensors.clone(),
@@ -1039,7 +1066,8 @@ async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> Resu
 
 /// The steps a world of this rank's size could restore: the leader's newest memory-committed
 /// step, and the newest durable one. Waits first for the previous life's snapshot to be
-/// replicated and reported, so its memory commit can still count.
+/// replicated and reported, so its memory commit can still count. A durable upload in
+/// flight is not waited for: it holds its own slot, and the memory step is newer.
 async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Option<StepKey>)> {
     let deadline = Instant::now() + Duration::from_secs(120);
     let world_size = loop {
@@ -1048,7 +1076,7 @@ async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Option
             let state = ranks
                 .get(&rank)
                 .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-            if state.working.is_none() && !state.uploading || Instant::now() > deadline {
+            if state.working.is_none() || Instant::now() > deadline {
                 break state.world_size;
             }
         }

@@ -614,11 +614,22 @@ async fn watch(
 }
 
 /// A rank died. The launcher kills the others within moments, and their reports may come
-/// first (another node's report travels further): the reports of the next 100 ms are
-/// gathered, and the first death by its node's clock is the fault.
+/// first (another node's report travels further, or its daemon was slower to run): reports
+/// are gathered for at least 100 ms, and until every rank is down or 1 s has passed. The
+/// first death by its node's clock is the fault.
 async fn rank_died(leader: &Leader, mut downs: Vec<super::leader::RankDown>) -> Outcome {
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    downs.extend(leader.take_downs().await);
+    let started = Instant::now();
+    loop {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        downs.extend(leader.take_downs().await);
+        let waited = started.elapsed();
+        if waited >= Duration::from_secs(1) {
+            break;
+        }
+        if waited >= Duration::from_millis(100) && leader.view().await.0.iter().all(|r| !r.alive) {
+            break;
+        }
+    }
     downs.sort_by_key(|d| d.unix_ms);
     let first = &downs[0];
     let others: Vec<String> = downs[1..].iter().map(|d| d.rank.to_string()).collect();
