@@ -115,6 +115,9 @@ pub(crate) fn open(
             })
         }
         "s3" => {
+            // TLS through rustls with ring (see the workspace manifest); the first store
+            // opened installs it for the process, later calls find it there.
+            let _ = rustls::crypto::ring::default_provider().install_default();
             let bucket = parsed
                 .host_str()
                 .filter(|b| !b.is_empty())
