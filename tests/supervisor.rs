@@ -7,6 +7,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster};
@@ -34,8 +35,14 @@ fn trainer_args(dir: &Path, run: &str, store: &str) -> Vec<String> {
     )
 }
 
-/// The losses of the same training, uninterrupted, under plain mpiexec with 2 ranks.
+/// The losses of the same training, uninterrupted, under plain mpiexec with 2 ranks. Every
+/// test trains the same data with the same settings, so one run serves the whole process.
 fn reference_losses(dir: &Path) -> BTreeMap<u64, String> {
+    static REFERENCE: OnceLock<BTreeMap<u64, String>> = OnceLock::new();
+    REFERENCE.get_or_init(|| run_reference(dir)).clone()
+}
+
+fn run_reference(dir: &Path) -> BTreeMap<u64, String> {
     let reference_store = format!("file://{}", dir.join("reference").display());
     let mut reference = trainer_args(dir, "reference", &reference_store);
     reference.extend(["--set".into(), "checkpoint.every=100000".into()]);
@@ -714,8 +721,7 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
     assert!(step > 60 && step < STEPS, "{preempted}");
     assert!(ctl.committed("preempted").contains(&step));
 
-    // The job requeues itself. Slurm holds a requeued job about two minutes before it may
-    // start again; release it now, as an operator in a hurry would.
+    // The job requeues itself.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let shown = slurm("scontrol")
@@ -739,7 +745,8 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
         "{confirmed}"
     );
     assert!(confirmed.contains("Restarts=1"), "{confirmed}");
-    // Slurm holds the requeued job about two minutes, then starts it again.
+    // Slurm holds the requeued job for the credential lifetime (10 s on the local cluster),
+    // then starts it again.
     wait_for_event_within(
         &ctl,
         "preempted",

@@ -32,6 +32,9 @@ SlurmctldPort=$PORT
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job is held for the credential lifetime (default 120 s) before it may start
+# again; a short one keeps the preemption test quick.
+AuthInfo=cred_expire=10
 CredType=cred/munge
 StateSaveLocation=$DIR/state
 SlurmdSpoolDir=$DIR/spool/%n
