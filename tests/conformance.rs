@@ -13,6 +13,7 @@ use lazarus_shared::store::{
 };
 use lazarus_shared::{RunId, StepKey, StoreError};
 use lazarus_tests::{random_f32_bytes, S3Server};
+use object_store::ObjectStoreExt;
 
 fn options() -> StoreOptions {
     StoreOptions {
@@ -424,6 +425,70 @@ async fn memory_backend() {
         })
     })
     .await;
+}
+
+/// `latest` reads commit records newest first: it must agree with the full catalog when the
+/// newest commit is damaged or hidden by a rollback.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn latest_skips_damaged_and_hidden_commits_like_the_catalog() {
+    let objects: Arc<dyn object_store::ObjectStore> =
+        Arc::new(object_store::memory::InMemory::new());
+    let store = Store::with_objects(objects.clone(), "memory://", options())
+        .await
+        .unwrap();
+    let run_store = store.run(&run("latest"));
+    run_store.create(serde_json::json!({})).await.unwrap();
+    let agree = |expected: Option<StepKey>, why: &'static str| {
+        let run_store = run_store.clone();
+        async move {
+            let catalog = run_store.catalog().await.unwrap();
+            assert_eq!(catalog.latest, expected, "catalog: {why}");
+            assert_eq!(run_store.latest().await.unwrap(), expected, "latest: {why}");
+        }
+    };
+    agree(None, "nothing committed").await;
+    for step in 1..=4 {
+        let step = StepKey::new(step, 0);
+        run_store
+            .write_shard(
+                ShardInput {
+                    step,
+                    rank: 0,
+                    world_size: 1,
+                    tensors: vec![TensorData::whole(
+                        "w",
+                        DType::F32,
+                        vec![16],
+                        Bytes::from(random_f32_bytes(16, step.step)),
+                    )],
+                    blobs: vec![],
+                },
+                None,
+                &(),
+            )
+            .await
+            .unwrap();
+        run_store.commit(step, 1).await.unwrap();
+    }
+    agree(Some(StepKey::new(4, 0)), "four commits").await;
+    let commit4 = object_store::path::Path::from("runs/latest/commits/000000000004.json");
+    let mut bytes = objects
+        .get(&commit4)
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap()
+        .to_vec();
+    let middle = bytes.len() / 2;
+    bytes[middle] ^= 0x04;
+    objects.put(&commit4, bytes.into()).await.unwrap();
+    agree(Some(StepKey::new(3, 0)), "the newest commit is damaged").await;
+    run_store
+        .rollback(StepKey::new(2, 0), "test", "test")
+        .await
+        .unwrap();
+    agree(Some(StepKey::new(2, 0)), "steps after 2 are rolled back").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,6 +20,19 @@ pub fn supervised_with(
     envs: Vec<(String, String)>,
 ) -> (Cluster, Ctl) {
     let store = format!("file://{}", dir.join("store").display());
+    supervised_on(&store, dir, run, nodes, flags, trainer_args, envs)
+}
+
+/// [`supervised_with`] on the store at `store`; `envs` go to the daemons and to the `Ctl`.
+pub fn supervised_on(
+    store: &str,
+    dir: &Path,
+    run: &str,
+    nodes: usize,
+    flags: &[&str],
+    trainer_args: &[String],
+    envs: Vec<(String, String)>,
+) -> (Cluster, Ctl) {
     let mut leader_extra: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
     for arg in trainer_args {
         leader_extra.push(format!("--trainer-arg={arg}"));
@@ -29,8 +42,9 @@ pub fn supervised_with(
         leader_extra,
         ..Settings::default()
     };
-    let cluster = Cluster::start(dir, run, &store, nodes, &settings, envs);
-    let ctl = Ctl::new(store, &dir.join("index"));
+    let cluster = Cluster::start(dir, run, store, nodes, &settings, envs.clone());
+    let mut ctl = Ctl::new(store, &dir.join("index"));
+    ctl.envs = envs;
     (cluster, ctl)
 }
 

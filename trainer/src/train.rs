@@ -482,6 +482,44 @@ impl Session {
     }
 }
 
+/// The store calls a rank makes at start. Under ckptd, whose daemons checked the store when
+/// they started, they are best effort: the first that fails or gets no answer within
+/// `limit` is logged, and the rest are skipped, so that a store that is down or hung does
+/// not keep a relaunched world from restoring from the daemons' memory (T0, T1).
+struct StartChecks {
+    limit: Option<std::time::Duration>,
+    gave_up: bool,
+}
+
+impl StartChecks {
+    fn call<T>(
+        &mut self,
+        runtime: &tokio::runtime::Runtime,
+        log: &mut dyn Write,
+        what: &str,
+        call: impl std::future::Future<Output = Result<T>>,
+    ) -> Result<Option<T>> {
+        let Some(limit) = self.limit else {
+            return runtime.block_on(call).map(Some);
+        };
+        if self.gave_up {
+            return Ok(None);
+        }
+        // The timer needs the runtime: it is made inside block_on.
+        let failed = match runtime.block_on(async { tokio::time::timeout(limit, call).await }) {
+            Ok(Ok(value)) => return Ok(Some(value)),
+            Ok(Err(error)) => format!("{error:#}"),
+            Err(_) => format!("no answer within {} s", limit.as_secs()),
+        };
+        self.gave_up = true;
+        writeln!(
+            log,
+            "checkpoint store: {what}: {failed}; starting without it (the node daemons restore from memory)"
+        )?;
+        Ok(None)
+    }
+}
+
 /// Trains until `config.train.steps` or until `stop` is raised (then checkpoints and returns).
 pub fn train(
     config: &Config,
@@ -522,11 +560,23 @@ pub fn train(
             world.size
         )));
     }
+    // Under ckptd the daemons write the store, and a relaunched world restores from their
+    // memory: the checks below are best effort (see StartChecks).
+    let mut checks = StartChecks {
+        limit: config
+            .checkpoint
+            .ckptd_socket()
+            .map(|_| std::time::Duration::from_secs(3)),
+        gave_up: false,
+    };
     let store = runtime
         .block_on(Store::open(
             &url,
             OpenMode::CreateIfMissing,
-            StoreOptions::default(),
+            StoreOptions {
+                check_reachable: checks.limit.is_none(),
+                ..StoreOptions::default()
+            },
         ))
         .map_err(|error| RefusedRun(format!("cannot use checkpoint store {url}: {error}")))?;
     let run_id: RunId = config
@@ -536,24 +586,36 @@ pub fn train(
         .map_err(|e| RefusedRun(format!("{e}")))?;
     let run = store.run(&run_id);
     let description = serde_json::json!({ "model": config.model, "source": "trainer" });
-    let existing = match runtime.block_on(run.info()) {
-        Ok(_) => runtime.block_on(run.latest())?,
-        Err(lazarus_shared::StoreError::NoSuchRun { .. }) => None,
-        Err(error) => return Err(error.into()),
-    };
-    if existing.is_some() && config.checkpoint.resume == "never" {
-        bail!(RefusedRun(format!("run {run_id} already has checkpoints in {url}; refusing to overwrite them (use checkpoint.resume=auto, or another run.id)")));
+    let existing = checks.call(&runtime, log, "looking for earlier steps", async {
+        match run.info().await {
+            Ok(_) => Ok(run.latest().await?),
+            Err(lazarus_shared::StoreError::NoSuchRun { .. }) => Ok(None),
+            Err(error) => Err(error.into()),
+        }
+    })?;
+    if config.checkpoint.resume == "never" {
+        match existing {
+            Some(Some(_)) => bail!(RefusedRun(format!("run {run_id} already has checkpoints in {url}; refusing to overwrite them (use checkpoint.resume=auto, or another run.id)"))),
+            Some(None) => {}
+            None => bail!(RefusedRun(format!("cannot tell whether run {run_id} already has checkpoints in {url}: the store did not answer (checkpoint.resume=never needs to know)"))),
+        }
     }
     // Rank 0 creates the run; the others read it once it exists.
     if world.rank == 0 {
-        runtime.block_on(run.create(description.clone()))?;
+        checks.call(&runtime, log, "creating the run", async {
+            Ok(run.create(description.clone()).await?)
+        })?;
     }
     world.barrier();
-    let info = runtime.block_on(run.create(description.clone()))?;
-    if info.description.get("model") != description.get("model") {
-        bail!(RefusedRun(format!(
-            "run {run_id} in {url} was created for a different model; choose another run.id"
-        )));
+    let info = checks.call(&runtime, log, "reading the run", async {
+        Ok(run.create(description.clone()).await?)
+    })?;
+    if let Some(info) = &info {
+        if info.description.get("model") != description.get("model") {
+            bail!(RefusedRun(format!(
+                "run {run_id} in {url} was created for a different model; choose another run.id"
+            )));
+        }
     }
     let mut model = Model::new(&config.model, config.run.seed, DType::F32)?;
     if world.size > 1 {

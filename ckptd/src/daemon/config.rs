@@ -68,7 +68,8 @@ pub struct Cli {
     /// Chunks uploaded at once.
     #[arg(long)]
     pub upload_concurrency: Option<usize>,
-    /// Make a memory-committed step durable every this many steps.
+    /// Make a memory-committed step durable every this many steps (the first one at or past
+    /// each multiple).
     #[arg(long)]
     pub durable_every_steps: Option<u64>,
     /// ... or when this many seconds passed since the last durable commit.

@@ -93,8 +93,9 @@ struct State {
     memory_step: Option<u64>,
     memory_at: HashMap<u64, Instant>,
     stored: BTreeMap<StepKey, BTreeSet<Rank>>,
-    durable_step: Option<StepKey>,
     last_durable: Instant,
+    /// The newest memory-committed step that was made durable (asked to be uploaded).
+    last_durable_step: Option<u64>,
     nodes: BTreeMap<String, NodeInfo>,
     downs: Vec<RankDown>,
     /// The step the last `WhichStep` answer pointed at (the supervisor's restore step):
@@ -113,12 +114,23 @@ pub struct Leader {
     metrics: Arc<Metrics>,
     state: Mutex<State>,
     events: Mutex<(Vec<wire::Event>, u64)>,
+    /// Events recorded but not yet in the store.
+    events_unstored: Arc<std::sync::atomic::AtomicUsize>,
+    /// The newest durable step this leader knows of: the store's last answer, or a commit
+    /// this leader made since.
+    durable: Arc<std::sync::Mutex<Option<StepKey>>>,
     /// Raised by SIGUSR1 (Slurm's warning before the time limit, or an operator).
     preempt: std::sync::atomic::AtomicBool,
 }
 
 impl Leader {
-    pub fn new(cfg: Config, run: RunStore, metrics: Arc<Metrics>) -> Self {
+    /// `durable`: the store's newest durable step when the daemon started.
+    pub fn new(
+        cfg: Config,
+        run: RunStore,
+        metrics: Arc<Metrics>,
+        durable: Option<StepKey>,
+    ) -> Self {
         Self {
             cfg,
             run,
@@ -130,8 +142,8 @@ impl Leader {
                 memory_step: None,
                 memory_at: HashMap::new(),
                 stored: BTreeMap::new(),
-                durable_step: None,
                 last_durable: Instant::now(),
+                last_durable_step: None,
                 nodes: BTreeMap::new(),
                 downs: Vec::new(),
                 chosen: None,
@@ -139,11 +151,14 @@ impl Leader {
                 supervision: None,
             }),
             events: Mutex::new((Vec::new(), 0)),
+            events_unstored: Arc::default(),
+            durable: Arc::new(std::sync::Mutex::new(durable)),
             preempt: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    /// Records one event of the timeline: in memory, in the log, and in the store.
+    /// Records one event of the timeline: in memory and in the log now, and in the store in
+    /// the background, so that a slow or hung store never holds up supervision.
     pub async fn record(&self, generation: u32, kind: &str, detail: String) -> wire::Event {
         let event = wire::Event {
             unix_ms: lazarus_shared::store::now_unix_ms(),
@@ -158,11 +173,48 @@ impl Leader {
             events.1 += 1;
             events.1
         };
-        if let Err(error) = self.run.put_event(&event, sequence).await {
-            self.metrics.error("event");
-            tracing::warn!(%error, "cannot store the event");
-        }
+        let (run, metrics, unstored) = (
+            self.run.clone(),
+            self.metrics.clone(),
+            self.events_unstored.clone(),
+        );
+        let stored = event.clone();
+        unstored.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        tokio::spawn(async move {
+            if let Err(error) = run.put_event(&stored, sequence).await {
+                metrics.error("event");
+                tracing::warn!(%error, "cannot store the event");
+            }
+            unstored.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        });
         event
+    }
+
+    /// Events recorded but not yet written to the store (the daemon waits for them before
+    /// it exits).
+    pub fn events_unstored(&self) -> usize {
+        self.events_unstored
+            .load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// The newest durable step: the store's answer when it comes within 2 s, else the newest
+    /// this leader knows of, so that a hung store does not hold up a restore from memory.
+    pub async fn durable_step(&self) -> Option<StepKey> {
+        let known = || *self.durable.lock().unwrap_or_else(|e| e.into_inner());
+        match tokio::time::timeout(Duration::from_secs(2), self.run.latest()).await {
+            Ok(Ok(latest)) => {
+                *self.durable.lock().unwrap_or_else(|e| e.into_inner()) = latest;
+                latest
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, known = ?known(), "cannot read the newest durable step; using the newest this leader knows");
+                known()
+            }
+            Err(_) => {
+                tracing::warn!(known = ?known(), "the store did not answer within 2 s; using the newest durable step this leader knows");
+                known()
+            }
+        }
     }
 
     pub async fn events(&self) -> Vec<wire::Event> {
@@ -189,7 +241,7 @@ impl Leader {
     /// The newest memory-committed step, and the newest durable one in the store.
     pub async fn steps(&self) -> (Option<u64>, Option<u64>) {
         let memory = self.state.lock().await.memory_step;
-        let durable = self.run.latest().await.ok().flatten().map(|k| k.step);
+        let durable = self.durable_step().await.map(|k| k.step);
         (memory, durable)
     }
 
@@ -537,12 +589,17 @@ impl Leader {
                         state.memory_step = Some(step);
                     }
                     self.metrics.memory_step.set(step as i64);
+                    // Durable when the step crosses a multiple of durable_every_steps since
+                    // the last durable one, so a skipped snapshot at the multiple itself
+                    // does not skip a durable step.
+                    let every = self.cfg.durable_every_steps.max(1);
                     let durable = requested
-                        || step % self.cfg.durable_every_steps == 0
+                        || step / every > state.last_durable_step.unwrap_or(0) / every
                         || state.last_durable.elapsed().as_secs_f64()
                             >= self.cfg.durable_every_seconds;
                     if durable {
                         state.last_durable = Instant::now();
+                        state.last_durable_step = Some(step);
                         state.memory_at.insert(step, Instant::now());
                     }
                     tracing::debug!(step, durable, "memory-committed");
@@ -574,10 +631,16 @@ impl Leader {
                     let started = state.memory_at.remove(&step.step);
                     let run = self.run.clone();
                     let metrics = self.metrics.clone();
+                    let durable = self.durable.clone();
                     // The commit record goes out without holding the state.
                     tokio::spawn(async move {
                         match run.commit(step, world_size).await {
                             Ok(_) => {
+                                let mut known = durable.lock().unwrap_or_else(|e| e.into_inner());
+                                if *known < Some(step) {
+                                    *known = Some(step);
+                                }
+                                drop(known);
                                 metrics.durable_step.set(step.step as i64);
                                 metrics
                                     .durable_commit_timestamp
@@ -595,7 +658,6 @@ impl Leader {
                             }
                         }
                     });
-                    state.durable_step = Some(step);
                 }
             }
             Message::NodeHeartbeat { ranks, .. } => {
@@ -686,7 +748,7 @@ impl Leader {
                 .then_some(state.memory_step)
                 .flatten()
         };
-        let durable = self.run.latest().await.unwrap_or(None);
+        let durable = self.durable_step().await;
         {
             let mut state = self.state.lock().await;
             let chosen = match (memory, durable) {
@@ -704,7 +766,7 @@ impl Leader {
     }
 
     pub async fn status(&self) -> ClusterStatus {
-        let durable = self.run.latest().await.unwrap_or(None);
+        let durable = self.durable_step().await;
         let state = self.state.lock().await;
         let mut ranks: Vec<RankStatus> = state
             .ranks
@@ -758,7 +820,7 @@ impl Leader {
                 world_size: state.world_size,
                 ranks,
                 memory_step: state.memory_step,
-                durable_step: durable.or(state.durable_step),
+                durable_step: durable,
             }],
         }
     }

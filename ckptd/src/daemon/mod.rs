@@ -135,15 +135,17 @@ pub async fn run(cfg: Config) -> Result<()> {
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
     let unix = node::bind_socket(&cfg)?;
     let (to_leader, from_node) = mpsc::unbounded_channel();
+    let mut durable = None;
     if cfg.lead {
         metrics.leader.set(1);
         metrics
             .supervising
             .set(i64::from(cfg.supervision.is_some()));
         // The age of the newest durable step counts from its commit record, or from now.
-        let newest = match run.latest().await {
-            Ok(Some(step)) => run.load_commit(step).await.ok().map(|c| c.created_unix_ms),
-            _ => None,
+        durable = run.latest().await.ok().flatten();
+        let newest = match durable {
+            Some(step) => run.load_commit(step).await.ok().map(|c| c.created_unix_ms),
+            None => None,
         };
         let since = newest.unwrap_or_else(lazarus_shared::store::now_unix_ms);
         metrics.durable_commit_timestamp.set(since as f64 / 1e3);
@@ -153,6 +155,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             cfg.clone(),
             run.clone(),
             metrics.clone(),
+            durable,
         ))
     });
     let daemon = Arc::new(Daemon {
@@ -216,7 +219,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             tracing::info!(?ending, "supervision ended; exiting");
         }
     }
-    tracing::info!("stopping: letting uploads in flight finish (up to 60 s)");
+    tracing::info!("stopping: letting uploads and event records in flight finish (up to 60 s)");
     let _ = std::fs::remove_file(&daemon.cfg.socket);
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
     while std::time::Instant::now() < deadline {
@@ -226,6 +229,10 @@ pub async fn run(cfg: Config) -> Result<()> {
             .await
             .values()
             .any(|s| s.uploading.is_some() || s.working.is_some())
+            && daemon
+                .leader
+                .as_ref()
+                .is_none_or(|l| l.events_unstored() == 0)
         {
             break;
         }

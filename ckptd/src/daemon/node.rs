@@ -1110,10 +1110,6 @@ async fn restore(
             .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
         (state.slot_bytes, state.tensors.clone(), state.world_size)
     };
-    let durable = match durable {
-        Some(step) => Some(daemon.run.resolve_step(&step.to_string()).await?),
-        None => None,
-    };
     let use_memory = memory.is_some();
     let mut ranks = daemon.ranks.lock().await;
     let state = ranks
@@ -1170,10 +1166,17 @@ async fn restore(
         }
     }
     state.pending = None;
+    drop(ranks);
+    // Storage only now: a restore from memory never waits for the store.
     let durable = match (memory, durable) {
-        (Some(m), Some(d)) if d.step != m => None,
-        (_, d) => d,
+        (Some(m), Some(d)) if d != m => None,
+        (_, Some(d)) => Some(daemon.run.resolve_step(&d.to_string()).await?),
+        (_, None) => None,
     };
+    let mut ranks = daemon.ranks.lock().await;
+    let state = ranks
+        .get_mut(&rank)
+        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
     let Some(durable) = durable else {
         if use_memory {
             bail!("step {} is memory-committed but neither this node (T0), the buddy (T1) nor storage has it for rank {rank}", memory.unwrap_or_default());

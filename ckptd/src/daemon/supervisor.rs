@@ -290,7 +290,7 @@ async fn wait_durable(leader: &Leader, step: u64, limit: Duration, nudge: bool) 
             leader.make_durable(step).await;
             asked = Instant::now();
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     false
 }

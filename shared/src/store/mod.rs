@@ -72,6 +72,9 @@ pub struct StoreOptions {
     /// Where the local chunk index lives; `None` runs without one.
     pub index_path: Option<PathBuf>,
     pub s3: S3Settings,
+    /// Whether opening the store first checks that it answers (a listing). Off for a
+    /// program that must start while the store is down.
+    pub check_reachable: bool,
 }
 
 impl Default for StoreOptions {
@@ -88,6 +91,7 @@ impl Default for StoreOptions {
             lock_ttl_ms: 15 * 60 * 1000,
             index_path: None,
             s3: S3Settings::default(),
+            check_reachable: true,
         }
     }
 }
@@ -140,10 +144,12 @@ impl Store {
         options: StoreOptions,
     ) -> Result<Self, StoreError> {
         let probe = Path::from(layout::RUNS);
-        objects
-            .list_with_delimiter(Some(&probe))
-            .await
-            .map_err(|source| match source {
+        if options.check_reachable {
+            objects
+                .list_with_delimiter(Some(&probe))
+                .await
+                .map_err(|source| {
+                    match source {
                 // S3 servers answer a missing bucket with a 404 `NoSuchBucket`, which object_store
                 // passes on as a generic error.
                 object_store::Error::NotFound { .. } => StoreError::InvalidUrl {
@@ -160,7 +166,9 @@ impl Store {
                     path: format!("{url} (reachability check)"),
                     cause: source,
                 },
-            })?;
+            }
+                })?;
+        }
         let index = match &options.index_path {
             None => None,
             // The index is only an accelerator: if another process holds it, work without it.
