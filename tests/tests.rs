@@ -10,6 +10,7 @@ mod conformance;
 mod crash;
 mod gc_race;
 mod interop;
+mod learning;
 mod mpi;
 mod slurm;
 mod supervisor;
