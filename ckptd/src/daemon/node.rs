@@ -36,6 +36,8 @@ pub struct Snap {
     pub slot: u32,
     pub hashes: Vec<ChunkHash>,
     pub blobs: Vec<(String, Vec<u8>)>,
+    /// The trainer (its last snapshot) or the leader (a durable commit) wants this step
+    /// durable.
     pub durable_requested: bool,
 }
 
@@ -775,6 +777,10 @@ pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
             continue;
         }
         state.t0 = state.pending.take();
+        if let Some(t0) = state.t0.as_mut().filter(|_| durable) {
+            // Marked, so that an upload running now uploads this step when it ends.
+            t0.durable_requested = true;
+        }
         if let Err(error) = state.persist() {
             daemon.metrics.error("state");
             tracing::error!(error = %format!("{error:#}"), "cannot record T0");
@@ -803,7 +809,8 @@ fn start_upload(daemon: &Arc<Daemon>, state: &mut RankState) {
 pub async fn make_durable(daemon: &Arc<Daemon>, step: u64) {
     let mut ranks = daemon.ranks.lock().await;
     for state in ranks.values_mut() {
-        if state.t0.as_ref().is_some_and(|t0| t0.step == step) {
+        if let Some(t0) = state.t0.as_mut().filter(|t0| t0.step == step) {
+            t0.durable_requested = true;
             start_upload(daemon, state);
         }
     }
