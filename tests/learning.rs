@@ -2,7 +2,7 @@
 //! below what token frequencies alone would score. (Its own module so that, in name order,
 //! it starts among the first tests rather than last and alone.)
 
-use lazarus_tests::shared_data;
+use lazarus_tests::train::prepared;
 
 use crate::trainer::trainer;
 
@@ -28,17 +28,8 @@ fn unigram_entropy(tokens_file: &std::path::Path) -> f64 {
 
 #[test]
 fn the_tiny_preset_learns_below_the_unigram_entropy() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = prepared();
     let data = dir.path().join("data");
-    let input = shared_data("tinyshakespeare.txt");
-    let (code, said) = trainer(&[
-        "prepare",
-        "--input",
-        input.to_str().unwrap(),
-        "--out",
-        data.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{said}");
     let entropy = unigram_entropy(&data.join("train.tokens"));
     let metrics = dir.path().join("metrics");
     let steps = 60;

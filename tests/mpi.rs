@@ -2,11 +2,12 @@
 //! sharded optimizer train the same model as one process on the same global batch, a layout
 //! repeats bit for bit, and a checkpoint taken with one layout resumes in another.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 
+use lazarus_tests::bin;
 use lazarus_tests::runbook::Runbook;
-use lazarus_tests::{bin, shared_data};
+use lazarus_tests::train::prepared;
 
 /// A small model; `micro_batch` is per rank, so the global batch is micro_batch x ranks.
 fn args(dir: &Path, run: &str, steps: u64, micro_batch: usize) -> Vec<String> {
@@ -75,20 +76,6 @@ fn losses(dir: &Path, run: &str) -> Vec<(u64, f64)> {
             )
         })
         .collect()
-}
-
-fn prepared() -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let status = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(dir.path().join("data"))
-        .output()
-        .unwrap();
-    assert!(status.status.success());
-    let path = dir.path().to_path_buf();
-    (dir, path)
 }
 
 fn assert_close(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {

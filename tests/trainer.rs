@@ -3,6 +3,7 @@
 
 use std::process::Command;
 
+use lazarus_tests::train::prepared;
 use lazarus_tests::{bin, shared_data};
 
 pub(crate) fn trainer(args: &[&str]) -> (i32, String) {
@@ -376,17 +377,8 @@ fn bad_data_files_and_unusable_stores_get_clear_errors() {
 #[test]
 fn sigterm_checkpoints_the_current_step_and_a_rerun_resumes() {
     use std::io::{BufRead, BufReader};
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = prepared();
     let data = dir.path().join("data");
-    let input = shared_data("tinyshakespeare.txt");
-    let (code, said) = trainer(&[
-        "prepare",
-        "--input",
-        input.to_str().unwrap(),
-        "--out",
-        data.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{said}");
     let store = format!("file://{}", dir.path().join("store").display());
     let args = |steps: u64| {
         let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
@@ -455,17 +447,8 @@ fn sigterm_checkpoints_the_current_step_and_a_rerun_resumes() {
 
 #[test]
 fn training_checkpoints_to_s3_and_resumes_from_it() {
-    let dir = tempfile::tempdir().unwrap();
+    let (dir, _) = prepared();
     let data = dir.path().join("data");
-    let input = shared_data("tinyshakespeare.txt");
-    let (code, said) = trainer(&[
-        "prepare",
-        "--input",
-        input.to_str().unwrap(),
-        "--out",
-        data.to_str().unwrap(),
-    ]);
-    assert_eq!(code, 0, "{said}");
     let s3 = lazarus_tests::S3Server::start();
     let store = s3.url("ckpt");
     let run = |steps: u64| {
