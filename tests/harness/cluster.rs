@@ -302,6 +302,25 @@ impl Drop for Cluster {
         let _ = Command::new("pkill")
             .args(["-KILL", "-f", &pattern])
             .status();
-        let _ = std::fs::remove_dir_all(&self.shm_root);
+        // The shared memory goes once they are gone (a rank still mapping its slots would
+        // keep the pages); a test run must not leave hundreds of MB behind in /dev/shm.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let alive = Command::new("pgrep")
+                .args(["-f", &pattern])
+                .output()
+                .is_ok_and(|o| o.status.success());
+            let removed = match std::fs::remove_dir_all(&self.shm_root) {
+                Ok(()) => true,
+                Err(error) => error.kind() == std::io::ErrorKind::NotFound,
+            };
+            if (removed && !alive) || Instant::now() > deadline {
+                if !removed {
+                    eprintln!("could not remove {}", self.shm_root.display());
+                }
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
