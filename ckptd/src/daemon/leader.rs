@@ -748,7 +748,13 @@ impl Leader {
                 .then_some(state.memory_step)
                 .flatten()
         };
-        let durable = self.durable_step().await;
+        // A memory-committed step is never older than a durable one (durable steps are
+        // uploaded from T0), so with memory at hand the store is not asked: a slow or hung
+        // store cannot delay a restore that does not need it.
+        let durable = match memory {
+            Some(_) => *self.durable.lock().unwrap_or_else(|e| e.into_inner()),
+            None => self.durable_step().await,
+        };
         {
             let mut state = self.state.lock().await;
             let chosen = match (memory, durable) {

@@ -27,6 +27,7 @@ pub struct Metrics {
     pub stall_seconds: Histogram,
     pub snapshots: Counter,
     pub snapshots_skipped: Counter,
+    pub durable_skipped: Counter,
     pub bytes_raw: Counter,
     pub bytes_stored: Counter,
     pub bytes_replicated: Counter,
@@ -55,6 +56,7 @@ impl Metrics {
             stall_seconds: Histogram::new(exponential_buckets(1e-5, 4.0, 12)),
             snapshots: Counter::default(),
             snapshots_skipped: Counter::default(),
+            durable_skipped: Counter::default(),
             bytes_raw: Counter::default(),
             bytes_stored: Counter::default(),
             bytes_replicated: Counter::default(),
@@ -90,6 +92,11 @@ impl Metrics {
             "snapshots_skipped",
             "Snapshots a rank skipped because this daemon was still busy",
             m.snapshots_skipped.clone(),
+        );
+        registry.register(
+            "durable_steps_skipped",
+            "Durable steps of a local rank never uploaded: a newer one came while an upload ran",
+            m.durable_skipped.clone(),
         );
         registry.register(
             "bytes_raw",

@@ -81,6 +81,9 @@ pub struct RankState {
     /// The slot being uploaded as a durable step. It is held apart from T0, so memory
     /// snapshots and commits go on while an upload is slow or storage is down.
     pub uploading: Option<u32>,
+    /// A durable step waiting for the running upload to end (it is uploaded next, unless a
+    /// newer durable step replaces it first: that one counts as skipped).
+    pub durable_waiting: Option<u64>,
     pub base: Option<Base>,
     pub last_step: u64,
     pub last_seen: Instant,
@@ -170,6 +173,7 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                         replica_at: None,
                         working: None,
                         uploading: None,
+                        durable_waiting: None,
                         base: state.base,
                         last_step: 0,
                         last_seen: Instant::now(),
@@ -512,6 +516,7 @@ async fn register(
                 replica_at: None,
                 working: None,
                 uploading: None,
+                durable_waiting: None,
                 base: None,
                 last_step: 0,
                 last_seen: Instant::now(),
@@ -794,12 +799,26 @@ pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
 /// Uploads the rank's T0 unless an upload is already running; that one catches up with the
 /// newest durable-requested T0 when it ends.
 fn start_upload(daemon: &Arc<Daemon>, state: &mut RankState) {
-    if state.uploading.is_some() {
-        return;
-    }
     let Some(snap) = state.t0.clone() else {
         return;
     };
+    if state.uploading.is_some() {
+        if let Some(skipped) = state
+            .durable_waiting
+            .replace(snap.step)
+            .filter(|&waiting| waiting < snap.step)
+        {
+            daemon.metrics.durable_skipped.inc();
+            tracing::info!(
+                rank = state.rank,
+                skipped,
+                next = snap.step,
+                "an upload is still running: durable step {skipped} is skipped for a newer one"
+            );
+        }
+        return;
+    }
+    state.durable_waiting = None;
     state.uploading = Some(snap.slot);
     tokio::spawn(upload(daemon.clone(), state.rank, snap));
 }
@@ -847,18 +866,26 @@ async fn upload(daemon: Arc<Daemon>, rank: Rank, snap: Snap) {
                     world_size: state.world_size,
                     step,
                 });
-                if state
-                    .t0
-                    .as_ref()
-                    .is_some_and(|t0| t0.durable_requested && t0.step > uploaded)
-                {
-                    start_upload(&daemon, state);
-                }
             }
             Err(error) => {
                 daemon.metrics.error("upload");
                 tracing::warn!(rank, error = %format!("{error:#}"), "durable upload failed; the next durable step tries again");
             }
+        }
+        if state
+            .t0
+            .as_ref()
+            .is_some_and(|t0| t0.durable_requested && t0.step > uploaded)
+        {
+            start_upload(&daemon, state);
+        } else if let Some(skipped) = state.durable_waiting.take() {
+            // T0 moved on to a step that is not durable: the waiting one's slot is gone.
+            daemon.metrics.durable_skipped.inc();
+            tracing::info!(
+                rank,
+                skipped,
+                "durable step {skipped} is skipped: newer steps replaced it while an upload ran"
+            );
         }
     }
 }
