@@ -178,11 +178,42 @@ async fn conformance(
         tensors: vec![],
         blobs: vec![("rng".into(), Bytes::from_static(b"x"))],
     };
-    moe.write_shard(partial, None, &()).await.unwrap();
+    let first = moe.write_shard(partial.clone(), None, &()).await.unwrap();
     match moe.commit(step2, 2).await {
         Err(StoreError::IncompleteStep { missing, .. }) => assert_eq!(missing, vec![1], "{label}"),
         other => panic!("{label}: committing a partial step gave {other:?}"),
     }
+
+    // Writing a shard again (a retried or caught-up upload that may race the commit) keeps
+    // the stored manifest byte for byte: a commit may already pin its hash. Before this was
+    // so, CI found a committed step whose manifests no longer matched the commit record.
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let second = moe.write_shard(partial.clone(), None, &()).await.unwrap();
+    assert_eq!(
+        second, first,
+        "{label}: a second write keeps and returns the stored manifest"
+    );
+    // One that describes other data, while the step has no commit, replaces it.
+    let other = ShardInput {
+        blobs: vec![("rng".into(), Bytes::from_static(b"y"))],
+        ..partial.clone()
+    };
+    let replaced = moe.write_shard(other, None, &()).await.unwrap();
+    assert_ne!(replaced.blobs, first.blobs, "{label}");
+    let rank1 = ShardInput { rank: 1, ..partial };
+    moe.write_shard(rank1, None, &()).await.unwrap();
+    moe.commit(step2, 2).await.unwrap();
+    let committed = moe.open_checkpoint(step2).await.unwrap();
+    assert_eq!(
+        committed.manifest(0).unwrap(),
+        &replaced,
+        "{label}: the replacing manifest is the one committed"
+    );
+    assert_eq!(
+        committed.read_blob(0, "rng").await.unwrap(),
+        b"y",
+        "{label}"
+    );
 
     // Delta chains: each step changes a few values of the previous one.
     let delta_run = store.run(&run("delta"));

@@ -263,6 +263,17 @@ impl ShardManifest {
         tensors.chain(self.blobs.iter().map(|b| ("blob", &b.name, &b.chunks)))
     }
 
+    /// Whether `other` stores the same shard the same way: everything but when it was
+    /// written and how many bytes its writer had to upload.
+    pub fn same_shard(&self, other: &ShardManifest) -> bool {
+        self.run == other.run
+            && self.step == other.step
+            && self.rank == other.rank
+            && self.world_size == other.world_size
+            && self.tensors == other.tensors
+            && self.blobs == other.blobs
+    }
+
     pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
         self.tensors.iter().find(|t| t.name == name)
     }

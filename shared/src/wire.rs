@@ -328,9 +328,12 @@ pub enum Message {
         run: RunId,
         rank: Rank,
         pid: u32,
-        /// When the connection ended, by the node's clock (the leader orders deaths by it).
+        /// When the rank exited (or its connection ended), by the node's clock.
         #[serde(default)]
         unix_ms: u64,
+        /// The same in microseconds: the leader orders deaths by it (0 from older nodes).
+        #[serde(default)]
+        unix_us: u64,
     },
     /// A rank said `Bye`: it finished (or stopped on a signal after its last checkpoint).
     RankDone {

@@ -81,8 +81,8 @@ pub struct RankDown {
     pub rank: Rank,
     pub node: String,
     pub pid: u32,
-    /// When its connection ended, by its node's clock.
-    pub unix_ms: u64,
+    /// When it exited (or its connection ended), by its node's clock, in microseconds.
+    pub unix_us: u64,
 }
 
 #[derive(Debug)]
@@ -551,6 +551,7 @@ impl Leader {
                 rank,
                 pid,
                 unix_ms,
+                unix_us,
                 ..
             } => {
                 self.check_run(&run)?;
@@ -560,7 +561,7 @@ impl Leader {
                         rank,
                         node: node.to_string(),
                         pid,
-                        unix_ms,
+                        unix_us: if unix_us > 0 { unix_us } else { unix_ms * 1000 },
                     });
                 }
             }

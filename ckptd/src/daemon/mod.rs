@@ -53,6 +53,8 @@ pub struct Daemon {
     pub buddy: std::sync::Mutex<Option<std::net::SocketAddr>>,
     pub leader: Option<Arc<leader::Leader>>,
     pub metrics: Arc<Metrics>,
+    /// Pids of local ranks whose exit a thread of their own is waiting for (`node::watch_exit`).
+    pub exit_watched: std::sync::Mutex<std::collections::HashSet<u32>>,
 }
 
 /// Exit codes: 0 stopped by a signal, 1 a runtime failure, 2 bad configuration.
@@ -168,6 +170,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         to_leader,
         leader,
         metrics,
+        exit_watched: Default::default(),
     });
     if daemon.cfg.buddy.is_none() {
         tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");

@@ -84,6 +84,10 @@ pub struct RankState {
     /// A durable step waiting for the running upload to end (it is uploaded next, unless a
     /// newer durable step replaces it first: that one counts as skipped).
     pub durable_waiting: Option<u64>,
+    /// The newest step this rank's process had stored as a durable shard. Asked again for it
+    /// (the leader's `MakeDurable` at the end of a world), the daemon reports it stored
+    /// instead of writing it a second time. Cleared when the rank registers again.
+    pub stored: Option<StepKey>,
     pub base: Option<Base>,
     pub last_step: u64,
     pub last_seen: Instant,
@@ -174,6 +178,7 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                         working: None,
                         uploading: None,
                         durable_waiting: None,
+                        stored: None,
                         base: state.base,
                         last_step: 0,
                         last_seen: Instant::now(),
@@ -232,7 +237,14 @@ pub async fn serve(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixListen
                         }
                     }
                     if let Some((rank, pid)) = registered {
-                        rank_gone(&daemon, rank, pid).await;
+                        let closed_us = now_unix_us();
+                        if daemon.exit_watched.lock().is_ok_and(|w| w.contains(&pid)) {
+                            // The rank's exit thread reports a death with its exact time; the
+                            // connection alone ending, with the process alive, counts as
+                            // down only after this grace.
+                            tokio::time::sleep(EXIT_GRACE).await;
+                        }
+                        rank_gone(&daemon, rank, pid, closed_us).await;
                     }
                 });
             }
@@ -264,9 +276,79 @@ pub async fn signal_ranks(daemon: &Arc<Daemon>, signal: &str) {
     }
 }
 
-/// A registered rank's connection ended (it exited, crashed, or was killed): the leader
-/// hears at once.
-async fn rank_gone(daemon: &Arc<Daemon>, rank: Rank, pid: u32) {
+/// How long a rank whose exit is watched may keep running after its connection ended before
+/// it counts as down anyway.
+const EXIT_GRACE: Duration = Duration::from_millis(300);
+
+fn now_unix_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or(0)
+}
+
+/// Waits on a thread of its own for the rank's process to exit (a pidfd), and reports the
+/// death with the time the kernel made it visible. When one rank dies the launcher kills the
+/// others within milliseconds; the supervisor names the first death by these times, so they
+/// must not depend on how busy this daemon's runtime is when the socket's end is noticed.
+/// Without pidfds (an old kernel, another pid namespace) the socket's end alone reports.
+fn watch_exit(daemon: &Arc<Daemon>, rank: Rank, pid: u32) {
+    let Some(process) = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    else {
+        return;
+    };
+    let pidfd = match rustix::process::pidfd_open(process, rustix::process::PidfdFlags::empty()) {
+        Ok(fd) => fd,
+        Err(error) => {
+            tracing::debug!(rank, pid, %error, "cannot watch the rank's exit; its socket will tell");
+            return;
+        }
+    };
+    let Ok(mut watched) = daemon.exit_watched.lock() else {
+        return;
+    };
+    if !watched.insert(pid) {
+        return;
+    }
+    drop(watched);
+    let watcher = daemon.clone();
+    let runtime = tokio::runtime::Handle::current();
+    let spawned = std::thread::Builder::new()
+        .name(format!("exit-rank-{rank}"))
+        .spawn(move || {
+            let mut fds = [rustix::event::PollFd::new(
+                &pidfd,
+                rustix::event::PollFlags::IN,
+            )];
+            loop {
+                match rustix::event::poll(&mut fds, None) {
+                    Ok(_) => break,
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(error) => {
+                        tracing::warn!(rank, pid, %error, "lost the watch on the rank's exit");
+                        break;
+                    }
+                }
+            }
+            let exited_us = now_unix_us();
+            if let Ok(mut watched) = watcher.exit_watched.lock() {
+                watched.remove(&pid);
+            }
+            runtime.spawn(async move { rank_gone(&watcher, rank, pid, exited_us).await });
+        });
+    if let Err(error) = spawned {
+        tracing::warn!(rank, pid, %error, "cannot start the rank's exit watch; its socket will tell");
+        if let Ok(mut watched) = daemon.exit_watched.lock() {
+            watched.remove(&pid);
+        }
+    }
+}
+
+/// A registered rank exited, or its connection ended: the leader hears at once, with the time
+/// it happened by this node's clock (`unix_us`).
+async fn rank_gone(daemon: &Arc<Daemon>, rank: Rank, pid: u32, unix_us: u64) {
     let mut ranks = daemon.ranks.lock().await;
     if let Some(state) = ranks.get_mut(&rank).filter(|s| s.pid == pid) {
         state.pid = 0;
@@ -276,7 +358,8 @@ async fn rank_gone(daemon: &Arc<Daemon>, rank: Rank, pid: u32) {
             run: daemon.cfg.run.clone(),
             rank,
             pid,
-            unix_ms: lazarus_shared::store::now_unix_ms(),
+            unix_ms: unix_us / 1000,
+            unix_us,
         });
     }
 }
@@ -499,6 +582,7 @@ async fn register(
         Some(mut state) => {
             state.pid = pid;
             state.last_seen = Instant::now();
+            state.stored = None;
             state
         }
         None => {
@@ -517,6 +601,7 @@ async fn register(
                 working: None,
                 uploading: None,
                 durable_waiting: None,
+                stored: None,
                 base: None,
                 last_step: 0,
                 last_seen: Instant::now(),
@@ -561,6 +646,7 @@ async fn register(
         "rank registered"
     );
     ranks.insert(rank, state);
+    watch_exit(daemon, rank, pid);
     let _ = daemon.to_leader.send(Message::RankUp {
         node: daemon.cfg.node.clone(),
         run: daemon.cfg.run.clone(),
@@ -802,6 +888,10 @@ fn start_upload(daemon: &Arc<Daemon>, state: &mut RankState) {
     let Some(snap) = state.t0.clone() else {
         return;
     };
+    if let Some(step) = state.stored.filter(|stored| stored.step == snap.step) {
+        let _ = daemon.to_leader.send(stored_message(daemon, state, step));
+        return;
+    }
     if state.uploading.is_some() {
         if let Some(skipped) = state
             .durable_waiting
@@ -835,6 +925,17 @@ pub async fn make_durable(daemon: &Arc<Daemon>, step: u64) {
     }
 }
 
+/// Tells the leader that `state`'s shard of `step` is stored.
+fn stored_message(daemon: &Daemon, state: &RankState, step: StepKey) -> Message {
+    Message::Stored {
+        node: daemon.cfg.node.clone(),
+        run: daemon.cfg.run.clone(),
+        rank: state.rank,
+        world_size: state.world_size,
+        step,
+    }
+}
+
 struct Counting<'a>(&'a super::metrics::Metrics);
 
 impl Progress for Counting<'_> {
@@ -859,13 +960,8 @@ async fn upload(daemon: Arc<Daemon>, rank: Rank, snap: Snap) {
                 if let Err(error) = state.persist() {
                     tracing::error!(error = %format!("{error:#}"), "cannot record the delta base");
                 }
-                let _ = daemon.to_leader.send(Message::Stored {
-                    node: daemon.cfg.node.clone(),
-                    run: daemon.cfg.run.clone(),
-                    rank,
-                    world_size: state.world_size,
-                    step,
-                });
+                state.stored = Some(step);
+                let _ = daemon.to_leader.send(stored_message(&daemon, state, step));
             }
             Err(error) => {
                 daemon.metrics.error("upload");

@@ -616,7 +616,8 @@ async fn watch(
 /// A rank died. The launcher kills the others within moments, and their reports may come
 /// first (another node's report travels further, or its daemon was slower to run): reports
 /// are gathered for at least 100 ms, and until every rank is down or 1 s has passed. The
-/// first death by its node's clock is the fault.
+/// first death by its node's clock (taken when the process exited, see `node::watch_exit`)
+/// is the fault.
 async fn rank_died(leader: &Leader, mut downs: Vec<super::leader::RankDown>) -> Outcome {
     let started = Instant::now();
     loop {
@@ -630,17 +631,17 @@ async fn rank_died(leader: &Leader, mut downs: Vec<super::leader::RankDown>) -> 
             break;
         }
     }
-    downs.sort_by_key(|d| d.unix_ms);
+    downs.sort_by_key(|d| d.unix_us);
     let first = &downs[0];
     let others: Vec<String> = downs[1..].iter().map(|d| d.rank.to_string()).collect();
     Outcome::Fault {
         kind: "fault",
         detail: format!(
-            "rank {} (pid {} on {}) died; declared {} ms after its connection closed{}",
+            "rank {} (pid {} on {}) died; declared {} ms after it exited{}",
             first.rank,
             first.pid,
             first.node,
-            lazarus_shared::store::now_unix_ms().saturating_sub(first.unix_ms),
+            (lazarus_shared::store::now_unix_ms() * 1000).saturating_sub(first.unix_us) / 1000,
             if others.is_empty() {
                 String::new()
             } else {

@@ -349,7 +349,7 @@ impl RunStore {
                     .push(chunk.reference),
             }
         }
-        let mut manifest = ShardManifest {
+        let written = ShardManifest {
             run: self.run.clone(),
             step: input.step,
             rank: input.rank,
@@ -359,7 +359,7 @@ impl RunStore {
             blobs,
             uploaded_bytes,
         };
-        self.put_manifest(&manifest).await?;
+        let mut manifest = self.store_manifest(written).await?;
         let repaired = self.recheck_chunks(&mut manifest, &raw_by_hash).await?;
         if repaired > 0 {
             tracing::warn!(run = %self.run, step = %input.step, rank = input.rank, repaired, "re-uploaded chunks removed by a concurrent gc");
@@ -369,6 +369,48 @@ impl RunStore {
             let hashes: Vec<ChunkHash> = manifest.chunk_refs().map(|c| c.hash).collect();
             index.add_manifest(&self.run, manifest.step, manifest.rank, &hashes)?;
         }
+        Ok(manifest)
+    }
+
+    /// Step 2 of the write path. The manifest is created, never blindly replaced: a commit may
+    /// already pin the bytes of one written by a concurrent or earlier write of this shard
+    /// (a retried or caught-up upload). One that describes the same tensors, blobs and chunks
+    /// is kept and returned as it is stored; one that differs (a write that died, of another
+    /// layout) is replaced only while the step has no commit.
+    async fn store_manifest(&self, manifest: ShardManifest) -> Result<ShardManifest, StoreError> {
+        let path = layout::shard(&self.run, manifest.step, manifest.rank);
+        let (bytes, _) = format::seal(&manifest);
+        if self.store.put(&path, bytes.into(), true).await? {
+            return Ok(manifest);
+        }
+        let step = manifest.step.to_string();
+        let rank = manifest.rank.to_string();
+        let stored = match self.store.get(&path).await {
+            Ok(bytes) => self
+                .open_object::<ShardManifest>(&bytes, &path, &step, &rank)
+                .ok()
+                .map(|(stored, _)| stored),
+            // Deleted since (a gc of an uncommitted write): create it again below.
+            Err(StoreError::NotFound { .. }) => None,
+            Err(e) => return Err(e),
+        };
+        if let Some(stored) = stored.filter(|stored| stored.same_shard(&manifest)) {
+            tracing::info!(run = %self.run, step, rank, "this shard's manifest is already stored; keeping it");
+            return Ok(stored);
+        }
+        if self
+            .store
+            .head(&layout::commit(&self.run, manifest.step))
+            .await?
+            .is_some()
+        {
+            return Err(StoreError::StepAlreadyCommitted {
+                run: self.run.clone(),
+                step: manifest.step,
+            });
+        }
+        tracing::warn!(run = %self.run, step, rank, "replacing an uncommitted manifest that describes other data");
+        self.put_manifest(&manifest).await?;
         Ok(manifest)
     }
 
