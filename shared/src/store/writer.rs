@@ -253,17 +253,7 @@ impl RunStore {
         progress: &dyn Progress,
     ) -> Result<ShardManifest, StoreError> {
         let info = self.info().await?;
-        if self
-            .store
-            .head(&layout::commit(&self.run, input.step))
-            .await?
-            .is_some()
-        {
-            return Err(StoreError::StepAlreadyCommitted {
-                run: self.run.clone(),
-                step: input.step,
-            });
-        }
+        self.refuse_committed(input.step).await?;
         if input.world_size == 0 || input.rank >= input.world_size {
             return Err(StoreError::BadRequest {
                 reason: format!(
@@ -398,20 +388,21 @@ impl RunStore {
             tracing::info!(run = %self.run, step, rank, "this shard's manifest is already stored; keeping it");
             return Ok(stored);
         }
-        if self
-            .store
-            .head(&layout::commit(&self.run, manifest.step))
-            .await?
-            .is_some()
-        {
-            return Err(StoreError::StepAlreadyCommitted {
-                run: self.run.clone(),
-                step: manifest.step,
-            });
-        }
+        self.refuse_committed(manifest.step).await?;
         tracing::warn!(run = %self.run, step, rank, "replacing an uncommitted manifest that describes other data");
         self.put_manifest(&manifest).await?;
         Ok(manifest)
+    }
+
+    /// `StepAlreadyCommitted` if `step` has a commit record: its shards are fixed.
+    async fn refuse_committed(&self, step: StepKey) -> Result<(), StoreError> {
+        match self.store.head(&layout::commit(&self.run, step)).await? {
+            Some(_) => Err(StoreError::StepAlreadyCommitted {
+                run: self.run.clone(),
+                step,
+            }),
+            None => Ok(()),
+        }
     }
 
     async fn put_manifest(&self, manifest: &ShardManifest) -> Result<(), StoreError> {
