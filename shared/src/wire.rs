@@ -435,6 +435,10 @@ pub struct RankBeat {
     /// The rank's own compute per step, in microseconds (0: not reported yet).
     #[serde(default)]
     pub compute_us: u64,
+    /// The rank's process state when it is neither running nor sleeping, as `/proc` gives
+    /// it: `T` stopped, `t` stopped by a tracer, `D` waiting on IO, `Z` a zombie.
+    #[serde(default)]
+    pub process_state: Option<char>,
 }
 
 /// One entry of the supervisor's timeline.

@@ -125,27 +125,39 @@ impl Ctl {
     }
 }
 
+/// Ports the tests' servers listen on come from below Linux's ephemeral range (32768 and up),
+/// where every outgoing connection takes its local port: a port picked there by binding port
+/// 0 could be taken by some client before the server bound it (CI saw a daemon refused its
+/// metrics port). One counter serves every test of this process, so two never pick the same
+/// port; the start varies with the process id so consecutive runs do not meet TIME_WAITs.
+const TEST_PORTS: std::ops::Range<u32> = 15_000..32_000;
+
+static NEXT_TEST_PORT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
 /// The first of `count` consecutive free ports on 127.0.0.1.
 pub fn free_port_run(count: u16) -> u16 {
-    for _ in 0..100 {
-        let first = free_port();
-        if first > u16::MAX - count {
+    let span = TEST_PORTS.end - TEST_PORTS.start;
+    let offset = std::process::id() * 97 % span;
+    for _ in 0..span / u32::from(count.max(1)) {
+        let taken =
+            NEXT_TEST_PORT.fetch_add(u32::from(count), std::sync::atomic::Ordering::Relaxed);
+        let first = TEST_PORTS.start + (offset + taken) % span;
+        if first + u32::from(count) > TEST_PORTS.end {
             continue;
         }
+        let first = first as u16;
         let all_free =
             (first..first + count).all(|port| TcpListener::bind(("127.0.0.1", port)).is_ok());
         if all_free {
             return first;
         }
     }
-    panic!("no {count} consecutive free ports on 127.0.0.1");
+    panic!("no {count} consecutive free ports on 127.0.0.1 in {TEST_PORTS:?}");
 }
 
+/// A free port on 127.0.0.1 that no other test of this process was given.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port on 127.0.0.1")
+    free_port_run(1)
 }
 
 pub const S3_ACCESS_KEY: &str = "lazarus-test";

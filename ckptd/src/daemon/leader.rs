@@ -37,6 +37,8 @@ struct RankInfo {
     done: bool,
     /// Its own compute per step, as last reported (0: not yet).
     compute_us: u64,
+    /// Its process state when neither running nor sleeping (`wire::RankBeat`).
+    process_state: Option<char>,
     /// Since when it has been slower than the median by more than the margin.
     slow_since: Option<Instant>,
     straggler: bool,
@@ -64,6 +66,8 @@ pub struct RankView {
     pub done: bool,
     pub seen_ago: Duration,
     pub progressed_ago: Duration,
+    /// Its process state when neither running nor sleeping (`wire::RankBeat`).
+    pub process_state: Option<char>,
 }
 
 /// What the supervisor sees of a node.
@@ -302,6 +306,7 @@ impl Leader {
                 done: info.done,
                 seen_ago: info.seen.elapsed(),
                 progressed_ago: info.progressed.elapsed(),
+                process_state: info.process_state,
             })
             .collect();
         ranks.sort_by_key(|r| r.rank);
@@ -534,6 +539,7 @@ impl Leader {
                         alive: true,
                         done: false,
                         compute_us: 0,
+                        process_state: None,
                         slow_since: None,
                         straggler: false,
                     },
@@ -677,6 +683,7 @@ impl Leader {
                         if beat.compute_us > 0 {
                             info.compute_us = beat.compute_us;
                         }
+                        info.process_state = beat.process_state;
                     }
                 }
                 self.find_stragglers(&mut state);
@@ -914,6 +921,7 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
                     None => return,
                 },
                 _ = heartbeat.tick() => heartbeat_message(&daemon).await,
+                _ = daemon.heartbeat_now.notified() => heartbeat_message(&daemon).await,
                 _ = wait_finished(&pushes) => break,
             };
             if wire::write_frame(&mut writer, &message, &[], Some(&key))
@@ -948,6 +956,7 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
                 step: s.last_step,
                 seen_ms_ago: s.last_seen.elapsed().as_millis() as u64,
                 compute_us: s.compute_us,
+                process_state: super::node::process_state(s.pid),
             })
             .collect(),
     }

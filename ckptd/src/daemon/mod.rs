@@ -55,6 +55,8 @@ pub struct Daemon {
     pub metrics: Arc<Metrics>,
     /// Pids of local ranks whose exit a thread of their own is waiting for (`node::watch_exit`).
     pub exit_watched: std::sync::Mutex<std::collections::HashSet<u32>>,
+    /// Sends a heartbeat to the leader now (a rank's restored and first steps).
+    pub heartbeat_now: tokio::sync::Notify,
 }
 
 /// Exit codes: 0 stopped by a signal, 1 a runtime failure, 2 bad configuration.
@@ -171,6 +173,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         leader,
         metrics,
         exit_watched: Default::default(),
+        heartbeat_now: tokio::sync::Notify::new(),
     });
     if daemon.cfg.buddy.is_none() {
         tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");

@@ -93,6 +93,9 @@ pub struct RankState {
     pub last_seen: Instant,
     /// The rank's own compute per step (microseconds), smoothed over its recent reports.
     pub compute_us: u64,
+    /// Step changes still to tell the leader at once rather than with the next heartbeat:
+    /// a (re)registered rank's restored step and its first step, which time a recovery.
+    pub early_beats: u8,
 }
 
 impl RankState {
@@ -114,6 +117,16 @@ impl RankState {
         held.sort_unstable();
         held.dedup();
         held
+    }
+
+    /// The rank reported `step`. Its first step changes after registering go to the leader
+    /// at once (see `early_beats`).
+    fn saw_step(&mut self, daemon: &Daemon, step: u64) {
+        if step != self.last_step && self.early_beats > 0 {
+            self.early_beats -= 1;
+            daemon.heartbeat_now.notify_one();
+        }
+        self.last_step = step;
     }
 
     pub fn busy(&self) -> bool {
@@ -183,6 +196,7 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                         last_step: 0,
                         last_seen: Instant::now(),
                         compute_us: 0,
+                        early_beats: 0,
                     },
                 );
             }
@@ -276,6 +290,9 @@ pub async fn signal_ranks(daemon: &Arc<Daemon>, signal: &str) {
     }
 }
 
+/// Step changes a newly registered rank reports to the leader at once (`early_beats`).
+const EARLY_BEATS: u8 = 2;
+
 /// How long a rank whose exit is watched may keep running after its connection ended before
 /// it counts as down anyway.
 const EXIT_GRACE: Duration = Duration::from_millis(300);
@@ -344,6 +361,20 @@ fn watch_exit(daemon: &Arc<Daemon>, rank: Rank, pid: u32) {
             watched.remove(&pid);
         }
     }
+}
+
+/// The process state of `pid` when it is neither running (`R`) nor sleeping (`S`, `I`):
+/// `T` stopped, `t` stopped by a tracer, `D` waiting on IO, `Z` a zombie. `None` also when
+/// `/proc` cannot tell (the process is gone, or in another pid namespace).
+pub fn process_state(pid: u32) -> Option<char> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // "PID (COMM) STATE ...": COMM may hold spaces and parentheses, so read past the last ')'.
+    let state = stat
+        .get(stat.rfind(')')? + 1..)?
+        .trim_start()
+        .chars()
+        .next()?;
+    (!matches!(state, 'R' | 'S' | 'I')).then_some(state)
 }
 
 /// A registered rank exited, or its connection ended: the leader hears at once, with the time
@@ -473,7 +504,7 @@ async fn session(
                 let state = ranks
                     .get_mut(&r)
                     .ok_or_else(|| anyhow!("rank {r} vanished"))?;
-                state.last_step = step;
+                state.saw_step(daemon, step);
                 // Smoothed: one slow step is not a straggler.
                 if compute_us > 0 {
                     state.compute_us = if state.compute_us == 0 {
@@ -578,11 +609,14 @@ async fn register(
         ranks.remove(&rank);
     }
     let dir = ranks_dir(&daemon.cfg).join(format!("rank-{rank}"));
-    let state = match ranks.remove(&rank) {
+    let mut state = match ranks.remove(&rank) {
         Some(mut state) => {
             state.pid = pid;
             state.last_seen = Instant::now();
             state.stored = None;
+            // A new process has made no step yet: the leader hears its restored step when
+            // it trains, not the step its predecessor died at.
+            state.last_step = 0;
             state
         }
         None => {
@@ -606,6 +640,7 @@ async fn register(
                 last_step: 0,
                 last_seen: Instant::now(),
                 compute_us: 0,
+                early_beats: 0,
             }
         }
     };
@@ -645,6 +680,7 @@ async fn register(
         reused = reuse,
         "rank registered"
     );
+    state.early_beats = EARLY_BEATS;
     ranks.insert(rank, state);
     watch_exit(daemon, rank, pid);
     let _ = daemon.to_leader.send(Message::RankUp {
@@ -669,7 +705,7 @@ async fn snapshot(
     let state = ranks
         .get_mut(&rank)
         .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-    state.last_step = step;
+    state.saw_step(daemon, step);
     state.last_seen = Instant::now();
     if slot >= SLOTS_PER_RANK || state.held().contains(&slot) {
         return Ok(Message::Refused {
@@ -1399,4 +1435,42 @@ async fn read_from_store(
         hashes.push(tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?);
     }
     Ok((hashes, blobs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::process_state;
+
+    #[test]
+    fn a_stopped_process_reads_as_state_t_and_a_running_one_as_none() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep runs");
+        let pid = child.id();
+        let signal = |name: &str| {
+            std::process::Command::new("kill")
+                .args([&format!("-{name}"), &pid.to_string()])
+                .status()
+                .expect("kill runs")
+                .success()
+        };
+        let settle = |want: Option<char>| {
+            for _ in 0..100 {
+                if process_state(pid) == want {
+                    return true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+            false
+        };
+        assert!(settle(None), "a sleeping process: {:?}", process_state(pid));
+        assert!(signal("STOP"));
+        assert!(settle(Some('T')), "stopped: {:?}", process_state(pid));
+        assert!(signal("CONT"));
+        assert!(settle(None), "continued: {:?}", process_state(pid));
+        child.kill().expect("kill");
+        child.wait().expect("wait");
+        assert_eq!(process_state(pid), None, "a reaped process is gone");
+    }
 }

@@ -599,17 +599,48 @@ async fn watch(
                 .map(|r| format!("{} on {}", r.rank, r.node))
                 .collect::<Vec<_>>();
             if !stalled.is_empty() && stalled.len() == ranks.len() {
+                // In lockstep training every rank stalls behind one that stopped; the
+                // process states point at the one that did.
+                let culprits: Vec<String> = ranks
+                    .iter()
+                    .filter_map(|r| {
+                        r.process_state.map(|state| {
+                            format!(
+                                "rank {} (pid {} on {}) is {}",
+                                r.rank,
+                                r.pid,
+                                r.node,
+                                describe_process_state(state)
+                            )
+                        })
+                    })
+                    .collect();
                 return Outcome::Fault {
                     kind: "fault",
                     detail: format!(
-                        "hung: no step progress for {:.0} s (ranks {})",
+                        "hung: no step progress for {:.0} s (ranks {}){}",
                         plan.hang_timeout_seconds,
-                        stalled.join(", ")
+                        stalled.join(", "),
+                        if culprits.is_empty() {
+                            String::new()
+                        } else {
+                            format!("; {}", culprits.join(", "))
+                        }
                     ),
                     lost_node: None,
                 };
             }
         }
+    }
+}
+
+fn describe_process_state(state: char) -> String {
+    match state {
+        'T' => "stopped (process state T)".to_string(),
+        't' => "stopped by a tracer (process state t)".to_string(),
+        'D' => "waiting on IO (process state D)".to_string(),
+        'Z' => "a zombie (process state Z)".to_string(),
+        other => format!("in process state {other}"),
     }
 }
 
