@@ -239,6 +239,69 @@ fn a_lost_node_is_replaced_by_a_hot_spare_that_restores_from_the_buddy() {
     println!("{}", ctl.expect(0, &["events", "spared"]));
 }
 
+/// A world that never gets going (here a rank stops itself before it reaches its daemon, as
+/// a rank stuck in MPI init would) is hung once `startup_timeout_seconds` has passed, not
+/// only once it has made steps; the relaunched world trains to the end.
+#[test]
+fn a_world_stuck_before_its_first_step_is_hung_after_the_startup_timeout() {
+    let (_guard, dir) = prepared();
+    let wrapper = dir.join("stops-once.sh");
+    let marker = dir.join("stopped-once");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nif mkdir {marker} 2>/dev/null; then kill -STOP $$; fi\nexec {trainer} \"$@\"\n",
+            marker = marker.display(),
+            trainer = bin("trainer").display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let wrapper_path = wrapper.display().to_string();
+    let flags = [
+        "--supervise",
+        "mpiexec",
+        "--active-nodes",
+        "2",
+        "--hang-timeout-seconds",
+        "2",
+        "--startup-timeout-seconds",
+        "5",
+        "--trainer",
+        &wrapper_path,
+    ];
+    let (cluster, ctl) = supervised(&dir, "stuck", 2, &flags, Vec::new());
+    wait_for_event(&ctl, "stuck", "completed", 1, &cluster);
+    let timeline = events(&ctl, "stuck");
+    println!("{}", ctl.expect(0, &["events", "stuck"]));
+    let why = format!("{timeline:#?}\n{}", cluster.logs());
+    let at = |kind: &str| {
+        timeline
+            .iter()
+            .find(|e| e["kind"] == kind)
+            .and_then(|e| e["unix_ms"].as_u64())
+            .unwrap_or_else(|| panic!("no {kind} event: {why}"))
+    };
+    let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
+    let detail = fault["detail"].as_str().unwrap();
+    assert!(detail.starts_with("hung while starting"), "{why}");
+    let waited_ms = at("fault") - at("launch");
+    assert!(
+        (5000..9000).contains(&waited_ms),
+        "the startup limit (5 s), not the hang timeout (2 s), applies: {waited_ms} ms\n{why}"
+    );
+    assert_eq!(
+        kinds(&timeline).iter().filter(|k| *k == "relaunch").count(),
+        1,
+        "{why}"
+    );
+    assert!(ctl.committed("stuck").contains(&STEPS), "{why}");
+}
+
 #[test]
 fn a_rank_killed_while_the_store_hangs_restores_from_memory_in_seconds() {
     let (_guard, dir) = prepared();

@@ -102,6 +102,11 @@ pub struct Cli {
     /// A world whose ranks made no step progress for this long is hung.
     #[arg(long)]
     pub hang_timeout_seconds: Option<f64>,
+    /// A world that has not finished its first step this long after its launch is hung
+    /// (start, MPI init, restore: a restore from storage can take minutes). Never less than
+    /// the hang timeout.
+    #[arg(long)]
+    pub startup_timeout_seconds: Option<f64>,
     /// With a node lost and no spare left: wait for a node, or shrink the world to the
     /// healthy nodes (fewer data-parallel ranks, a resharding restore from T2).
     #[arg(long, value_enum)]
@@ -150,6 +155,7 @@ pub struct Supervision {
     pub active_nodes: usize,
     pub heartbeat_timeout_seconds: f64,
     pub hang_timeout_seconds: f64,
+    pub startup_timeout_seconds: f64,
     pub when_no_spare: NoSpare,
     pub min_active_nodes: usize,
     pub exit_when_done: bool,
@@ -185,6 +191,7 @@ struct File {
     active_nodes: Option<usize>,
     heartbeat_timeout_seconds: Option<f64>,
     hang_timeout_seconds: Option<f64>,
+    startup_timeout_seconds: Option<f64>,
     when_no_spare: Option<NoSpare>,
     min_active_nodes: Option<usize>,
     exit_when_done: Option<bool>,
@@ -405,6 +412,11 @@ impl Config {
                         cli.hang_timeout_seconds.or(file.hang_timeout_seconds),
                         120.0,
                         "hang_timeout_seconds",
+                    )?,
+                    startup_timeout_seconds: positive(
+                        cli.startup_timeout_seconds.or(file.startup_timeout_seconds),
+                        300.0,
+                        "startup_timeout_seconds",
                     )?,
                 })
             }

@@ -7,7 +7,8 @@
 //!   once), or the launcher exits non-zero;
 //! - a lost node: its daemon's link to the leader is gone or silent for
 //!   `heartbeat_timeout_seconds`; it is replaced by a hot spare (a connected, idle node);
-//! - a hung world: no rank's step moved for `hang_timeout_seconds`.
+//! - a hung world: no rank's step moved for `hang_timeout_seconds` (before the world's first
+//!   step, `startup_timeout_seconds`).
 //!
 //! Every phase is an event with a timestamp (`ckptctl events RUN`).
 
@@ -557,7 +558,36 @@ async fn watch(
                 lost_node: None,
             };
         }
+        // Until its first step a world is starting (MPI init, the restore, the first
+        // forward and backward): that has a limit of its own. A restart under load once
+        // took more than a 3 s hang timeout between registering and its first step.
+        let limit_seconds = if first_step {
+            plan.hang_timeout_seconds
+        } else {
+            plan.startup_timeout_seconds.max(plan.hang_timeout_seconds)
+        };
         let everyone = ranks.len() >= active.len() && ranks.iter().all(|r| r.alive);
+        if !everyone && !first_step && !stopping && launched.elapsed().as_secs_f64() > limit_seconds
+        {
+            let registered: Vec<String> = ranks
+                .iter()
+                .filter(|r| r.alive)
+                .map(|r| format!("{} on {}", r.rank, r.node))
+                .collect();
+            return Outcome::Fault {
+                kind: "fault",
+                detail: format!(
+                    "hung while starting: not every rank registered {:.0} s after the launch (registered: {})",
+                    limit_seconds,
+                    if registered.is_empty() {
+                        "none".to_string()
+                    } else {
+                        registered.join(", ")
+                    }
+                ),
+                lost_node: None,
+            };
+        }
         if everyone {
             let asked = leader.chosen_step().await;
             let chosen = asked.unwrap_or(0);
@@ -595,7 +625,7 @@ async fn watch(
             }
             let stalled = ranks
                 .iter()
-                .filter(|r| r.progressed_ago.as_secs_f64() > plan.hang_timeout_seconds)
+                .filter(|r| r.progressed_ago.as_secs_f64() > limit_seconds)
                 .map(|r| format!("{} on {}", r.rank, r.node))
                 .collect::<Vec<_>>();
             if !stalled.is_empty() && stalled.len() == ranks.len() {
@@ -618,8 +648,9 @@ async fn watch(
                 return Outcome::Fault {
                     kind: "fault",
                     detail: format!(
-                        "hung: no step progress for {:.0} s (ranks {}){}",
-                        plan.hang_timeout_seconds,
+                        "hung: no step progress for {:.0} s{} (ranks {}){}",
+                        limit_seconds,
+                        if first_step { "" } else { " while starting" },
                         stalled.join(", "),
                         if culprits.is_empty() {
                             String::new()
