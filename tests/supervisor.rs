@@ -1,8 +1,10 @@
 //! The supervising leader: it launches the world itself (with mpiexec, daemons on 127.0.0.1
 //! standing for nodes, or with srun on the local Slurm cluster), detects a killed rank, a
 //! hung one and a lost node, stops the world, relaunches it, and the ranks restore and
-//! continue bit for bit. Also: a restarted leader, preemption and requeue, the shrink policy
-//! and stragglers.
+//! continue bit for bit. Also: a restarted leader, preemption and requeue, the shrink policy,
+//! stragglers, and a world stuck before its first step. The killed-and-hung rank test, the
+//! drain and the preemption run on the local Slurm cluster (as root); the others under
+//! mpiexec.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -99,19 +101,30 @@ fn rank_pid(cluster: &Cluster, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
     rank_pid_at(&cluster.leader(), &cluster.key_file, ctl, rank, past_step)
 }
 
+/// Under srun on the local Slurm cluster where this process may start one (as root), else
+/// under mpiexec.
 #[test]
 fn the_leader_recovers_a_killed_rank_and_a_hung_one_from_t0_bit_for_bit() {
+    let slurm = lazarus_tests::exclusive_slurm_cluster();
+    let (launcher, envs) = match &slurm {
+        Some((conf, _exclusive)) => (
+            "srun",
+            vec![("SLURM_CONF".to_string(), conf.display().to_string())],
+        ),
+        None => ("mpiexec", Vec::new()),
+    };
+    println!("launcher: {launcher}");
     let (_guard, dir) = prepared();
     let expected = reference_losses(&dir);
     let flags = [
         "--supervise",
-        "mpiexec",
+        launcher,
         "--active-nodes",
         "2",
         "--hang-timeout-seconds",
         "3",
     ];
-    let (cluster, ctl) = supervised(&dir, "supervised", 2, &flags, Vec::new());
+    let (cluster, ctl) = supervised(&dir, "supervised", 2, &flags, envs);
 
     // 1. SIGKILL rank 1: detected within 2 s, restarted in place from T0.
     let pid = rank_pid(&cluster, &ctl, 1, 40);

@@ -339,21 +339,23 @@ fn watch_exit(daemon: &Arc<Daemon>, rank: Rank, pid: u32) {
                 &pidfd,
                 rustix::event::PollFlags::IN,
             )];
-            loop {
+            let exited = loop {
                 match rustix::event::poll(&mut fds, None) {
-                    Ok(_) => break,
+                    Ok(_) => break true,
                     Err(rustix::io::Errno::INTR) => continue,
                     Err(error) => {
-                        tracing::warn!(rank, pid, %error, "lost the watch on the rank's exit");
-                        break;
+                        tracing::warn!(rank, pid, %error, "lost the watch on the rank's exit; its socket will tell");
+                        break false;
                     }
                 }
-            }
+            };
             let exited_us = now_unix_us();
             if let Ok(mut watched) = watcher.exit_watched.lock() {
                 watched.remove(&pid);
             }
-            runtime.spawn(async move { rank_gone(&watcher, rank, pid, exited_us).await });
+            if exited {
+                runtime.spawn(async move { rank_gone(&watcher, rank, pid, exited_us).await });
+            }
         });
     if let Err(error) = spawned {
         tracing::warn!(rank, pid, %error, "cannot start the rank's exit watch; its socket will tell");

@@ -677,16 +677,18 @@ fn describe_process_state(state: char) -> String {
 
 /// A rank died. The launcher kills the others within moments, and their reports may come
 /// first (another node's report travels further, or its daemon was slower to run): reports
-/// are gathered for at least 100 ms, and until every rank is down or 1 s has passed. The
+/// are gathered for at least 100 ms, and until every rank is down or 300 ms have passed. The
 /// first death by its node's clock (taken when the process exited, see `node::watch_exit`)
-/// is the fault.
+/// is the fault. Each node reports a death the moment its process exits, so a report of an
+/// earlier death does not come much later; survivors that live on (srun leaves a rank stuck
+/// in a collective until its kill timeout) are not waited for past that.
 async fn rank_died(leader: &Leader, mut downs: Vec<super::leader::RankDown>) -> Outcome {
     let started = Instant::now();
     loop {
         tokio::time::sleep(Duration::from_millis(20)).await;
         downs.extend(leader.take_downs().await);
         let waited = started.elapsed();
-        if waited >= Duration::from_secs(1) {
+        if waited >= Duration::from_millis(300) {
             break;
         }
         if waited >= Duration::from_millis(100) && leader.view().await.0.iter().all(|r| !r.alive) {
