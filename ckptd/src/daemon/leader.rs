@@ -944,21 +944,28 @@ async fn wait_finished(task: &tokio::task::JoinHandle<()>) {
 }
 
 async fn heartbeat_message(daemon: &Daemon) -> Message {
-    let ranks = daemon.ranks.lock().await;
+    let mut beats: Vec<wire::RankBeat> = daemon
+        .ranks
+        .lock()
+        .await
+        .values()
+        .filter(|s| s.pid != 0)
+        .map(|s| wire::RankBeat {
+            rank: s.rank,
+            pid: s.pid,
+            step: s.last_step,
+            seen_ms_ago: s.last_seen.elapsed().as_millis() as u64,
+            compute_us: s.compute_us,
+            process_state: None,
+        })
+        .collect();
+    // Read from /proc without the ranks lock, which every training step's poll takes.
+    for beat in &mut beats {
+        beat.process_state = super::node::process_state(beat.pid);
+    }
     Message::NodeHeartbeat {
         node: daemon.cfg.node.clone(),
-        ranks: ranks
-            .values()
-            .filter(|s| s.pid != 0)
-            .map(|s| wire::RankBeat {
-                rank: s.rank,
-                pid: s.pid,
-                step: s.last_step,
-                seen_ms_ago: s.last_seen.elapsed().as_millis() as u64,
-                compute_us: s.compute_us,
-                process_state: super::node::process_state(s.pid),
-            })
-            .collect(),
+        ranks: beats,
     }
 }
 

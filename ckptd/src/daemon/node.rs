@@ -251,7 +251,7 @@ pub async fn serve(daemon: Arc<Daemon>, listener: std::os::unix::net::UnixListen
                         }
                     }
                     if let Some((rank, pid)) = registered {
-                        let closed_us = now_unix_us();
+                        let closed_us = lazarus_shared::store::now_unix_us();
                         if daemon.exit_watched.lock().is_ok_and(|w| w.contains(&pid)) {
                             // The rank's exit thread reports a death with its exact time; the
                             // connection alone ending, with the process alive, counts as
@@ -296,13 +296,6 @@ const EARLY_BEATS: u8 = 2;
 /// How long a rank whose exit is watched may keep running after its connection ended before
 /// it counts as down anyway.
 const EXIT_GRACE: Duration = Duration::from_millis(300);
-
-fn now_unix_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
 
 /// Waits on a thread of its own for the rank's process to exit (a pidfd), and reports the
 /// death with the time the kernel made it visible. When one rank dies the launcher kills the
@@ -349,7 +342,7 @@ fn watch_exit(daemon: &Arc<Daemon>, rank: Rank, pid: u32) {
                     }
                 }
             };
-            let exited_us = now_unix_us();
+            let exited_us = lazarus_shared::store::now_unix_us();
             if let Ok(mut watched) = watcher.exit_watched.lock() {
                 watched.remove(&pid);
             }

@@ -705,7 +705,7 @@ async fn rank_died(leader: &Leader, mut downs: Vec<super::leader::RankDown>) -> 
             first.rank,
             first.pid,
             first.node,
-            (lazarus_shared::store::now_unix_ms() * 1000).saturating_sub(first.unix_us) / 1000,
+            lazarus_shared::store::now_unix_us().saturating_sub(first.unix_us) / 1000,
             if others.is_empty() {
                 String::new()
             } else {

@@ -347,9 +347,13 @@ pub struct RunStore {
 }
 
 pub fn now_unix_ms() -> u64 {
+    now_unix_us() / 1000
+}
+
+pub fn now_unix_us() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
+        .map(|d| d.as_micros() as u64)
         .unwrap_or(0)
 }
 

@@ -353,7 +353,7 @@ impl RunStore {
         let repaired = self.recheck_chunks(&mut manifest, &raw_by_hash).await?;
         if repaired > 0 {
             tracing::warn!(run = %self.run, step = %input.step, rank = input.rank, repaired, "re-uploaded chunks removed by a concurrent gc");
-            self.put_manifest(&manifest).await?;
+            self.put_manifest(&manifest, false).await?;
         }
         if let Some(index) = self.store.index() {
             let hashes: Vec<ChunkHash> = manifest.chunk_refs().map(|c| c.hash).collect();
@@ -368,11 +368,10 @@ impl RunStore {
     /// is kept and returned as it is stored; one that differs (a write that died, of another
     /// layout) is replaced only while the step has no commit.
     async fn store_manifest(&self, manifest: ShardManifest) -> Result<ShardManifest, StoreError> {
-        let path = layout::shard(&self.run, manifest.step, manifest.rank);
-        let (bytes, _) = format::seal(&manifest);
-        if self.store.put(&path, bytes.into(), true).await? {
+        if self.put_manifest(&manifest, true).await? {
             return Ok(manifest);
         }
+        let path = layout::shard(&self.run, manifest.step, manifest.rank);
         let step = manifest.step.to_string();
         let rank = manifest.rank.to_string();
         let stored = match self.store.get(&path).await {
@@ -390,7 +389,7 @@ impl RunStore {
         }
         self.refuse_committed(manifest.step).await?;
         tracing::warn!(run = %self.run, step, rank, "replacing an uncommitted manifest that describes other data");
-        self.put_manifest(&manifest).await?;
+        self.put_manifest(&manifest, false).await?;
         Ok(manifest)
     }
 
@@ -405,16 +404,20 @@ impl RunStore {
         }
     }
 
-    async fn put_manifest(&self, manifest: &ShardManifest) -> Result<(), StoreError> {
+    /// Puts `manifest` at its shard's path; with `create_only`, `false` if one is there.
+    async fn put_manifest(
+        &self,
+        manifest: &ShardManifest,
+        create_only: bool,
+    ) -> Result<bool, StoreError> {
         let (bytes, _) = format::seal(manifest);
         self.store
             .put(
                 &layout::shard(&self.run, manifest.step, manifest.rank),
                 bytes.into(),
-                false,
+                create_only,
             )
-            .await?;
-        Ok(())
+            .await
     }
 
     /// Hashes one chunk, and uploads it unless storage already has it.
