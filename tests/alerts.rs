@@ -5,6 +5,7 @@ use std::path::Path;
 use std::process::Command;
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::deadline::test_dir;
 
 fn prometheus_dir() -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/prometheus")
@@ -13,7 +14,7 @@ fn prometheus_dir() -> std::path::PathBuf {
 #[test]
 fn the_alert_rules_pass_promtool_and_name_metrics_the_daemons_export() {
     let Ok(version) = Command::new("promtool").arg("--version").output() else {
-        println!("skipped: promtool is not installed (ops/setup.sh test installs it)");
+        lazarus_tests::skip("promtool is not installed (ops/setup.sh test installs it)");
         return;
     };
     assert!(version.status.success());
@@ -34,7 +35,7 @@ fn the_alert_rules_pass_promtool_and_name_metrics_the_daemons_export() {
     }
 
     // Every lazarus_* name in the rules is on a supervising leader's /metrics page.
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let store = format!("file://{}", dir.path().join("store").display());
     let settings = Settings {
         leader_extra: [

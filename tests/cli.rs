@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use lazarus_tests::deadline::test_dir;
 use lazarus_tests::runbook::Runbook;
 use lazarus_tests::{files_under, random_f32_bytes, write_safetensors, Ctl, S3Server};
 
@@ -79,7 +80,7 @@ fn damage(path: &Path, how: Damage) {
 
 #[test]
 fn every_kind_of_damage_is_found_named_and_refused() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let (pristine, _) = fixture(dir.path());
     let pristine_store = dir.path().join("store");
     pristine.expect(0, &["verify", "r", "--all", "--read-data"]);
@@ -106,7 +107,7 @@ fn every_kind_of_damage_is_found_named_and_refused() {
         (&commit10.to_path_buf(), "commit"),
     ] {
         for how in [Damage::FlipBit, Damage::Truncate, Damage::Delete] {
-            let case = tempfile::tempdir().unwrap();
+            let case = test_dir();
             copy_dir(&pristine_store, &case.path().join("store"));
             damage(&step10(&case.path().join("store")).join(target), how);
             let ctl = Ctl::new(
@@ -170,7 +171,7 @@ fn every_kind_of_damage_is_found_named_and_refused() {
 
 #[test]
 fn export_is_byte_identical_and_restore_gives_a_verified_local_store() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let (ctl, input) = fixture(dir.path());
     let out = dir.path().join("export");
     ctl.expect(0, &["export", "r", "10", "--out", out.to_str().unwrap()]);
@@ -210,7 +211,7 @@ fn export_is_byte_identical_and_restore_gives_a_verified_local_store() {
 
 #[test]
 fn rollback_hides_steps_and_list_shows_it() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let (ctl, input) = fixture(dir.path());
     ctl.expect(2, &["rollback", "r", "--to", "10", "--reason", " "]);
     let said = ctl.expect(
@@ -245,7 +246,7 @@ fn rollback_hides_steps_and_list_shows_it() {
 
 #[test]
 fn bad_input_gets_a_clear_error_and_changes_nothing() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let (ctl, _) = fixture(dir.path());
     let before = files_under(&dir.path().join("store"));
 
@@ -320,7 +321,7 @@ fn bad_input_gets_a_clear_error_and_changes_nothing() {
 #[test]
 fn s3_errors_are_clear() {
     let server = S3Server::start();
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let mut ctl = Ctl::new(server.url("x"), &dir.path().join("index"));
     ctl.envs = server.envs();
     ctl.expect(0, &["runs"]);
@@ -378,7 +379,7 @@ fn python_safetensors_files_round_trip_byte_identical() {
         println!("SKIPPED: python3 with safetensors and numpy is not installed (ops/setup.sh test installs them)");
         return;
     }
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let file = dir.path().join("py.safetensors");
     let script = r#"
 import sys, numpy as np, safetensors.numpy as st
@@ -436,7 +437,7 @@ print("python loaded", len(b), "tensors")
 
 #[test]
 fn the_index_rebuilds_from_storage_alone() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let (ctl, _) = fixture(dir.path());
     let before = ctl.json(&["index", "stats"]);
     assert!(
@@ -454,7 +455,7 @@ fn the_index_rebuilds_from_storage_alone() {
 
 #[test]
 fn the_corruption_and_rollback_runbooks_work_as_written() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let (ctl, _) = fixture(dir.path());
     // Step 30 changes w1 again; one of its own chunks rots.
     let third = dir.path().join("model3.safetensors");
@@ -505,7 +506,7 @@ fn the_corruption_and_rollback_runbooks_work_as_written() {
     assert_eq!(ctl.json(&["list", "r"])["latest"]["step"], 20);
 
     // A loss spike after step 10 of a healthy copy: back to 10.
-    let spiked = tempfile::tempdir().unwrap();
+    let spiked = test_dir();
     let (ctl, _) = fixture(spiked.path());
     let runbook = Runbook::load("rollback-after-loss-spike.md");
     let env_spike = vec![

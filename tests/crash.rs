@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
+use lazarus_tests::deadline::test_dir;
 use lazarus_tests::{files_under, random_f32_bytes, write_safetensors, Ctl};
 use rand::{Rng, SeedableRng};
 
@@ -18,7 +19,7 @@ fn sigkilled_imports_never_leave_a_false_commit() {
         .unwrap_or_else(rand::random);
     println!("crash test seed {seed} (set LAZARUS_TEST_SEED to replay)");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let store = dir.path().join("store");
     let ctl = Ctl::new(
         format!("file://{}", store.display()),

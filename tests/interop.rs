@@ -2,9 +2,10 @@
 //! shapes and (transposed) values, and transformers' `OlmoeForCausalLM` computes the same
 //! logits as the trainer, within 1e-4, for the same tokens.
 //!
-//! The logits comparison needs Python with torch and transformers; without them it prints why
-//! it skipped. Run it with: `ops/setup.sh interop && cargo test --release -p lazarus-tests
-//! interop -- --nocapture` (LAZARUS_PYTHON picks another Python).
+//! The logits comparison needs Python with torch and transformers (several GB, which the test
+//! command does not install), so it is an ignored test that fails where they are missing.
+//! Run it with: `ops/setup.sh interop && cargo test --release -p lazarus-tests interop --
+//! --ignored --nocapture` (LAZARUS_PYTHON picks another Python).
 
 use std::collections::BTreeMap;
 use std::process::Command;
@@ -13,6 +14,7 @@ use candle_core::{DType, Device, Tensor};
 use lazarus_shared::hf_olmoe::{ModelSpec, MODEL_BLOB};
 use lazarus_shared::store::{OpenMode, Store, StoreOptions};
 use lazarus_shared::RunId;
+use lazarus_tests::deadline::{test_dir, TestDir};
 use lazarus_tests::{bin, shared_data, Ctl};
 use lazarus_trainer::config::ModelConfig;
 use lazarus_trainer::model::Model;
@@ -32,9 +34,18 @@ fn floats(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-fn hf_olmoe_export_matches_the_trainer() {
-    let dir = tempfile::tempdir().unwrap();
+/// A small model trained and exported as HF OLMoE, and the trainer's own view of its last
+/// step.
+struct Exported {
+    dir: TestDir,
+    out: std::path::PathBuf,
+    data: std::path::PathBuf,
+    spec: ModelSpec,
+    weights: BTreeMap<String, Vec<u8>>,
+}
+
+fn trained_and_exported() -> Exported {
+    let dir = test_dir();
     let data = dir.path().join("data");
     run_ok(Command::new(bin("trainer")).args([
         "prepare",
@@ -110,7 +121,23 @@ fn hf_olmoe_export_matches_the_trainer() {
         }
         (spec, weights)
     });
+    Exported {
+        dir,
+        out,
+        data,
+        spec,
+        weights,
+    }
+}
 
+#[test]
+fn hf_olmoe_export_has_olmoe_names_shapes_and_values() {
+    let Exported {
+        out,
+        weights,
+        dir: _dir,
+        ..
+    } = trained_and_exported();
     // Names, shapes and values of the exported file.
     let config: serde_json::Value =
         serde_json::from_slice(&std::fs::read(out.join("config.json")).unwrap()).unwrap();
@@ -145,7 +172,18 @@ fn hf_olmoe_export_matches_the_trainer() {
             .data(),
     );
     assert!(norm.iter().any(|v| *v != 1.0), "trained norms moved");
+}
 
+#[test]
+#[ignore = "needs torch and transformers: ops/setup.sh interop, then run with --ignored"]
+fn transformers_computes_the_trainers_logits_from_the_export() {
+    let Exported {
+        dir,
+        out,
+        data,
+        spec,
+        weights,
+    } = trained_and_exported();
     // The trainer's logits for two sequences of real text.
     let config: ModelConfig = spec.clone();
     let model = Model::new(&config, 0, DType::F32).unwrap();
@@ -185,22 +223,12 @@ fn hf_olmoe_export_matches_the_trainer() {
         .args(["--tokens", request.to_str().unwrap()])
         .args(["--out", logits_file.to_str().unwrap()])
         .output();
-    let output = match output {
-        Ok(output) => output,
-        Err(error) => {
-            println!("skipped the transformers comparison: {python}: {error}");
-            return;
-        }
-    };
+    let output = output.unwrap_or_else(|error| panic!("{python}: {error}"));
     let stderr = String::from_utf8_lossy(&output.stderr);
-    if output.status.code() == Some(3) {
-        println!(
-            "skipped the transformers comparison: {}",
-            stderr.trim().lines().last().unwrap_or("")
-        );
-        return;
-    }
-    assert!(output.status.success(), "{python} {script}: {stderr}");
+    assert!(
+        output.status.success(),
+        "{python} {script} (torch and transformers come with ops/setup.sh interop): {stderr}"
+    );
     let theirs = floats(&std::fs::read(&logits_file).unwrap());
     assert_eq!(theirs.len(), ours.len());
     let worst = ours

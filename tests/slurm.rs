@@ -30,7 +30,7 @@ fn srun_with_pmi2_across_nodes_trains_like_mpiexec() {
     let conf = match slurm_cluster() {
         Ok(conf) => conf,
         Err(why) => {
-            println!("skipped: {why}");
+            lazarus_tests::skip(&why);
             return;
         }
     };
@@ -71,7 +71,7 @@ fn a_killed_rank_under_srun_ends_the_step_and_is_named() {
     let conf = match slurm_cluster() {
         Ok(conf) => conf,
         Err(why) => {
-            println!("skipped: {why}");
+            lazarus_tests::skip(&why);
             return;
         }
     };

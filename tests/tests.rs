@@ -8,6 +8,7 @@ mod ckptd;
 mod cli;
 mod conformance;
 mod crash;
+mod deadline;
 mod gc_race;
 mod interop;
 mod learning;

@@ -3,6 +3,7 @@
 
 use std::process::Command;
 
+use lazarus_tests::deadline::test_dir;
 use lazarus_tests::train::prepared;
 use lazarus_tests::{bin, shared_data};
 
@@ -15,7 +16,7 @@ pub(crate) fn trainer(args: &[&str]) -> (i32, String) {
 
 #[test]
 fn prepare_tokenizes_tinyshakespeare_with_gpt2() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let out = dir.path().join("ts");
     let input = shared_data("tinyshakespeare.txt");
     let (code, said) = trainer(&[
@@ -53,7 +54,7 @@ fn prepare_tokenizes_tinyshakespeare_with_gpt2() {
 
 #[test]
 fn bad_configs_and_missing_data_exit_2_with_the_reason() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     for (args, says) in [
         (
             vec!["train", "--config", "tiny", "--set", "model.expert=3"],
@@ -135,7 +136,7 @@ fn losses(metrics_dir: &std::path::Path, run: &str) -> Vec<(u64, u64)> {
 
 #[test]
 fn training_is_deterministic_and_resume_is_bit_identical() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let data = dir.path().join("data");
     let input = shared_data("tinyshakespeare.txt");
     assert_eq!(
@@ -277,7 +278,7 @@ fn training_is_deterministic_and_resume_is_bit_identical() {
 
 #[test]
 fn bad_data_files_and_unusable_stores_get_clear_errors() {
-    let dir = tempfile::tempdir().unwrap();
+    let dir = test_dir();
     let data = dir.path().join("data");
     let input = dir.path().join("input.txt");
     std::fs::write(

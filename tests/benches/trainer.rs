@@ -53,7 +53,14 @@ fn time_training(config: &Config, dataset: &Dataset, warmup: usize, steps: usize
         let grads = forward.loss.backward().expect("backward");
         phases[1] += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
-        optim.update(&model, &grads, 1e-3).expect("update");
+        optim
+            .update(
+                &model,
+                &grads,
+                1e-3,
+                &lazarus_trainer::snapshot::HeldSlots::default(),
+            )
+            .expect("update");
         phases[2] += timer.elapsed().as_secs_f64();
     }
     let elapsed = started.elapsed().as_secs_f64();

@@ -145,6 +145,12 @@ impl Cluster {
 
     /// Starts (or restarts) node `i` and waits until its socket and port answer.
     pub fn start_node(&mut self, i: usize) {
+        self.start_node_with(i, &[]);
+    }
+
+    /// Starts (or restarts) node `i` with `envs` added to its environment (say, a crash
+    /// point), and waits until its socket and port answer.
+    pub fn start_node_with(&mut self, i: usize, envs: &[(&str, String)]) {
         let node = &mut self.nodes[i];
         let log = std::fs::OpenOptions::new()
             .create(true)
@@ -158,6 +164,9 @@ impl Cluster {
             .stdout(Stdio::null())
             .stderr(log);
         for (k, v) in &self.envs {
+            command.env(k, v);
+        }
+        for (k, v) in envs {
             command.env(k, v);
         }
         let mut child = command.spawn().expect("ckptd starts");
@@ -198,6 +207,18 @@ impl Cluster {
     pub fn wipe_node(&mut self, i: usize) {
         self.kill_node(i);
         let _ = std::fs::remove_dir_all(&self.nodes[i].shm);
+    }
+
+    /// Whether node `i`'s daemon was running and has exited (say, at a crash point).
+    pub fn node_exited(&mut self, i: usize) -> bool {
+        let exited = self.nodes[i]
+            .child
+            .as_mut()
+            .is_some_and(|child| matches!(child.try_wait(), Ok(Some(_))));
+        if exited {
+            self.nodes[i].child = None;
+        }
+        exited
     }
 
     pub fn pid(&self, i: usize) -> Option<u32> {
@@ -286,30 +307,12 @@ impl Drop for Cluster {
         }
         // Launchers and ranks of a test that ended early (their command lines name the
         // test's directory) would otherwise train on, and wait for their daemons.
-        let pattern: String = self
-            .dir
-            .display()
-            .to_string()
-            .chars()
-            .flat_map(|c| {
-                let special = "\\.^$|?*+()[]{}".contains(c);
-                special
-                    .then_some('\\')
-                    .into_iter()
-                    .chain(std::iter::once(c))
-            })
-            .collect();
-        let _ = Command::new("pkill")
-            .args(["-KILL", "-f", &pattern])
-            .status();
+        crate::deadline::kill_processes_naming(&self.dir);
         // The shared memory goes once they are gone (a rank still mapping its slots would
         // keep the pages); a test run must not leave hundreds of MB behind in /dev/shm.
         let deadline = Instant::now() + Duration::from_secs(10);
         loop {
-            let alive = Command::new("pgrep")
-                .args(["-f", &pattern])
-                .output()
-                .is_ok_and(|o| o.status.success());
+            let alive = crate::deadline::processes_naming(&self.dir);
             let removed = match std::fs::remove_dir_all(&self.shm_root) {
                 Ok(()) => true,
                 Err(error) => error.kind() == std::io::ErrorKind::NotFound,

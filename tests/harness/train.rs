@@ -5,11 +5,18 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::deadline::{test_dir_within, TestDir};
 use crate::{bin, shared_data};
 
-/// `tinyshakespeare` tokenised into `<temp dir>/data`.
-pub fn prepared() -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().expect("temp dir");
+/// `tinyshakespeare` tokenised into `<test dir>/data`, in a test directory with the
+/// default deadline.
+pub fn prepared() -> (TestDir, PathBuf) {
+    prepared_within(crate::deadline::DEFAULT_DEADLINE)
+}
+
+/// [`prepared`], with a deadline of `limit`.
+pub fn prepared_within(limit: std::time::Duration) -> (TestDir, PathBuf) {
+    let dir = test_dir_within(limit);
     let output = Command::new(bin("trainer"))
         .args(["prepare", "--input"])
         .arg(shared_data("tinyshakespeare.txt"))

@@ -196,13 +196,20 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let world = Arc::new(World::init(config.parallel.ep)?);
             let stop = Arc::new(AtomicBool::new(false));
             watch_signals(stop.clone());
-            match crate::train::train(
-                &config,
-                world.clone(),
-                stop,
-                &metrics_dir,
-                &mut std::io::stdout(),
-            ) {
+            // A panic is an error like any other here: unwinding past this point would drop
+            // the world into MPI_Finalize, which waits for ranks that wait in a collective
+            // for this one, forever (the hook has printed the message and backtrace).
+            let trained = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                crate::train::train(
+                    &config,
+                    world.clone(),
+                    stop,
+                    &metrics_dir,
+                    &mut std::io::stdout(),
+                )
+            }))
+            .unwrap_or_else(|panic| Err(anyhow::anyhow!("panicked: {}", panic_message(&panic))));
+            match trained {
                 Ok(summary) => {
                     if world.rank == 0 {
                         print_summary(&summary);
@@ -224,6 +231,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             }
         }
     }
+}
+
+/// The text a panic was raised with.
+fn panic_message(panic: &Box<dyn std::any::Any + Send>) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic without a message".into())
 }
 
 /// Raises `stop` on SIGTERM or SIGINT; the loop then checkpoints and returns.

@@ -20,7 +20,7 @@ use crate::config::TrainConfig;
 use crate::dist::{even_bounds, Group, World};
 use crate::kernels::{adamw, adamw_into, AdamWSlices, AdamWSlicesMut, AdamWStep};
 use crate::model::Model;
-use crate::snapshot::StateMemory;
+use crate::snapshot::{HeldSlots, StateMemory};
 
 /// Elements per parallel work item of the update (and per partial sum of the norm).
 const BLOCK: usize = 1 << 16;
@@ -251,7 +251,13 @@ impl AdamW {
 
     /// Clips the gradients to `grad_clip` by global norm, applies one AdamW update at `lr`, and
     /// writes the new weights into the model.
-    pub fn update(&mut self, model: &Model, grads: &GradStore, lr: f64) -> Result<UpdateStats> {
+    pub fn update(
+        &mut self,
+        model: &Model,
+        grads: &GradStore,
+        lr: f64,
+        held: &HeldSlots,
+    ) -> Result<UpdateStats> {
         let parameters = model.parameters();
         let mut flat = std::mem::take(&mut self.grads);
         flat.clear();
@@ -300,7 +306,14 @@ impl AdamW {
         let (beta1, beta2, eps) = (self.beta1, self.beta2, self.eps);
         let shards = std::mem::take(&mut self.shards);
         let mut memory = std::mem::replace(&mut self.memory, StateMemory::heap(Vec::new()));
-        let mut target = memory.begin_update();
+        let mut target = match memory.begin_update(held) {
+            Ok(target) => target,
+            Err(error) => {
+                self.shards = shards;
+                self.memory = memory;
+                return Err(candle_core::Error::msg(format!("{error:#}")));
+            }
+        };
         for (shard, grads) in shards.iter().zip(&shard_grads) {
             let pieces: Vec<(f64, Range<usize>)> = self
                 .pieces(shard)
@@ -460,7 +473,9 @@ mod tests {
                 .to_vec1::<f32>()
                 .unwrap()[0],
         );
-        optim.update(&model, &grads, 0.1).unwrap();
+        optim
+            .update(&model, &grads, 0.1, &HeldSlots::default())
+            .unwrap();
         // Step 1: m = (1-b1) g, v = (1-b2) g^2; corrected m/sqrt(v) = g/|g|.
         let expected = f64::from(before) * (1.0 - 0.1 * config.train.weight_decay)
             - 0.1 * g / (g.abs() + config.train.eps);

@@ -47,12 +47,38 @@ pub enum UpdateTarget<'a> {
     Copy { from: &'a [f32], to: &'a mut [f32] },
 }
 
+/// The slots this rank must not write: the daemon's last answer, plus a slot handed over
+/// whose answer never came (the link broke mid-request, so the daemon may have taken it).
+/// Only the rank's client of its daemon ([`Ckptd`]) changes it, from the daemon's answers;
+/// an update reads it. The daemon holds at most three of its four slots and answers every
+/// hand-over with its new held set, so one slot is always free for the next update.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeldSlots {
+    answered: Vec<usize>,
+    unconfirmed: Option<usize>,
+}
+
+impl HeldSlots {
+    /// The daemon's own word: it replaces what was known, an unconfirmed hand-over included.
+    fn answer(&mut self, held: &[u32]) {
+        self.answered = held.iter().map(|s| *s as usize).collect();
+        self.unconfirmed = None;
+    }
+
+    /// `slot` went to the daemon and no answer came back.
+    fn unconfirmed(&mut self, slot: usize) {
+        self.unconfirmed = Some(slot);
+    }
+
+    pub fn contains(&self, slot: usize) -> bool {
+        self.answered.contains(&slot) || self.unconfirmed == Some(slot)
+    }
+}
+
 /// One or more copies of the optimizer state, and which one is current.
 pub struct StateMemory {
     buffers: Vec<Buffer>,
     current: usize,
-    /// Buffers the daemon holds: read-only here.
-    held: Vec<usize>,
     next: usize,
 }
 
@@ -61,7 +87,6 @@ impl std::fmt::Debug for StateMemory {
         f.debug_struct("StateMemory")
             .field("buffers", &self.buffers.len())
             .field("current", &self.current)
-            .field("held", &self.held)
             .finish()
     }
 }
@@ -72,7 +97,6 @@ impl StateMemory {
         Self {
             buffers: vec![Buffer::Heap(state)],
             current: 0,
-            held: Vec::new(),
             next: 0,
         }
     }
@@ -81,7 +105,7 @@ impl StateMemory {
     /// unless `restored` names the slot that already holds it.
     pub fn mapped(
         paths: &[PathBuf],
-        held: Vec<usize>,
+        held: &HeldSlots,
         state: &[f32],
         restored: Option<usize>,
     ) -> Result<Self> {
@@ -112,7 +136,7 @@ impl StateMemory {
             Some(slot) => slot,
             None => {
                 let free = (0..buffers.len())
-                    .find(|i| !held.contains(i))
+                    .find(|i| !held.contains(*i))
                     .ok_or_else(|| anyhow!("ckptd holds every snapshot slot"))?;
                 buffers[free].as_mut_slice().copy_from_slice(state);
                 free
@@ -121,7 +145,6 @@ impl StateMemory {
         Ok(Self {
             buffers,
             current,
-            held,
             next: current,
         })
     }
@@ -131,9 +154,9 @@ impl StateMemory {
     }
 
     /// The current state, to write; only while the daemon does not hold it.
-    pub fn current_mut(&mut self) -> &mut [f32] {
+    pub fn current_mut(&mut self, held: &HeldSlots) -> &mut [f32] {
         assert!(
-            !self.held.contains(&self.current),
+            !held.contains(self.current),
             "the current state is held by ckptd"
         );
         self.buffers[self.current].as_mut_slice()
@@ -147,29 +170,23 @@ impl StateMemory {
         matches!(self.buffers[0], Buffer::Mapped(_))
     }
 
-    /// What the daemon holds now. It may only shrink to what it said, never below a slot
-    /// this process handed over and has not heard back about.
-    pub fn set_held(&mut self, held: Vec<usize>) {
-        self.held = held;
-    }
-
-    pub fn hold(&mut self, slot: usize) {
-        if !self.held.contains(&slot) {
-            self.held.push(slot);
-        }
-    }
-
     /// Picks where the next state goes: in place if the daemon does not hold the current
-    /// slot, else a free slot.
-    pub fn begin_update(&mut self) -> UpdateTarget<'_> {
+    /// slot, else a free slot. The daemon holds at most three of four slots (see
+    /// [`HeldSlots`]); if it ever held all four, this is an error that ends the job, never a
+    /// write into a slot the daemon reads.
+    pub fn begin_update(&mut self, held: &HeldSlots) -> Result<UpdateTarget<'_>> {
         let current = self.current;
-        if !self.held.contains(&current) {
+        if !held.contains(current) {
             self.next = current;
-            return UpdateTarget::InPlace(self.buffers[current].as_mut_slice());
+            return Ok(UpdateTarget::InPlace(self.buffers[current].as_mut_slice()));
         }
         let next = (0..self.buffers.len())
-            .find(|i| *i != current && !self.held.contains(i))
-            .expect("ckptd holds at most three of four slots");
+            .find(|i| *i != current && !held.contains(*i))
+            .ok_or_else(|| {
+                anyhow!(
+                    "ckptd holds every snapshot slot ({held:?}); no slot is free for the update"
+                )
+            })?;
         self.next = next;
         let (from, to) = if current < next {
             let (a, b) = self.buffers.split_at_mut(next);
@@ -178,10 +195,10 @@ impl StateMemory {
             let (a, b) = self.buffers.split_at_mut(current);
             (&b[0], &mut a[next])
         };
-        UpdateTarget::Copy {
+        Ok(UpdateTarget::Copy {
             from: from.as_slice(),
             to: to.as_mut_slice(),
-        }
+        })
     }
 
     pub fn finish_update(&mut self) {
@@ -198,7 +215,8 @@ pub struct Restored {
     pub blobs: Vec<(String, Bytes)>,
 }
 
-/// The rank's connection to its node's `ckptd` (Unix socket, one request at a time).
+/// The rank's connection to its node's `ckptd` (Unix socket, one request at a time). It
+/// owns the rank's view of the held slots: every answer of the daemon updates it.
 #[derive(Debug)]
 pub struct Ckptd {
     socket: PathBuf,
@@ -206,12 +224,11 @@ pub struct Ckptd {
     register: Message,
     /// When the link broke, for rate-limiting reconnects.
     broken_at: Option<Instant>,
+    /// Whether the last request was written (wholly or partly) before its link broke: the
+    /// daemon may then have acted on it.
+    last_request_sent: bool,
     pub slots: Vec<PathBuf>,
-    pub held: Vec<usize>,
-}
-
-fn held_slots(held: &[u32]) -> Vec<usize> {
-    held.iter().map(|s| *s as usize).collect()
+    held: HeldSlots,
 }
 
 impl Ckptd {
@@ -237,8 +254,9 @@ impl Ckptd {
             stream: None,
             register,
             broken_at: None,
+            last_request_sent: false,
             slots: Vec::new(),
-            held: Vec::new(),
+            held: HeldSlots::default(),
         };
         client.reconnect().with_context(|| {
             format!(
@@ -249,6 +267,11 @@ impl Ckptd {
         Ok(client)
     }
 
+    /// The slots the rank must not write.
+    pub fn held(&self) -> &HeldSlots {
+        &self.held
+    }
+
     fn reconnect(&mut self) -> Result<()> {
         let mut stream = UnixStream::connect(&self.socket)?;
         stream.set_read_timeout(Some(Duration::from_secs(300)))?;
@@ -256,7 +279,7 @@ impl Ckptd {
         match wire::read_frame_sync(&mut stream, None)?.message {
             Message::Registered { slots, held } => {
                 self.slots = slots.into_iter().map(PathBuf::from).collect();
-                self.held = held_slots(&held);
+                self.held.answer(&held);
             }
             Message::Refused { reason } => bail!("ckptd refused the rank: {reason}"),
             other => bail!("ckptd answered {other:?} to Register"),
@@ -269,6 +292,7 @@ impl Ckptd {
     /// One request and its answer. A broken link is retried (with a re-registration) at
     /// most once a second; until it works, this returns an error and the caller carries on.
     fn call(&mut self, message: &Message, payload: &[u8]) -> Result<wire::Frame> {
+        self.last_request_sent = false;
         if self.stream.is_none() {
             if self
                 .broken_at
@@ -283,6 +307,7 @@ impl Ckptd {
             tracing::info!("reconnected to ckptd");
         }
         let stream = self.stream.as_mut().expect("connected");
+        self.last_request_sent = true;
         let result = wire::write_frame_sync(stream, message, payload, None)
             .and_then(|()| wire::read_frame_sync(stream, None));
         match result {
@@ -321,7 +346,7 @@ impl Ckptd {
                 blobs,
                 held,
             } => {
-                self.held = held_slots(&held);
+                self.held.answer(&held);
                 Ok(Some(Restored {
                     step,
                     slot: slot as usize,
@@ -330,7 +355,7 @@ impl Ckptd {
                 }))
             }
             Message::Restored { held, .. } => {
-                self.held = held_slots(&held);
+                self.held.answer(&held);
                 Ok(None)
             }
             Message::Refused { reason } => bail!("ckptd could not restore: {reason}"),
@@ -338,12 +363,12 @@ impl Ckptd {
         }
     }
 
-    /// Heartbeat; returns whether the daemon is busy. Updates `held`.
+    /// Heartbeat; returns whether the daemon is busy.
     pub fn poll(&mut self, step: u64, compute: Duration) -> Result<bool> {
         let compute_us = compute.as_micros() as u64;
         match self.call(&Message::Poll { step, compute_us }, &[])?.message {
             Message::Held { held, busy, .. } => {
-                self.held = held_slots(&held);
+                self.held.answer(&held);
                 Ok(busy)
             }
             other => bail!("ckptd answered {other:?} to Poll"),
@@ -359,14 +384,15 @@ impl Ckptd {
     pub fn skipped(&mut self, step: u64) -> Result<()> {
         match self.call(&Message::Skipped { step }, &[])?.message {
             Message::Held { held, .. } => {
-                self.held = held_slots(&held);
+                self.held.answer(&held);
                 Ok(())
             }
             other => bail!("ckptd answered {other:?} to Skipped"),
         }
     }
 
-    /// Hands `slot` (holding `step`) over. Returns whether the daemon took it.
+    /// Hands `slot` (holding `step`) over. Returns whether the daemon took it. A hand-over
+    /// whose answer never came keeps `slot` held until the daemon answers again.
     pub fn snapshot(
         &mut self,
         step: u64,
@@ -383,9 +409,18 @@ impl Ckptd {
             blobs: specs,
             stall_us: stall.as_micros() as u64,
         };
-        match self.call(&message, &payload)?.message {
+        let frame = match self.call(&message, &payload) {
+            Ok(frame) => frame,
+            Err(error) => {
+                if self.last_request_sent {
+                    self.held.unconfirmed(slot);
+                }
+                return Err(error);
+            }
+        };
+        match frame.message {
             Message::Held { held, accepted, .. } => {
-                self.held = held_slots(&held);
+                self.held.answer(&held);
                 Ok(accepted)
             }
             Message::Refused { reason } => Err(io::Error::other(reason).into()),
@@ -398,8 +433,8 @@ impl Ckptd {
 mod tests {
     use super::*;
 
-    fn slots(dir: &Path, elements: usize) -> Vec<PathBuf> {
-        (0..3)
+    fn slots(dir: &Path, count: usize, elements: usize) -> Vec<PathBuf> {
+        (0..count)
             .map(|i| {
                 let path = dir.join(format!("slot-{i}"));
                 std::fs::File::create(&path)
@@ -411,8 +446,14 @@ mod tests {
             .collect()
     }
 
-    fn write_all(memory: &mut StateMemory, value: f32) {
-        match memory.begin_update() {
+    fn held(answered: &[u32]) -> HeldSlots {
+        let mut held = HeldSlots::default();
+        held.answer(answered);
+        held
+    }
+
+    fn write_all(memory: &mut StateMemory, held: &HeldSlots, value: f32) {
+        match memory.begin_update(held).unwrap() {
             UpdateTarget::InPlace(state) => state.fill(value),
             UpdateTarget::Copy { from, to } => {
                 assert!(from.iter().all(|x| *x != value));
@@ -425,15 +466,14 @@ mod tests {
     #[test]
     fn updates_never_write_a_slot_the_daemon_holds() {
         let dir = tempfile::tempdir().unwrap();
-        let paths = slots(dir.path(), 16);
+        let paths = slots(dir.path(), 3, 16);
         // The daemon holds slot 0 (say, T0); the fresh state goes to a free slot.
-        let mut memory = StateMemory::mapped(&paths, vec![0], &[1.0; 16], None).unwrap();
+        let mut memory = StateMemory::mapped(&paths, &held(&[0]), &[1.0; 16], None).unwrap();
         assert_eq!(memory.current_slot(), 1);
-        write_all(&mut memory, 2.0);
+        write_all(&mut memory, &held(&[0]), 2.0);
         assert_eq!(memory.current_slot(), 1, "not held: in place");
         // Hand slot 1 over: the next update goes to the only free slot, 2.
-        memory.hold(1);
-        write_all(&mut memory, 3.0);
+        write_all(&mut memory, &held(&[0, 1]), 3.0);
         assert_eq!(memory.current_slot(), 2);
         let read = |i: usize| std::fs::read(&paths[i]).unwrap();
         assert_eq!(
@@ -444,22 +484,120 @@ mod tests {
         assert_eq!(read(2), 3.0f32.to_le_bytes().repeat(16));
         assert_eq!(read(0), vec![0u8; 64], "slot 0 was never written");
         // The daemon lets go of 0 and holds 1 and 2: the update goes to 0.
-        memory.set_held(vec![1, 2]);
-        write_all(&mut memory, 4.0);
+        write_all(&mut memory, &held(&[1, 2]), 4.0);
         assert_eq!(memory.current_slot(), 0);
         assert_eq!(read(2), 3.0f32.to_le_bytes().repeat(16));
+        // Every slot held is an error, not a write into one of them (nor a panic).
+        let mut all = held(&[0, 1]);
+        all.unconfirmed(2);
+        assert!(memory.begin_update(&all).is_err());
+        assert_eq!(read(0), 4.0f32.to_le_bytes().repeat(16));
     }
 
     #[test]
     fn a_restored_slot_is_used_where_it_is() {
         let dir = tempfile::tempdir().unwrap();
-        let paths = slots(dir.path(), 4);
+        let paths = slots(dir.path(), 3, 4);
         std::fs::write(&paths[2], 7.0f32.to_le_bytes().repeat(4)).unwrap();
-        let memory = StateMemory::mapped(&paths, vec![2], &[0.0; 4], Some(2)).unwrap();
+        let memory = StateMemory::mapped(&paths, &held(&[2]), &[0.0; 4], Some(2)).unwrap();
         assert_eq!(memory.current(), &[7.0; 4]);
         assert!(
-            StateMemory::mapped(&paths, vec![], &[0.0; 5], None).is_err(),
+            StateMemory::mapped(&paths, &HeldSlots::default(), &[0.0; 5], None).is_err(),
             "wrong size"
         );
+    }
+
+    /// A daemon on a Unix socket that answers each request from a script, then closes.
+    fn scripted_daemon(socket: &Path, answers: Vec<Message>) -> std::thread::JoinHandle<()> {
+        let listener = std::os::unix::net::UnixListener::bind(socket).unwrap();
+        std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            for answer in answers {
+                wire::read_frame_sync(&mut stream, None).unwrap();
+                wire::write_frame_sync(&mut stream, &answer, &[], None).unwrap();
+            }
+        })
+    }
+
+    fn answer(held: &[u32], busy: bool, accepted: bool) -> Message {
+        Message::Held {
+            held: held.to_vec(),
+            busy,
+            accepted,
+        }
+    }
+
+    /// Regression: a rank kept the held set of its last poll and added each slot it handed
+    /// over. The daemon then held T0, the committed snapshot and the upload (3 slots); the
+    /// rank handed the fourth over; its daemon died; the next poll failed, and the update
+    /// found all four held and panicked, which left the other ranks in a collective forever.
+    /// The held set is now the daemon's answer to the hand-over itself.
+    #[test]
+    fn a_daemon_that_dies_after_a_hand_over_leaves_a_free_slot() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ckptd.sock");
+        let daemon = scripted_daemon(
+            &socket,
+            vec![
+                Message::Registered {
+                    slots: Vec::new(),
+                    held: vec![0],
+                },
+                // Before the update: T0 in 0, a snapshot waiting for its commit in 1, an
+                // upload in 2.
+                answer(&[0, 1, 2], true, false),
+                // The commit came: 1 is T0, and 0 is free again. The rank's update went to 3.
+                answer(&[1, 2], false, false),
+                answer(&[1, 2, 3], true, true),
+            ],
+        );
+        let mut client =
+            Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        assert!(client.poll(1, Duration::ZERO).unwrap());
+        assert!(!client.poll(1, Duration::ZERO).unwrap());
+        assert!(client.snapshot(1, 3, false, &[], Duration::ZERO).unwrap());
+        daemon.join().unwrap();
+        // The daemon is gone: the poll fails and the held set stays as it last said.
+        assert!(client.poll(2, Duration::ZERO).is_err());
+        assert_eq!(client.held(), &held(&[1, 2, 3]));
+        let paths = slots(dir.path(), 4, 4);
+        let mut memory = StateMemory::mapped(&paths, &held(&[0]), &[0.0; 4], None).unwrap();
+        assert_eq!(memory.current_slot(), 1);
+        write_all(&mut memory, client.held(), 1.0);
+        assert_eq!(memory.current_slot(), 0, "the one free slot");
+    }
+
+    /// A hand-over whose answer never came keeps its slot held until the daemon speaks again.
+    #[test]
+    fn an_unanswered_hand_over_stays_held_until_the_daemon_answers() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ckptd.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let daemon = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            wire::read_frame_sync(&mut stream, None).unwrap();
+            let registered = Message::Registered {
+                slots: Vec::new(),
+                held: vec![0],
+            };
+            wire::write_frame_sync(&mut stream, &registered, &[], None).unwrap();
+            // Takes the snapshot request and dies without answering.
+            wire::read_frame_sync(&mut stream, None).unwrap();
+            drop(stream);
+            // Back: the new life registers the rank again and holds only its T0.
+            let (mut stream, _) = listener.accept().unwrap();
+            wire::read_frame_sync(&mut stream, None).unwrap();
+            wire::write_frame_sync(&mut stream, &registered, &[], None).unwrap();
+            wire::read_frame_sync(&mut stream, None).unwrap();
+            wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None).unwrap();
+        });
+        let mut client =
+            Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        assert!(client.snapshot(1, 2, false, &[], Duration::ZERO).is_err());
+        assert!(client.held().contains(2), "{:?}", client.held());
+        std::thread::sleep(Duration::from_millis(1100));
+        assert!(!client.poll(2, Duration::ZERO).unwrap());
+        assert_eq!(client.held(), &held(&[0]));
+        daemon.join().unwrap();
     }
 }

@@ -30,7 +30,7 @@ use crate::data::{Dataset, Sampler};
 use crate::dist::{Group, World};
 use crate::model::Model;
 use crate::optim::{learning_rate, AdamW, Part, Slot};
-use crate::snapshot::{Ckptd, StateMemory};
+use crate::snapshot::{Ckptd, HeldSlots, StateMemory};
 use lazarus_shared::wire::SlotTensor;
 
 /// Bad configuration or a run that must not be touched (exit 2).
@@ -262,8 +262,9 @@ impl Session {
                         .into_iter()
                         .find(|p| p.suffix() == suffix)
                         .expect("a known suffix");
-                    self.optim.memory.current_mut()[shard.range(part, local.clone())]
-                        .copy_from_slice(&values);
+                    self.optim.memory.current_mut(&HeldSlots::default())
+                        [shard.range(part, local.clone())]
+                    .copy_from_slice(&values);
                 }
             }
         }
@@ -298,11 +299,10 @@ impl Session {
         } else {
             None
         };
-        let held = ckptd.held.clone();
         let fresh = self.optim.memory.current().to_vec();
         self.optim.memory = StateMemory::mapped(
             &ckptd.slots,
-            held,
+            ckptd.held(),
             &fresh,
             restored.as_ref().map(|r| r.slot),
         )?;
@@ -362,9 +362,9 @@ impl Session {
         ckptd.restore(None, durable)
     }
 
-    /// Tells `ckptd` which slots it holds before an update writes one. Once a step, so it
+    /// Asks `ckptd` which slots it holds before an update writes one. Once a step, so it
     /// is also the rank's heartbeat, with its own compute time since the last one.
-    fn refresh_held(&mut self) {
+    fn heartbeat(&mut self) {
         let communication = crate::dist::communication_seconds();
         let (since, waited) =
             std::mem::replace(&mut self.heartbeat_mark, (Instant::now(), communication));
@@ -372,9 +372,8 @@ impl Session {
             .elapsed()
             .saturating_sub(std::time::Duration::from_secs_f64(communication - waited));
         if let Some(ckptd) = self.ckptd.as_mut() {
-            if ckptd.poll(self.state.step, compute).is_ok() {
-                self.optim.memory.set_held(ckptd.held.clone());
-            }
+            // A daemon that does not answer keeps its last word on the held slots.
+            let _ = ckptd.poll(self.state.step, compute);
         }
     }
 
@@ -421,13 +420,17 @@ impl Session {
             accepted = ckptd
                 .snapshot(step, slot, last, &specs, stall)
                 .unwrap_or(false);
-            if accepted {
-                self.optim.memory.hold(slot);
-            }
+        }
+        // A snapshot counts only where every rank's daemon took it (one whose daemon died
+        // meanwhile did not), so every rank takes the same path at the end of the run.
+        if !accepted {
+            let _ = ckptd.skipped(step);
+        }
+        if self.world.size > 1 {
+            accepted = self.world.sum_u64(Group::World, &[u64::from(!accepted)])[0] == 0;
         }
         if !accepted {
             self.skipped_snapshots += 1;
-            let _ = ckptd.skipped(step);
         }
         self.last_stall = started.elapsed() + poll_time;
         self.stalls.push(self.last_stall.as_secs_f64());
@@ -714,6 +717,7 @@ pub fn train(
         writeln!(log, "no matmul peak measured yet: run `trainer bench-peak --out-dir {}` to get CPU-MFU in the logs", metrics_dir.display())?;
     }
     let mut phase_seconds = [0f64; 3];
+    let no_slots_held = HeldSlots::default();
     while session.state.step < config.train.steps {
         // Every rank stops at the same step, whichever of them saw the signal first.
         let stop_requested = if world.size > 1 {
@@ -754,10 +758,14 @@ pub fn train(
         let timer = Instant::now();
         let grads = forward.loss.backward()?;
         phase_seconds[1] += timer.elapsed().as_secs_f64();
-        session.refresh_held();
+        session.heartbeat();
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
-        let update = session.optim.update(&session.model, &grads, lr)?;
+        let held = session
+            .ckptd
+            .as_ref()
+            .map_or(&no_slots_held, |ckptd| ckptd.held());
+        let update = session.optim.update(&session.model, &grads, lr, held)?;
         phase_seconds[2] += timer.elapsed().as_secs_f64();
         window_steps += 1;
         // A snapshot is due: ask the daemon whether it is free now, and agree on it across

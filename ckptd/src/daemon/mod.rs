@@ -12,6 +12,7 @@
 //! endpoint ([`metrics`]).
 
 pub mod config;
+pub mod crash;
 pub mod leader;
 pub mod metrics;
 pub mod node;

@@ -78,6 +78,8 @@ pub struct RankState {
     pub pending_at: Instant,
     /// The slot being hashed and replicated.
     pub working: Option<u32>,
+    /// The slot a restore is filling (from the buddy or storage), while it runs.
+    pub restoring: Option<u32>,
     /// The slot being uploaded as a durable step. It is held apart from T0, so memory
     /// snapshots and commits go on while an upload is slow or storage is down.
     pub uploading: Option<u32>,
@@ -110,6 +112,7 @@ impl RankState {
             self.pending.as_ref().map(|s| s.slot),
             self.working,
             self.uploading,
+            self.restoring,
         ]
         .into_iter()
         .flatten()
@@ -190,6 +193,7 @@ pub fn load_ranks(cfg: &Config) -> Result<HashMap<Rank, RankState>> {
                         replica_at: None,
                         working: None,
                         uploading: None,
+                        restoring: None,
                         durable_waiting: None,
                         stored: None,
                         base: state.base,
@@ -495,6 +499,7 @@ async fn session(
                 )
             }
             (Message::Poll { step, compute_us }, Some(r)) => {
+                super::crash::point("poll");
                 let mut ranks = daemon.ranks.lock().await;
                 let state = ranks
                     .get_mut(&r)
@@ -629,6 +634,7 @@ async fn register(
                 replica_at: None,
                 working: None,
                 uploading: None,
+                restoring: None,
                 durable_waiting: None,
                 stored: None,
                 base: None,
@@ -734,6 +740,7 @@ async fn snapshot(
         durable,
     };
     drop(ranks);
+    super::crash::point("snapshot");
     tokio::spawn(process(daemon.clone(), job));
     Ok(reply)
 }
@@ -859,6 +866,9 @@ async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
         if let Some(sender) = sender.as_mut() {
             sender.data(index as u32, hash, &data).await?;
             daemon.metrics.bytes_replicated.inc_by(data.len() as u64);
+            if index == 0 {
+                super::crash::point("replicate");
+            }
         }
         hashes.push(hash);
     }
@@ -907,6 +917,7 @@ pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
             daemon.metrics.error("state");
             tracing::error!(error = %format!("{error:#}"), "cannot record T0");
         }
+        super::crash::point("commit");
         if durable {
             start_upload(daemon, state);
         }
@@ -972,6 +983,7 @@ struct Counting<'a>(&'a super::metrics::Metrics);
 impl Progress for Counting<'_> {
     fn advance(&self, bytes: u64) {
         self.0.bytes_raw.inc_by(bytes);
+        super::crash::point("upload");
     }
 }
 
@@ -1258,116 +1270,158 @@ async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Option
 }
 
 /// Serves the step the ranks agreed on from T0, T1 or T2 (see `Message::Restore`).
+///
+/// The ranks lock is taken only to read what the restore needs and to install its result:
+/// the re-hash of a T0 slot, the fetch from the buddy and the read from storage run without
+/// it, so heartbeats, other ranks' polls and snapshots never wait for a restore (a T2
+/// restore can take minutes). The slot a restore fills is held as `restoring` meanwhile.
 async fn restore(
     daemon: &Arc<Daemon>,
     rank: Rank,
     memory: Option<u64>,
     durable: Option<u64>,
 ) -> Result<(Message, Vec<u8>)> {
-    let (slot_bytes, tensors, world_size) = {
+    let (slot_bytes, tensors, world_size, candidate, holder) = {
         let ranks = daemon.ranks.lock().await;
         let state = ranks
             .get(&rank)
             .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-        (state.slot_bytes, state.tensors.clone(), state.world_size)
-    };
-    let use_memory = memory.is_some();
-    let mut ranks = daemon.ranks.lock().await;
-    let state = ranks
-        .get_mut(&rank)
-        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-    if use_memory {
-        let m = memory.expect("checked");
         // T0: the committed slot, or a replicated snapshot whose commit arrived late.
         let candidate = [state.t0.clone(), state.pending.clone()]
             .into_iter()
             .flatten()
-            .find(|s| s.step == m);
+            .find(|s| Some(s.step) == memory);
+        let layout = (state.slot_bytes, state.tensors.clone(), state.world_size);
+        (layout.0, layout.1, layout.2, candidate, state.replica_at)
+    };
+    if let Some(m) = memory {
         if let Some(snap) = candidate {
-            match verify_slot(&state.slot_path(snap.slot), slot_bytes, &snap.hashes).await {
-                Ok(()) => {
-                    state.t0 = Some(snap);
-                    state.pending = None;
-                    state.persist()?;
-                    return Ok(served(daemon, state, Tier::T0));
-                }
+            match verify_slot(
+                &slot_path(daemon, rank, snap.slot),
+                slot_bytes,
+                &snap.hashes,
+            )
+            .await
+            {
+                Ok(()) => return install(daemon, rank, Some(snap), Tier::T0).await,
                 Err(error) => {
                     daemon.metrics.error("t0_corrupt");
                     tracing::warn!(rank, step = m, error = %format!("{error:#}"), "T0 does not verify; trying the buddy");
                 }
             }
         }
-        state.pending = None;
-        if state.t0.as_ref().is_some_and(|t| t.step != m) {
-            state.t0 = None;
-        }
-        let slot = state.free_slot().ok_or_else(|| anyhow!("no free slot"))?;
-        let path = state.slot_path(slot);
-        let holder = state.replica_at;
-        match peer::fetch_replica(
+        let (slot, path) = begin_fill(daemon, rank, Some(m)).await?;
+        let fetched = peer::fetch_replica(
             daemon, holder, rank, m, world_size, slot_bytes, &tensors, &path,
         )
-        .await
-        {
+        .await;
+        match fetched {
             Ok((hashes, blobs)) => {
-                state.t0 = Some(Snap {
+                let snap = Snap {
                     step: m,
                     slot,
                     hashes,
                     blobs,
                     durable_requested: false,
-                });
-                state.persist()?;
-                return Ok(served(daemon, state, Tier::T1));
+                };
+                return install(daemon, rank, Some(snap), Tier::T1).await;
             }
             Err(error) => {
+                end_fill(daemon, rank).await;
                 daemon.metrics.error("t1_unavailable");
                 tracing::warn!(rank, step = m, error = %format!("{error:#}"), "no replica at the buddy; trying storage");
             }
         }
     }
-    state.pending = None;
-    drop(ranks);
     // Storage only now: a restore from memory never waits for the store.
     let durable = match (memory, durable) {
         (Some(m), Some(d)) if d != m => None,
         (_, Some(d)) => Some(daemon.run.resolve_step(&d.to_string()).await?),
         (_, None) => None,
     };
-    let mut ranks = daemon.ranks.lock().await;
-    let state = ranks
-        .get_mut(&rank)
-        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
     let Some(durable) = durable else {
-        if use_memory {
-            bail!("step {} is memory-committed but neither this node (T0), the buddy (T1) nor storage has it for rank {rank}", memory.unwrap_or_default());
+        if let Some(m) = memory {
+            bail!("step {m} is memory-committed but neither this node (T0), the buddy (T1) nor storage has it for rank {rank}");
         }
-        state.t0 = None;
-        state.persist()?;
-        return Ok((
-            Message::Restored {
-                step: None,
-                slot: None,
-                tier: None,
-                blobs: Vec::new(),
-                held: state.held(),
-            },
-            Vec::new(),
-        ));
+        return install(daemon, rank, None, Tier::T2).await;
     };
-    state.t0 = None;
-    let slot = state.free_slot().ok_or_else(|| anyhow!("no free slot"))?;
-    let path = state.slot_path(slot);
-    let (hashes, blobs) = read_from_store(daemon, durable, slot_bytes, &tensors, &path).await?;
-    state.t0 = Some(Snap {
+    let (slot, path) = begin_fill(daemon, rank, None).await?;
+    let read = read_from_store(daemon, durable, slot_bytes, &tensors, &path).await;
+    let (hashes, blobs) = match read {
+        Ok(read) => read,
+        Err(error) => {
+            end_fill(daemon, rank).await;
+            return Err(error);
+        }
+    };
+    let snap = Snap {
         step: durable.step,
         slot,
         hashes,
         blobs,
         durable_requested: false,
-    });
+    };
+    install(daemon, rank, Some(snap), Tier::T2).await
+}
+
+fn slot_path(daemon: &Daemon, rank: Rank, slot: u32) -> PathBuf {
+    ranks_dir(&daemon.cfg)
+        .join(format!("rank-{rank}"))
+        .join(format!("slot-{slot}"))
+}
+
+/// Claims a free slot for a restore to fill. The snapshots the rank had are given up, but
+/// T0 only when it is not the step wanted (`keep`): it may still serve a later attempt.
+async fn begin_fill(daemon: &Arc<Daemon>, rank: Rank, keep: Option<u64>) -> Result<(u32, PathBuf)> {
+    let mut ranks = daemon.ranks.lock().await;
+    let state = ranks
+        .get_mut(&rank)
+        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+    state.pending = None;
+    if state.t0.as_ref().is_some_and(|t| Some(t.step) != keep) {
+        state.t0 = None;
+    }
+    let slot = state.free_slot().ok_or_else(|| anyhow!("no free slot"))?;
+    state.restoring = Some(slot);
+    Ok((slot, state.slot_path(slot)))
+}
+
+/// A fill that failed lets its slot go.
+async fn end_fill(daemon: &Arc<Daemon>, rank: Rank) {
+    if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
+        state.restoring = None;
+    }
+}
+
+/// Makes a restored snapshot the rank's T0 (or records that there is none) and answers.
+async fn install(
+    daemon: &Arc<Daemon>,
+    rank: Rank,
+    snap: Option<Snap>,
+    tier: Tier,
+) -> Result<(Message, Vec<u8>)> {
+    let mut ranks = daemon.ranks.lock().await;
+    let state = ranks
+        .get_mut(&rank)
+        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+    state.restoring = None;
+    state.pending = None;
+    let found = snap.is_some();
+    state.t0 = snap;
     state.persist()?;
-    Ok(served(daemon, state, Tier::T2))
+    if found {
+        return Ok(served(daemon, state, tier));
+    }
+    Ok((
+        Message::Restored {
+            step: None,
+            slot: None,
+            tier: None,
+            blobs: Vec::new(),
+            held: state.held(),
+        },
+        Vec::new(),
+    ))
 }
 
 fn served(daemon: &Daemon, state: &RankState, tier: Tier) -> (Message, Vec<u8>) {

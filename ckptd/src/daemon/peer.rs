@@ -244,6 +244,9 @@ async fn receive_replica(
                     )));
                 }
                 *slot = Some(hash);
+                if index == 0 {
+                    super::crash::point("replica-in");
+                }
             }
             Message::ReplicaEnd { chunks } => {
                 let complete: Option<Vec<ChunkHash>> = received.iter().copied().collect();
