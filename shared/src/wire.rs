@@ -20,7 +20,6 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
-use crate::format::{DType, DimRange};
 use crate::hash::ChunkHash;
 use crate::ids::{Rank, RunId, StepKey};
 
@@ -108,16 +107,9 @@ impl JobKey {
     }
 }
 
-/// One tensor (or its slice) in a rank's snapshot slot, at a byte offset of the slot.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
-pub struct SlotTensor {
-    pub name: String,
-    pub dtype: DType,
-    pub global_shape: Vec<u64>,
-    pub slice: Vec<DimRange>,
-    pub offset: u64,
-    pub bytes: u64,
-}
+/// One tensor (or its slice) in a rank's snapshot slot, at a byte offset of the slot: a
+/// region of the rank's layout.
+pub type SlotTensor = crate::store::Region;
 
 /// A small named blob carried in a frame's payload (`trainer.json`, `model.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]

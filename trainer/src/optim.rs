@@ -27,7 +27,7 @@ const BLOCK: usize = 1 << 16;
 
 /// Where one parameter lives in the local flat buffer, and in its global tensor.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Slot {
+pub struct Placement {
     pub name: String,
     /// Position in [`Model::parameters`].
     pub index: usize,
@@ -91,7 +91,7 @@ impl Shard {
 /// Optimizer state: this rank's shards of the master weights and moments.
 #[derive(Debug)]
 pub struct AdamW {
-    pub slots: Vec<Slot>,
+    pub placements: Vec<Placement>,
     pub shards: Vec<Shard>,
     /// The shards' state, in one or more copies (see [`StateMemory`]).
     pub memory: StateMemory,
@@ -135,7 +135,7 @@ impl AdamW {
     /// else `weight_decay`.
     pub fn new(model: &Model, config: &TrainConfig, world: Arc<World>) -> Result<Self> {
         let parameters = model.parameters();
-        let mut slots = Vec::new();
+        let mut placements = Vec::new();
         let mut flat = Vec::new();
         // Dense parameters first, then this rank's experts: two contiguous ranges.
         for experts in [false, true] {
@@ -154,7 +154,7 @@ impl AdamW {
                 } else {
                     (values.len(), 0)
                 };
-                slots.push(Slot {
+                placements.push(Placement {
                     name: name.clone(),
                     index,
                     offset: flat.len(),
@@ -167,7 +167,7 @@ impl AdamW {
                 flat.extend(values);
             }
         }
-        let dense_len = slots
+        let dense_len = placements
             .iter()
             .filter(|s| !is_expert(&s.name))
             .map(|s| s.len)
@@ -195,7 +195,7 @@ impl AdamW {
             });
         }
         Ok(Self {
-            slots,
+            placements,
             shards,
             memory: StateMemory::heap(state),
             len: flat.len(),
@@ -227,15 +227,15 @@ impl AdamW {
             .sum()
     }
 
-    /// For each slot overlapping `shard`'s part: the slot and the overlap (absolute offsets).
+    /// For each placement overlapping `shard`'s part: the placement and the overlap (absolute offsets).
     pub fn pieces<'a>(
         &'a self,
         shard: &'a Shard,
-    ) -> impl Iterator<Item = (&'a Slot, Range<usize>)> + 'a {
-        self.slots.iter().filter_map(move |slot| {
-            let start = slot.offset.max(shard.mine.start);
-            let end = (slot.offset + slot.len).min(shard.mine.end);
-            (start < end).then_some((slot, start..end))
+    ) -> impl Iterator<Item = (&'a Placement, Range<usize>)> + 'a {
+        self.placements.iter().filter_map(move |placement| {
+            let start = placement.offset.max(shard.mine.start);
+            let end = (placement.offset + placement.len).min(shard.mine.end);
+            (start < end).then_some((placement, start..end))
         })
     }
 
@@ -261,10 +261,10 @@ impl AdamW {
         let parameters = model.parameters();
         let mut flat = std::mem::take(&mut self.grads);
         flat.clear();
-        for slot in &self.slots {
-            match grads.get(parameters[slot.index].1) {
+        for placement in &self.placements {
+            match grads.get(parameters[placement.index].1) {
                 Some(grad) => flat.extend(grad.flatten_all()?.to_vec1::<f32>()?),
-                None => flat.extend(std::iter::repeat_n(0.0, slot.len)),
+                None => flat.extend(std::iter::repeat_n(0.0, placement.len)),
             }
         }
         let shard_grads: Vec<Vec<f32>> = self
@@ -317,7 +317,7 @@ impl AdamW {
         for (shard, grads) in shards.iter().zip(&shard_grads) {
             let pieces: Vec<(f64, Range<usize>)> = self
                 .pieces(shard)
-                .map(|(slot, range)| (slot.weight_decay, range))
+                .map(|(placement, range)| (placement.weight_decay, range))
                 .collect();
             for (weight_decay, range) in pieces {
                 let local = range.start - shard.mine.start..range.end - shard.mine.start;
@@ -397,10 +397,10 @@ impl AdamW {
             flat[range].copy_from_slice(&whole);
         }
         let parameters = model.parameters();
-        for slot in &self.slots {
-            let values = &flat[slot.offset..slot.offset + slot.len];
-            parameters[slot.index].1.set(
-                &Tensor::from_slice(values, slot.shape.as_slice(), &model.device)?
+        for placement in &self.placements {
+            let values = &flat[placement.offset..placement.offset + placement.len];
+            parameters[placement.index].1.set(
+                &Tensor::from_slice(values, placement.shape.as_slice(), &model.device)?
                     .to_dtype(model.dtype)?,
             )?;
         }
@@ -457,13 +457,14 @@ mod tests {
         let mut optim = AdamW::new(&model, &config.train, Arc::new(World::single())).unwrap();
         let tokens: Vec<u32> = (0..14).map(|i| i % 40).collect();
         let grads = model.forward(&tokens, 2).unwrap().loss.backward().unwrap();
-        let slot = optim
-            .slots
+        let placement = optim
+            .placements
             .iter()
             .find(|s| s.name == "lm_head")
             .unwrap()
             .clone();
-        let before = optim.part(&optim.shards[0], Part::Params, 0..slot.offset + 1)[slot.offset];
+        let before =
+            optim.part(&optim.shards[0], Part::Params, 0..placement.offset + 1)[placement.offset];
         let g = f64::from(
             grads
                 .get(&model.lm_head)
@@ -479,7 +480,8 @@ mod tests {
         // Step 1: m = (1-b1) g, v = (1-b2) g^2; corrected m/sqrt(v) = g/|g|.
         let expected = f64::from(before) * (1.0 - 0.1 * config.train.weight_decay)
             - 0.1 * g / (g.abs() + config.train.eps);
-        let after = optim.part(&optim.shards[0], Part::Params, 0..slot.offset + 1)[slot.offset];
+        let after =
+            optim.part(&optim.shards[0], Part::Params, 0..placement.offset + 1)[placement.offset];
         assert!(
             (f64::from(after) - expected).abs() < 1e-6,
             "{after} vs {expected}"

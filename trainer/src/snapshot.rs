@@ -59,6 +59,12 @@ pub struct HeldSlots {
 }
 
 impl HeldSlots {
+    /// No slot held.
+    pub const NONE: HeldSlots = HeldSlots {
+        answered: Vec::new(),
+        unconfirmed: None,
+    };
+
     /// The daemon's own word: it replaces what was known, an unconfirmed hand-over included.
     fn answer(&mut self, held: &[u32]) {
         self.answered = held.iter().map(|s| *s as usize).collect();

@@ -20,16 +20,16 @@ use candle_core::{DType, Tensor};
 use lazarus_shared::format::{DType as StoredDType, DimRange};
 use lazarus_shared::hf_olmoe;
 use lazarus_shared::store::{
-    DeltaBases, OpenMode, RunStore, ShardInput, Store, StoreOptions, TensorData,
+    DeltaBases, OpenMode, RestoreChoice, RunStore, ShardInput, Store, StoreOptions, TensorData,
 };
-use lazarus_shared::{RunId, StepKey};
+use lazarus_shared::{RunId, StepKey, StoreError};
 use serde::{Deserialize, Serialize};
 
 use crate::config::Config;
 use crate::data::{Dataset, Sampler};
 use crate::dist::{Group, World};
 use crate::model::Model;
-use crate::optim::{learning_rate, AdamW, Part, Slot};
+use crate::optim::{learning_rate, AdamW, Part};
 use crate::snapshot::{Ckptd, HeldSlots, StateMemory};
 use lazarus_shared::wire::SlotTensor;
 
@@ -138,18 +138,18 @@ fn checkpoint_tensors(optim: &AdamW) -> Vec<TensorData> {
 fn slot_layout(optim: &AdamW) -> (Vec<SlotTensor>, u64) {
     let mut tensors = Vec::new();
     for shard in &optim.shards {
-        for (slot, range) in optim.pieces(shard) {
+        for (placement, range) in optim.pieces(shard) {
             let local = range.start - shard.mine.start..range.end - shard.mine.start;
             let slice = vec![DimRange {
-                start: (slot.global_offset + range.start - slot.offset) as u64,
+                start: (placement.global_offset + range.start - placement.offset) as u64,
                 len: range.len() as u64,
             }];
             for part in Part::ALL {
                 let elements = shard.range(part, local.clone());
                 tensors.push(SlotTensor {
-                    name: format!("{}{}", slot.name, part.suffix()),
+                    name: format!("{}{}", placement.name, part.suffix()),
                     dtype: StoredDType::F32,
-                    global_shape: vec![slot.global_len as u64],
+                    global_shape: vec![placement.global_len as u64],
                     slice: slice.clone(),
                     offset: 4 * elements.start as u64,
                     bytes: 4 * elements.len() as u64,
@@ -160,6 +160,41 @@ fn slot_layout(optim: &AdamW) -> (Vec<SlotTensor>, u64) {
     (tensors, 4 * optim.state_len() as u64)
 }
 
+/// Where this rank's checkpoints go. The training loop asks it at every step (heartbeat,
+/// held slots, busy, save, finish) and never branches on which kind it has.
+enum Saver {
+    /// This process writes its shard to the store; rank 0 commits once every shard is in.
+    Store {
+        /// The last checkpoint's data, for delta encoding.
+        bases: Option<DeltaBases>,
+    },
+    /// The node's `ckptd` takes snapshots out of the shm slots it owns.
+    Ckptd(Box<CkptdSaver>),
+}
+
+/// A rank's checkpointing through its node's `ckptd`.
+struct CkptdSaver {
+    client: Ckptd,
+    /// How long the last snapshot held the training loop.
+    last_stall: std::time::Duration,
+    skipped: u64,
+    /// When the last per-step heartbeat went, and this rank's time inside collectives then.
+    heartbeat_mark: (Instant, f64),
+}
+
+/// The held slots of a saver that has none (the store's: the state is one heap buffer).
+static NO_SLOTS_HELD: HeldSlots = HeldSlots::NONE;
+
+impl Saver {
+    /// The slots an optimizer update must not write.
+    fn held(&self) -> &HeldSlots {
+        match self {
+            Saver::Store { .. } => &NO_SLOTS_HELD,
+            Saver::Ckptd(saver) => saver.client.held(),
+        }
+    }
+}
+
 /// Holds the training state and the things it reads and writes.
 struct Session {
     world: Arc<World>,
@@ -168,17 +203,10 @@ struct Session {
     optim: AdamW,
     run: RunStore,
     runtime: tokio::runtime::Runtime,
-    bases: Option<DeltaBases>,
     state: TrainerState,
-    /// The node's `ckptd`, when snapshots go through it.
-    ckptd: Option<Ckptd>,
-    /// How long the last snapshot held the training loop.
-    last_stall: std::time::Duration,
-    skipped_snapshots: u64,
+    saver: Saver,
     /// Seconds the training loop stood still for each checkpoint or snapshot.
     stalls: Vec<f64>,
-    /// When the last per-step heartbeat went, and this rank's time inside collectives then.
-    heartbeat_mark: (Instant, f64),
 }
 
 impl Session {
@@ -199,9 +227,12 @@ impl Session {
             tensors: tensors.clone(),
             blobs,
         };
+        let Saver::Store { bases: previous } = &mut self.saver else {
+            unreachable!("a checkpoint through the store needs the store's saver");
+        };
         let manifest =
             self.runtime
-                .block_on(self.run.write_shard(input, self.bases.as_ref(), &()))?;
+                .block_on(self.run.write_shard(input, previous.as_ref(), &()))?;
         self.world.barrier();
         if self.world.rank == 0 {
             self.runtime
@@ -212,7 +243,7 @@ impl Session {
         for (tensor, entry) in tensors.into_iter().zip(&manifest.tensors) {
             bases.insert(tensor.name, tensor.data, entry.chunks.clone());
         }
-        self.bases = Some(bases);
+        *previous = Some(bases);
         Ok(self.state.step)
     }
 
@@ -230,49 +261,25 @@ impl Session {
                 .block_on(checkpoint.read_blob(0, "trainer.json"))?,
         )
         .context("trainer.json in the checkpoint")?;
-        let shards = std::mem::take(&mut self.optim.shards);
-        for shard in &shards {
-            let pieces: Vec<(Slot, std::ops::Range<usize>)> = self
-                .optim
-                .pieces(shard)
-                .map(|(slot, range)| (slot.clone(), range))
-                .collect();
-            for (slot, range) in pieces {
-                let local = range.start - shard.mine.start..range.end - shard.mine.start;
-                for suffix in ["", ".exp_avg", ".exp_avg_sq"] {
-                    let name = format!("{}{suffix}", slot.name);
-                    let info = checkpoint.tensor_info(&name).ok_or_else(|| {
-                        RefusedRun(format!("the checkpoint has no tensor {name}"))
-                    })?;
-                    if info.global_shape != [slot.global_len as u64] {
-                        bail!(RefusedRun(format!(
-                            "checkpoint tensor {name} has shape {:?}; this trainer stores it flattened as [{}] (was the step written by an older trainer?)",
-                            info.global_shape, slot.global_len
-                        )));
-                    }
-                    let region = [DimRange {
-                        start: (slot.global_offset + range.start - slot.offset) as u64,
-                        len: range.len() as u64,
-                    }];
-                    let bytes =
-                        self.runtime
-                            .block_on(checkpoint.read_region(&name, &region, &()))?;
-                    let values = bytes_to_floats(&bytes);
-                    let part = Part::ALL
-                        .into_iter()
-                        .find(|p| p.suffix() == suffix)
-                        .expect("a known suffix");
-                    self.optim.memory.current_mut(&HeldSlots::default())
-                        [shard.range(part, local.clone())]
-                    .copy_from_slice(&values);
-                }
-            }
-        }
-        self.optim.shards = shards;
+        let (layout, _) = slot_layout(&self.optim);
+        let state_floats = self.optim.memory.current_mut(&HeldSlots::default());
+        let read = self
+            .runtime
+            .block_on(checkpoint.read_regions(&layout, &(), |region, data| {
+                let start = region.offset as usize / 4;
+                state_floats[start..start + data.len() / 4]
+                    .copy_from_slice(&bytes_to_floats(&data));
+                Ok::<(), StoreError>(())
+            }));
+        read.map_err(|error| match error {
+            // A tensor missing or shaped otherwise: the run belongs to another trainer.
+            StoreError::BadRequest { reason } => anyhow::Error::new(RefusedRun(reason)),
+            other => other.into(),
+        })?;
         self.optim.step = state.optimizer_step;
         self.optim.write_to(&self.model)?;
         // Delta bases only where this rank wrote the same slices before.
-        self.bases = None;
+        self.saver = Saver::Store { bases: None };
         self.state = state;
         Ok(Some(latest.step))
     }
@@ -331,7 +338,12 @@ impl Session {
             }
             None => None,
         };
-        self.ckptd = Some(ckptd);
+        self.saver = Saver::Ckptd(Box::new(CkptdSaver {
+            client: ckptd,
+            last_stall: std::time::Duration::ZERO,
+            skipped: 0,
+            heartbeat_mark: (Instant::now(), crate::dist::communication_seconds()),
+        }));
         Ok(result)
     }
 
@@ -347,7 +359,7 @@ impl Session {
             (max > 0.0).then(|| max as u64 - 1)
         };
         let (memory, durable) = (newest(memory), newest(durable));
-        let memory = memory.filter(|m| durable.is_none_or(|d| *m >= d));
+        let memory = RestoreChoice::new(memory, durable).memory();
         let failed = |result: &Result<_>| -> bool {
             let mine = f64::from(u8::from(result.is_err()));
             self.world.sum_f64(Group::World, &[mine])[0] > 0.0
@@ -362,18 +374,110 @@ impl Session {
         ckptd.restore(None, durable)
     }
 
+    /// The step's forward and backward pass over this rank's `tokens`; adds their seconds to
+    /// `phase_seconds[0]` and `[1]`. Each rank's losses are its means over N, so the
+    /// gradients, summed over ranks, are those of the mean over the global batch; so are the
+    /// reported losses (summed here).
+    fn gradients(
+        &self,
+        tokens: &[u32],
+        batch: usize,
+        phase_seconds: &mut [f64; 3],
+    ) -> Result<(crate::model::Forward, candle_core::backprop::GradStore)> {
+        let world = &self.world;
+        let timer = Instant::now();
+        let mut forward = self.model.forward(tokens, batch)?;
+        if world.size > 1 {
+            forward.loss = (forward.loss * (1.0 / world.size as f64))?;
+            let local = [
+                forward.cross_entropy,
+                forward.load_balancing,
+                forward.router_z,
+            ]
+            .map(|v| v / world.size as f64);
+            let global = world.sum_f64(Group::World, &local);
+            (
+                forward.cross_entropy,
+                forward.load_balancing,
+                forward.router_z,
+            ) = (global[0], global[1], global[2]);
+        }
+        phase_seconds[0] += timer.elapsed().as_secs_f64();
+        let timer = Instant::now();
+        let grads = forward.loss.backward()?;
+        phase_seconds[1] += timer.elapsed().as_secs_f64();
+        Ok((forward, grads))
+    }
+
     /// Asks `ckptd` which slots it holds before an update writes one. Once a step, so it
     /// is also the rank's heartbeat, with its own compute time since the last one.
     fn heartbeat(&mut self) {
+        let Saver::Ckptd(saver) = &mut self.saver else {
+            return;
+        };
         let communication = crate::dist::communication_seconds();
         let (since, waited) =
-            std::mem::replace(&mut self.heartbeat_mark, (Instant::now(), communication));
+            std::mem::replace(&mut saver.heartbeat_mark, (Instant::now(), communication));
         let compute = since
             .elapsed()
             .saturating_sub(std::time::Duration::from_secs_f64(communication - waited));
-        if let Some(ckptd) = self.ckptd.as_mut() {
-            // A daemon that does not answer keeps its last word on the held slots.
-            let _ = ckptd.poll(self.state.step, compute);
+        // A daemon that does not answer keeps its last word on the held slots.
+        let _ = saver.client.poll(self.state.step, compute);
+    }
+
+    /// Whether this rank's saver is busy with an earlier checkpoint, and how long asking took.
+    fn busy(&mut self, step: u64) -> (bool, std::time::Duration) {
+        let Saver::Ckptd(saver) = &mut self.saver else {
+            return (false, std::time::Duration::ZERO);
+        };
+        let started = Instant::now();
+        let busy = saver
+            .client
+            .poll(step, std::time::Duration::ZERO)
+            .unwrap_or(true);
+        (busy, started.elapsed())
+    }
+
+    /// Checkpoints the current step; `any_busy` and `poll_time` come from [`Session::busy`],
+    /// summed over the ranks. Returns whether the step was checkpointed (on every rank).
+    fn save(&mut self, last: bool, any_busy: bool, poll_time: std::time::Duration) -> Result<bool> {
+        if let Saver::Ckptd(_) = self.saver {
+            return self.snapshot(last, Some((any_busy, poll_time)));
+        }
+        let started = Instant::now();
+        self.checkpoint()?;
+        self.stalls.push(started.elapsed().as_secs_f64());
+        Ok(true)
+    }
+
+    /// At the end of the run: checkpoints the last step if it is not yet, and (with `ckptd`)
+    /// waits until the daemon has it and says goodbye. Returns the step checkpointed now.
+    fn finish(&mut self, last_checkpoint: Option<u64>, log: &mut dyn Write) -> Result<Option<u64>> {
+        let step = self.state.step;
+        let due = last_checkpoint != Some(step) && step > 0;
+        if let Saver::Store { .. } = self.saver {
+            return Ok(if due { Some(self.checkpoint()?) } else { None });
+        }
+        let saved = due && self.snapshot(true, None)?;
+        // Leave once the daemon has the last snapshot in T0 and T1 and, as asked, in T2.
+        self.drain_ckptd();
+        self.world.barrier();
+        if let Saver::Ckptd(saver) = &mut self.saver {
+            let _ = saver.client.bye();
+            writeln!(
+                log,
+                "ckptd: {} snapshots skipped while the daemon was busy",
+                saver.skipped
+            )?;
+        }
+        Ok(saved.then_some(step))
+    }
+
+    /// What a checkpoint is, for the stall summary.
+    fn saver_name(&self) -> &'static str {
+        match self.saver {
+            Saver::Store { .. } => "in-process save",
+            Saver::Ckptd(_) => "ckptd snapshot",
         }
     }
 
@@ -393,7 +497,10 @@ impl Session {
         let wait = last || self.config.checkpoint.busy == "wait";
         let deadline = Instant::now() + std::time::Duration::from_secs(600);
         let step = self.state.step;
-        let ckptd = self.ckptd.as_mut().expect("snapshot needs ckptd");
+        let Saver::Ckptd(saver) = &mut self.saver else {
+            unreachable!("a snapshot needs ckptd");
+        };
+        let ckptd = &mut saver.client;
         let any_busy = |ckptd: &mut Ckptd, world: &World| {
             let busy = ckptd.poll(step, std::time::Duration::ZERO).unwrap_or(true);
             if world.size > 1 {
@@ -415,7 +522,7 @@ impl Session {
             let slot = self.optim.memory.current_slot();
             let (specs, stall) = (
                 Session::blobs_of(&self.state, &self.config)?,
-                self.last_stall,
+                saver.last_stall,
             );
             accepted = ckptd
                 .snapshot(step, slot, last, &specs, stall)
@@ -430,10 +537,10 @@ impl Session {
             accepted = self.world.sum_u64(Group::World, &[u64::from(!accepted)])[0] == 0;
         }
         if !accepted {
-            self.skipped_snapshots += 1;
+            saver.skipped += 1;
         }
-        self.last_stall = started.elapsed() + poll_time;
-        self.stalls.push(self.last_stall.as_secs_f64());
+        saver.last_stall = started.elapsed() + poll_time;
+        self.stalls.push(saver.last_stall.as_secs_f64());
         Ok(accepted)
     }
 
@@ -453,9 +560,10 @@ impl Session {
     /// Waits (bounded) until this rank's daemon has finished with everything handed over.
     fn drain_ckptd(&mut self) {
         let deadline = Instant::now() + std::time::Duration::from_secs(600);
-        if let Some(ckptd) = self.ckptd.as_mut() {
+        if let Saver::Ckptd(saver) = &mut self.saver {
             while Instant::now() < deadline
-                && ckptd
+                && saver
+                    .client
                     .poll(self.state.step, std::time::Duration::ZERO)
                     .unwrap_or(false)
             {
@@ -638,17 +746,13 @@ pub fn train(
         optim,
         run,
         runtime,
-        bases: None,
         state: TrainerState {
             step: 0,
             samples_seen: 0,
             optimizer_step: 0,
         },
-        ckptd: None,
-        last_stall: std::time::Duration::ZERO,
-        skipped_snapshots: 0,
+        saver: Saver::Store { bases: None },
         stalls: Vec::new(),
-        heartbeat_mark: (Instant::now(), crate::dist::communication_seconds()),
     };
     let mut restored_tier = None;
     let resumed_from = match config.checkpoint.ckptd_socket() {
@@ -717,7 +821,6 @@ pub fn train(
         writeln!(log, "no matmul peak measured yet: run `trainer bench-peak --out-dir {}` to get CPU-MFU in the logs", metrics_dir.display())?;
     }
     let mut phase_seconds = [0f64; 3];
-    let no_slots_held = HeldSlots::default();
     while session.state.step < config.train.steps {
         // Every rank stops at the same step, whichever of them saw the signal first.
         let stop_requested = if world.size > 1 {
@@ -735,49 +838,22 @@ pub fn train(
         let tokens: Vec<u32> = (0..batch)
             .flat_map(|i| sampler.sample(&dataset.train, first_sample + i as u64))
             .collect();
-        let timer = Instant::now();
-        let mut forward = session.model.forward(&tokens, batch)?;
-        if world.size > 1 {
-            // Each rank's mean over its tokens, over N: the gradients, summed over ranks, are
-            // those of the mean over the global batch; so are the reported losses.
-            forward.loss = (forward.loss * (1.0 / world.size as f64))?;
-            let local = [
-                forward.cross_entropy,
-                forward.load_balancing,
-                forward.router_z,
-            ]
-            .map(|v| v / world.size as f64);
-            let global = world.sum_f64(Group::World, &local);
-            (
-                forward.cross_entropy,
-                forward.load_balancing,
-                forward.router_z,
-            ) = (global[0], global[1], global[2]);
-        }
-        phase_seconds[0] += timer.elapsed().as_secs_f64();
-        let timer = Instant::now();
-        let grads = forward.loss.backward()?;
-        phase_seconds[1] += timer.elapsed().as_secs_f64();
+        let (forward, grads) = session.gradients(&tokens, batch, &mut phase_seconds)?;
         session.heartbeat();
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
-        let held = session
-            .ckptd
-            .as_ref()
-            .map_or(&no_slots_held, |ckptd| ckptd.held());
+        let held = session.saver.held();
         let update = session.optim.update(&session.model, &grads, lr, held)?;
         phase_seconds[2] += timer.elapsed().as_secs_f64();
         window_steps += 1;
-        // A snapshot is due: ask the daemon whether it is free now, and agree on it across
+        // A checkpoint is due: ask the saver whether it is free now, and agree on it across
         // ranks in the same sum as the loss.
-        let snapshot_due = session.ckptd.is_some() && step % config.checkpoint.every == 0;
-        let poll_started = Instant::now();
-        let busy_here = snapshot_due
-            && session
-                .ckptd
-                .as_mut()
-                .is_some_and(|c| c.poll(step, std::time::Duration::ZERO).unwrap_or(true));
-        let poll_time = poll_started.elapsed();
+        let checkpoint_due = step % config.checkpoint.every == 0;
+        let (busy_here, poll_time) = if checkpoint_due {
+            session.busy(step)
+        } else {
+            (false, std::time::Duration::ZERO)
+        };
         let local_loss = forward.loss.to_scalar::<f32>()? as f64;
         let (loss, any_busy) = if world.size > 1 {
             let sums = world.sum_f64(Group::World, &[local_loss, f64::from(u8::from(busy_here))]);
@@ -849,16 +925,8 @@ pub fn train(
             window_steps = 0;
             phase_seconds = [0.0; 3];
         }
-        if step % config.checkpoint.every == 0 {
-            if snapshot_due {
-                if session.snapshot(step == config.train.steps, Some((any_busy, poll_time)))? {
-                    last_checkpoint = Some(step);
-                }
-            } else {
-                let started = Instant::now();
-                last_checkpoint = Some(session.checkpoint()?);
-                session.stalls.push(started.elapsed().as_secs_f64());
-            }
+        if checkpoint_due && session.save(step == config.train.steps, any_busy, poll_time)? {
+            last_checkpoint = Some(step);
         }
     }
     if world.ep > 1 {
@@ -870,26 +938,8 @@ pub fn train(
             bytes as f64 / 1e6 / seconds.max(1e-9)
         )?;
     }
-    if session.ckptd.is_some() {
-        if last_checkpoint != Some(session.state.step)
-            && session.state.step > 0
-            && session.snapshot(true, None)?
-        {
-            last_checkpoint = Some(session.state.step);
-        }
-        // Leave once the daemon has the last snapshot in T0 and T1 and, as asked, in T2.
-        session.drain_ckptd();
-        world.barrier();
-        if let Some(ckptd) = session.ckptd.as_mut() {
-            let _ = ckptd.bye();
-        }
-        writeln!(
-            log,
-            "ckptd: {} snapshots skipped while the daemon was busy",
-            session.skipped_snapshots
-        )?;
-    } else if last_checkpoint != Some(session.state.step) && session.state.step > 0 {
-        last_checkpoint = Some(session.checkpoint()?);
+    if let Some(step) = session.finish(last_checkpoint, log)? {
+        last_checkpoint = Some(step);
     }
     if !session.stalls.is_empty() {
         let n = session.stalls.len();
@@ -900,7 +950,7 @@ pub fn train(
         writeln!(
             log,
             "checkpoint stall ({}) over {n} in-loop checkpoints: mean {:.3} ms, median {:.3} ms, max {:.3} ms, state {} bytes per rank",
-            if session.ckptd.is_some() { "ckptd snapshot" } else { "in-process save" },
+            session.saver_name(),
             mean * 1e3,
             sorted[n / 2] * 1e3,
             max * 1e3,

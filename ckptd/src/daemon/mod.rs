@@ -8,7 +8,7 @@
 //! writes the commit record once every rank's shard manifest is stored.
 //!
 //! Tasks: the Unix-socket server ([`node`]), the TCP server for buddies, the leader and
-//! `ckptctl status` ([`peer`]), the link to the leader ([`leader::link`]), and the metrics
+//! `ckptctl status` ([`peer`]), the link to the leader ([`uplink::link`]), and the metrics
 //! endpoint ([`metrics`]).
 
 pub mod config;
@@ -17,7 +17,9 @@ pub mod leader;
 pub mod metrics;
 pub mod node;
 pub mod peer;
+pub mod slots;
 pub mod supervisor;
+pub mod uplink;
 
 use std::collections::HashMap;
 use std::process::ExitCode;
@@ -190,7 +192,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     );
     tokio::spawn(peer::serve(daemon.clone(), listener));
     tokio::spawn(node::serve(daemon.clone(), unix));
-    tokio::spawn(leader::link(daemon.clone(), from_node));
+    tokio::spawn(uplink::link(daemon.clone(), from_node));
     tokio::spawn(node::expire_pending(daemon.clone()));
     let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
     if let (Some(plan), Some(leader)) = (daemon.cfg.supervision.clone(), daemon.leader.clone()) {

@@ -20,13 +20,14 @@ use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
 use lazarus_shared::format::ChunkRef;
 use lazarus_shared::store::{
-    ByteSource, DeltaBases, Progress, SourceRange, SourcedShard, SourcedTensor,
+    ByteSource, DeltaBases, Progress, RestoreChoice, SourceRange, SourcedShard, SourcedTensor,
 };
 use lazarus_shared::wire::{self, Message, SlotTensor, Tier, WireError};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 use serde::{Deserialize, Serialize};
 use tokio::net::{UnixListener, UnixStream};
 
+use super::slots::{chunk_count, copy_file, read_chunk, reserve, verify_slot, SlotFile};
 use super::{peer, Config, ConfigError, Daemon, SLOTS_PER_RANK, SLOT_CHUNK_BYTES};
 
 /// A snapshot the daemon holds: which slot, which step, the chunk hashes of the slot.
@@ -796,46 +797,6 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
     }
 }
 
-/// A slot file read piece by piece.
-#[derive(Debug)]
-pub struct SlotFile {
-    file: std::fs::File,
-    path: PathBuf,
-}
-
-impl SlotFile {
-    pub fn open(path: &Path) -> std::io::Result<Self> {
-        Ok(Self {
-            file: std::fs::File::open(path)?,
-            path: path.to_path_buf(),
-        })
-    }
-}
-
-impl ByteSource for SlotFile {
-    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
-        let mut buffer = vec![0u8; len];
-        self.file.read_exact_at(&mut buffer, offset)?;
-        Ok(Bytes::from(buffer))
-    }
-
-    fn describe(&self) -> String {
-        self.path.display().to_string()
-    }
-}
-
-/// Chunk `index` of a slot, read on a blocking thread.
-pub async fn read_chunk(file: &Arc<SlotFile>, slot_bytes: u64, index: u64) -> Result<Bytes> {
-    let offset = index * SLOT_CHUNK_BYTES;
-    let len = SLOT_CHUNK_BYTES.min(slot_bytes - offset) as usize;
-    let file = file.clone();
-    Ok(tokio::task::spawn_blocking(move || file.read_at(offset, len)).await??)
-}
-
-pub fn chunk_count(slot_bytes: u64) -> u64 {
-    slot_bytes.div_ceil(SLOT_CHUNK_BYTES)
-}
-
 /// Reads the slot chunk by chunk, hashing each and streaming it to the buddy (T1).
 async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
     let file = Arc::new(SlotFile::open(&job.path)?);
@@ -1100,20 +1061,6 @@ async fn upload_inner(
     Ok((key, new_base))
 }
 
-/// Allocates `len` bytes of `file` (shm pages or disk blocks), so later writes cannot fail
-/// for lack of space.
-pub fn reserve(file: &std::fs::File, len: u64, path: &Path) -> Result<()> {
-    rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len).map_err(|error| {
-        let free = rustix::fs::fstatvfs(file)
-            .map(|s| s.f_bavail * s.f_frsize)
-            .unwrap_or(0);
-        anyhow!(
-            "cannot reserve {len} bytes for {}: {error} ({free} bytes free there; is shm full? see runbooks/disk-or-shm-full.md)",
-            path.display()
-        )
-    })
-}
-
 /// A rank's shard whose tensors are read from a slot (or replica) file.
 fn sourced_shard(
     step: StepKey,
@@ -1197,46 +1144,6 @@ async fn upload_replica_inner(
     Ok((key, meta.world_size))
 }
 
-/// Copies `len` bytes in slot-chunk pieces (bounded memory).
-fn copy_file(from: &Path, to: &Path, len: u64) -> std::io::Result<()> {
-    let source = std::fs::File::open(from)?;
-    let target = std::fs::File::create(to)?;
-    target.set_len(len)?;
-    let mut buffer = vec![0u8; SLOT_CHUNK_BYTES as usize];
-    let mut offset = 0;
-    while offset < len {
-        let n = SLOT_CHUNK_BYTES.min(len - offset) as usize;
-        source.read_exact_at(&mut buffer[..n], offset)?;
-        target.write_all_at(&buffer[..n], offset)?;
-        offset += n as u64;
-    }
-    Ok(())
-}
-
-/// Re-hashes a slot against the hashes taken when it was handed over.
-async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> Result<()> {
-    if chunk_count(slot_bytes) != hashes.len() as u64 {
-        bail!(
-            "{} chunks recorded for a {slot_bytes}-byte slot",
-            hashes.len()
-        );
-    }
-    let file = Arc::new(SlotFile::open(path)?);
-    for (index, expected) in hashes.iter().enumerate() {
-        let data = read_chunk(&file, slot_bytes, index as u64).await?;
-        let found = tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?;
-        if found != *expected {
-            bail!(
-                "{} chunk {index}: hashes to {}, recorded {}",
-                path.display(),
-                found.short(),
-                expected.short()
-            );
-        }
-    }
-    Ok(())
-}
-
 /// The steps a world of this rank's size could restore: the leader's newest memory-committed
 /// step, and the newest durable one. Waits first for the previous life's snapshot to be
 /// replicated and reported, so its memory commit can still count. A durable upload in
@@ -1255,7 +1162,7 @@ async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Option
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
-    match super::leader::which_step(daemon, world_size, rank).await {
+    match super::uplink::which_step(daemon, world_size, rank).await {
         Ok((memory, durable, replica)) => {
             if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
                 state.replica_at = replica.and_then(|a| a.parse().ok());
@@ -1334,10 +1241,9 @@ async fn restore(
         }
     }
     // Storage only now: a restore from memory never waits for the store.
-    let durable = match (memory, durable) {
-        (Some(m), Some(d)) if d != m => None,
-        (_, Some(d)) => Some(daemon.run.resolve_step(&d.to_string()).await?),
-        (_, None) => None,
+    let durable = match RestoreChoice::new(memory, durable).from_storage(durable) {
+        Some(d) => Some(daemon.run.resolve_step(&d.to_string()).await?),
+        None => None,
     };
     let Some(durable) = durable else {
         if let Some(m) = memory {
@@ -1457,20 +1363,12 @@ async fn read_from_store(
 ) -> Result<(Vec<ChunkHash>, Vec<(String, Vec<u8>)>)> {
     let checkpoint = daemon.run.open_checkpoint(step).await?;
     let file = std::fs::OpenOptions::new().write(true).open(path)?;
-    for tensor in tensors {
-        let data = checkpoint
-            .read_region(&tensor.name, &tensor.slice, &())
-            .await?;
-        if data.len() as u64 != tensor.bytes {
-            bail!(
-                "{}: read {} bytes, expected {}",
-                tensor.name,
-                data.len(),
-                tensor.bytes
-            );
-        }
-        file.write_all_at(&data, tensor.offset)?;
-    }
+    checkpoint
+        .read_regions(tensors, &(), |region, data| {
+            file.write_all_at(&data, region.offset)
+                .with_context(|| format!("writing {}", path.display()))
+        })
+        .await?;
     let mut blobs = Vec::new();
     for name in ["trainer.json", lazarus_shared::hf_olmoe::MODEL_BLOB] {
         if checkpoint.manifest(0)?.blob(name).is_some() {

@@ -18,7 +18,7 @@ use lazarus_shared::{ChunkHash, Rank, RunId};
 use serde::{Deserialize, Serialize};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::node::{chunk_count, read_chunk, SlotFile};
+use super::slots::{chunk_count, read_chunk, reserve, SlotFile};
 use super::{Daemon, SLOT_CHUNK_BYTES};
 
 /// How long a peer may take to send the next frame of a conversation.
@@ -219,7 +219,7 @@ async fn receive_replica(
     let file = std::fs::File::create(&data_path)?;
     file.set_len(meta.slot_bytes)
         .with_context(|| format!("sizing {}", data_path.display()))?;
-    super::node::reserve(&file, meta.slot_bytes, &data_path)?;
+    reserve(&file, meta.slot_bytes, &data_path)?;
     let file = Arc::new(file);
     let expected = chunk_count(meta.slot_bytes);
     let mut received = vec![None; expected as usize];

@@ -253,3 +253,189 @@ impl RunStore {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    //! The index against a model (sled's own way of testing its tree): random sequences of
+    //! operations, with the index closed and opened again in between, must leave it answering
+    //! exactly as a plain map does.
+
+    use std::collections::{BTreeMap, BTreeSet};
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        PutChunk {
+            run: u8,
+            hash: u8,
+            stored_len: u64,
+        },
+        RemoveChunk {
+            run: u8,
+            hash: u8,
+        },
+        AddManifest {
+            run: u8,
+            step: u8,
+            rank: u8,
+            hashes: Vec<u8>,
+        },
+        RemoveManifest {
+            run: u8,
+            step: u8,
+            rank: u8,
+        },
+        Reopen,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            (0..2u8, 0..8u8, 1..1000u64).prop_map(|(run, hash, stored_len)| Op::PutChunk {
+                run,
+                hash,
+                stored_len
+            }),
+            (0..2u8, 0..8u8).prop_map(|(run, hash)| Op::RemoveChunk { run, hash }),
+            (0..2u8, 0..3u8, 0..2u8, prop::collection::vec(0..8u8, 0..6)).prop_map(
+                |(run, step, rank, hashes)| Op::AddManifest {
+                    run,
+                    step,
+                    rank,
+                    hashes
+                }
+            ),
+            (0..2u8, 0..3u8, 0..2u8).prop_map(|(run, step, rank)| Op::RemoveManifest {
+                run,
+                step,
+                rank
+            }),
+            Just(Op::Reopen),
+        ]
+    }
+
+    /// What the index must answer: chunks, manifests (their distinct chunks) and reference
+    /// counts, which removing a chunk forgets and which never go below zero.
+    #[derive(Default)]
+    struct Model {
+        chunks: BTreeMap<(u8, u8), u64>,
+        manifests: BTreeMap<(u8, u8, u8), BTreeSet<u8>>,
+        refs: BTreeMap<(u8, u8), i64>,
+    }
+
+    impl Model {
+        fn adjust(&mut self, run: u8, hashes: &BTreeSet<u8>, delta: i64) {
+            for hash in hashes {
+                let count = self.refs.get(&(run, *hash)).copied().unwrap_or(0) + delta;
+                if count > 0 {
+                    self.refs.insert((run, *hash), count);
+                } else {
+                    self.refs.remove(&(run, *hash));
+                }
+            }
+        }
+
+        fn apply(&mut self, op: &Op) {
+            match op {
+                Op::PutChunk {
+                    run,
+                    hash,
+                    stored_len,
+                } => {
+                    self.chunks.insert((*run, *hash), *stored_len);
+                }
+                Op::RemoveChunk { run, hash } => {
+                    self.chunks.remove(&(*run, *hash));
+                    self.refs.remove(&(*run, *hash));
+                }
+                Op::AddManifest {
+                    run,
+                    step,
+                    rank,
+                    hashes,
+                } => {
+                    let distinct: BTreeSet<u8> = hashes.iter().copied().collect();
+                    if let Some(old) = self
+                        .manifests
+                        .insert((*run, *step, *rank), distinct.clone())
+                    {
+                        self.adjust(*run, &old, -1);
+                    }
+                    self.adjust(*run, &distinct, 1);
+                }
+                Op::RemoveManifest { run, step, rank } => {
+                    if let Some(old) = self.manifests.remove(&(*run, *step, *rank)) {
+                        self.adjust(*run, &old, -1);
+                    }
+                }
+                Op::Reopen => {}
+            }
+        }
+    }
+
+    fn run_id(run: u8) -> RunId {
+        format!("run{run}").parse().expect("a valid run id")
+    }
+
+    fn hash(hash: u8) -> ChunkHash {
+        ChunkHash::of(&[hash])
+    }
+
+    fn info(stored_len: u64) -> ChunkInfo {
+        ChunkInfo {
+            stored_len,
+            codec: Codec::Zstd,
+            bases: Vec::new(),
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+        #[test]
+        fn the_index_answers_as_its_model_across_reopens(ops in prop::collection::vec(op(), 1..60)) {
+            let dir = tempfile::tempdir().expect("temp dir");
+            let path = dir.path().join("index");
+            let mut index = ChunkIndex::open(&path).expect("opens");
+            let mut model = Model::default();
+            for op in &ops {
+                match op {
+                    Op::PutChunk { run, hash: h, stored_len } => {
+                        index.put_chunk(&run_id(*run), &hash(*h), &info(*stored_len)).expect("put");
+                    }
+                    Op::RemoveChunk { run, hash: h } => {
+                        index.remove_chunk(&run_id(*run), &hash(*h)).expect("remove");
+                    }
+                    Op::AddManifest { run, step, rank, hashes } => {
+                        let hashes: Vec<ChunkHash> = hashes.iter().map(|h| hash(*h)).collect();
+                        index
+                            .add_manifest(&run_id(*run), StepKey::new(u64::from(*step), 0), u32::from(*rank), &hashes)
+                            .expect("add");
+                    }
+                    Op::RemoveManifest { run, step, rank } => {
+                        index
+                            .remove_manifest(&run_id(*run), StepKey::new(u64::from(*step), 0), u32::from(*rank))
+                            .expect("remove");
+                    }
+                    Op::Reopen => {
+                        index.flush().expect("flush");
+                        drop(index);
+                        index = ChunkIndex::open(&path).expect("opens again");
+                    }
+                }
+                model.apply(op);
+                for run in 0..2u8 {
+                    for h in 0..8u8 {
+                        let found = index.chunk(&run_id(run), &hash(h)).map(|i| i.stored_len);
+                        prop_assert_eq!(found, model.chunks.get(&(run, h)).copied(), "chunk {} of run {} after {:?}", h, run, op);
+                    }
+                }
+                let stats = index.stats().expect("stats");
+                prop_assert_eq!(stats.chunks, model.chunks.len() as u64);
+                prop_assert_eq!(stats.manifests, model.manifests.len() as u64);
+                prop_assert_eq!(stats.references, model.refs.values().sum::<i64>() as u64, "after {:?}", op);
+            }
+        }
+    }
+}

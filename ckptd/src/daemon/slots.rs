@@ -1,0 +1,110 @@
+//! Slot files: the shm files that hold a rank's optimizer state (T0 and the snapshots in
+//! flight) and the buddy's replicas of other ranks' (T1). Reading one chunk at a time on a
+//! blocking thread, re-hashing against the hashes taken at hand-over, reserving every page
+//! when a file is made, and copying in bounded pieces. The rank state, the snapshot
+//! pipeline, restores and replicas use these; this module knows nothing of them.
+
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Result};
+use bytes::Bytes;
+use lazarus_shared::store::ByteSource;
+use lazarus_shared::ChunkHash;
+
+use super::SLOT_CHUNK_BYTES;
+
+/// A slot file read piece by piece.
+#[derive(Debug)]
+pub struct SlotFile {
+    file: std::fs::File,
+    path: PathBuf,
+}
+
+impl SlotFile {
+    pub fn open(path: &Path) -> std::io::Result<Self> {
+        Ok(Self {
+            file: std::fs::File::open(path)?,
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+impl ByteSource for SlotFile {
+    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
+        let mut buffer = vec![0u8; len];
+        self.file.read_exact_at(&mut buffer, offset)?;
+        Ok(Bytes::from(buffer))
+    }
+
+    fn describe(&self) -> String {
+        self.path.display().to_string()
+    }
+}
+
+/// Chunk `index` of a slot, read on a blocking thread.
+pub async fn read_chunk(file: &Arc<SlotFile>, slot_bytes: u64, index: u64) -> Result<Bytes> {
+    let offset = index * SLOT_CHUNK_BYTES;
+    let len = SLOT_CHUNK_BYTES.min(slot_bytes - offset) as usize;
+    let file = file.clone();
+    Ok(tokio::task::spawn_blocking(move || file.read_at(offset, len)).await??)
+}
+
+pub fn chunk_count(slot_bytes: u64) -> u64 {
+    slot_bytes.div_ceil(SLOT_CHUNK_BYTES)
+}
+
+/// Allocates `len` bytes of `file` (shm pages or disk blocks), so later writes cannot fail
+/// for lack of space.
+pub fn reserve(file: &std::fs::File, len: u64, path: &Path) -> Result<()> {
+    rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len).map_err(|error| {
+        let free = rustix::fs::fstatvfs(file)
+            .map(|s| s.f_bavail * s.f_frsize)
+            .unwrap_or(0);
+        anyhow!(
+            "cannot reserve {len} bytes for {}: {error} ({free} bytes free there; is shm full? see runbooks/disk-or-shm-full.md)",
+            path.display()
+        )
+    })
+}
+
+/// Copies `len` bytes in slot-chunk pieces (bounded memory).
+pub fn copy_file(from: &Path, to: &Path, len: u64) -> std::io::Result<()> {
+    let source = std::fs::File::open(from)?;
+    let target = std::fs::File::create(to)?;
+    target.set_len(len)?;
+    let mut buffer = vec![0u8; SLOT_CHUNK_BYTES as usize];
+    let mut offset = 0;
+    while offset < len {
+        let n = SLOT_CHUNK_BYTES.min(len - offset) as usize;
+        source.read_exact_at(&mut buffer[..n], offset)?;
+        target.write_all_at(&buffer[..n], offset)?;
+        offset += n as u64;
+    }
+    Ok(())
+}
+
+/// Re-hashes a slot against the hashes taken when it was handed over.
+pub async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> Result<()> {
+    if chunk_count(slot_bytes) != hashes.len() as u64 {
+        bail!(
+            "{} chunks recorded for a {slot_bytes}-byte slot",
+            hashes.len()
+        );
+    }
+    let file = Arc::new(SlotFile::open(path)?);
+    for (index, expected) in hashes.iter().enumerate() {
+        let data = read_chunk(&file, slot_bytes, index as u64).await?;
+        let found = tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?;
+        if found != *expected {
+            bail!(
+                "{} chunk {index}: hashes to {}, recorded {}",
+                path.display(),
+                found.short(),
+                expected.short()
+            );
+        }
+    }
+    Ok(())
+}
