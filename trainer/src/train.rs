@@ -501,21 +501,22 @@ impl Session {
             unreachable!("a snapshot needs ckptd");
         };
         let ckptd = &mut saver.client;
+        // Whether any rank's daemon is busy, and whether any rank's wait ran out: both are
+        // summed, so every rank leaves the wait at the same poll.
         let any_busy = |ckptd: &mut Ckptd, world: &World| {
             let busy = ckptd.poll(step, std::time::Duration::ZERO).unwrap_or(true);
-            if world.size > 1 {
-                world.sum_u64(Group::World, &[u64::from(busy)])[0] > 0
-            } else {
-                busy
-            }
+            let expired = Instant::now() >= deadline;
+            let sums = world.sum_u64(Group::World, &[u64::from(busy), u64::from(expired)]);
+            (sums[0] > 0, sums[1] > 0)
         };
         let (mut busy, poll_time) = match agreed {
             Some((busy, poll_time)) => (busy, poll_time),
-            None => (any_busy(ckptd, &self.world), std::time::Duration::ZERO),
+            None => (any_busy(ckptd, &self.world).0, std::time::Duration::ZERO),
         };
-        while busy && wait && Instant::now() < deadline {
+        let mut expired = false;
+        while busy && wait && !expired {
             std::thread::sleep(std::time::Duration::from_millis(5));
-            busy = any_busy(ckptd, &self.world);
+            (busy, expired) = any_busy(ckptd, &self.world);
         }
         let mut accepted = false;
         if !busy {
