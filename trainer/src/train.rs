@@ -439,7 +439,7 @@ impl Session {
     }
 
     /// Checkpoints the current step; `any_busy` and `poll_time` come from [`Session::busy`],
-    /// summed over the ranks. Returns whether the step was checkpointed (on every rank).
+    /// summed over the ranks. Returns whether this rank's step was checkpointed.
     fn save(&mut self, last: bool, any_busy: bool, poll_time: std::time::Duration) -> Result<bool> {
         if let Saver::Ckptd(_) = self.saver {
             return self.snapshot(last, Some((any_busy, poll_time)));
@@ -452,9 +452,14 @@ impl Session {
 
     /// At the end of the run: checkpoints the last step if it is not yet, and (with `ckptd`)
     /// waits until the daemon has it and says goodbye. Returns the step checkpointed now.
+    ///
+    /// Whether the last step still needs a checkpoint is summed over the ranks: a daemon that
+    /// died after the others took the last snapshot leaves this rank without it, and the
+    /// final snapshot (collectives inside) must be taken by every rank or by none.
     fn finish(&mut self, last_checkpoint: Option<u64>, log: &mut dyn Write) -> Result<Option<u64>> {
         let step = self.state.step;
-        let due = last_checkpoint != Some(step) && step > 0;
+        let lacking = last_checkpoint != Some(step) && step > 0;
+        let due = self.world.sum_u64(Group::World, &[u64::from(lacking)])[0] > 0;
         if let Saver::Store { .. } = self.saver {
             return Ok(if due { Some(self.checkpoint()?) } else { None });
         }
@@ -529,16 +534,9 @@ impl Session {
                 .snapshot(step, slot, last, &specs, stall)
                 .unwrap_or(false);
         }
-        // A snapshot counts only where every rank's daemon took it (one whose daemon died
-        // meanwhile did not), so every rank takes the same path at the end of the run.
-        if !accepted {
-            let _ = ckptd.skipped(step);
-        }
-        if self.world.size > 1 {
-            accepted = self.world.sum_u64(Group::World, &[u64::from(!accepted)])[0] == 0;
-        }
         if !accepted {
             saver.skipped += 1;
+            let _ = ckptd.skipped(step);
         }
         saver.last_stall = started.elapsed() + poll_time;
         self.stalls.push(saver.last_stall.as_secs_f64());

@@ -1197,19 +1197,19 @@ async fn restore(
         let candidate = [state.t0.clone(), state.pending.clone()]
             .into_iter()
             .flatten()
-            .find(|s| Some(s.step) == memory);
-        let layout = (state.slot_bytes, state.tensors.clone(), state.world_size);
-        (layout.0, layout.1, layout.2, candidate, state.replica_at)
+            .find(|s| Some(s.step) == memory)
+            .map(|snap| (state.slot_path(snap.slot), snap));
+        (
+            state.slot_bytes,
+            state.tensors.clone(),
+            state.world_size,
+            candidate,
+            state.replica_at,
+        )
     };
     if let Some(m) = memory {
-        if let Some(snap) = candidate {
-            match verify_slot(
-                &slot_path(daemon, rank, snap.slot),
-                slot_bytes,
-                &snap.hashes,
-            )
-            .await
-            {
+        if let Some((path, snap)) = candidate {
+            match verify_slot(&path, slot_bytes, &snap.hashes).await {
                 Ok(()) => return install(daemon, rank, Some(snap), Tier::T0).await,
                 Err(error) => {
                     daemon.metrics.error("t0_corrupt");
@@ -1268,12 +1268,6 @@ async fn restore(
         durable_requested: false,
     };
     install(daemon, rank, Some(snap), Tier::T2).await
-}
-
-fn slot_path(daemon: &Daemon, rank: Rank, slot: u32) -> PathBuf {
-    ranks_dir(&daemon.cfg)
-        .join(format!("rank-{rank}"))
-        .join(format!("slot-{slot}"))
 }
 
 /// Claims a free slot for a restore to fill. The snapshots the rank had are given up, but
