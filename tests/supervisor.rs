@@ -254,7 +254,9 @@ fn a_lost_node_is_replaced_by_a_hot_spare_that_restores_from_the_buddy() {
 
 /// A world that never gets going (here a rank stops itself before it reaches its daemon, as
 /// a rank stuck in MPI init would) is hung once `startup_timeout_seconds` has passed, not
-/// only once it has made steps; the relaunched world trains to the end.
+/// only once it has made steps; the relaunched world trains to the end. The hang timeout is
+/// 5 s, not less: on a loaded two-core runner a healthy world once went 2 s without a step
+/// and was relaunched a second time.
 #[test]
 fn a_world_stuck_before_its_first_step_is_hung_after_the_startup_timeout() {
     let (_guard, dir) = prepared();
@@ -281,9 +283,9 @@ fn a_world_stuck_before_its_first_step_is_hung_after_the_startup_timeout() {
         "--active-nodes",
         "2",
         "--hang-timeout-seconds",
-        "2",
-        "--startup-timeout-seconds",
         "5",
+        "--startup-timeout-seconds",
+        "10",
         "--trainer",
         &wrapper_path,
     ];
@@ -304,8 +306,8 @@ fn a_world_stuck_before_its_first_step_is_hung_after_the_startup_timeout() {
     assert!(detail.starts_with("hung while starting"), "{why}");
     let waited_ms = at("fault") - at("launch");
     assert!(
-        (5000..9000).contains(&waited_ms),
-        "the startup limit (5 s), not the hang timeout (2 s), applies: {waited_ms} ms\n{why}"
+        (10_000..14_000).contains(&waited_ms),
+        "the startup limit (10 s), not the hang timeout (5 s), applies: {waited_ms} ms\n{why}"
     );
     assert_eq!(
         kinds(&timeline).iter().filter(|k| *k == "relaunch").count(),
