@@ -20,7 +20,7 @@ use candle_core::{DType, Tensor};
 use lazarus_shared::format::{DType as StoredDType, DimRange};
 use lazarus_shared::hf_olmoe;
 use lazarus_shared::store::{
-    DeltaBases, OpenMode, RestoreChoice, RunStore, ShardInput, Store, StoreOptions, TensorData,
+    ByteSource, DeltaBases, OpenMode, RestoreChoice, RunStore, SourcedShard, Store, StoreOptions,
 };
 use lazarus_shared::{RunId, StepKey, StoreError};
 use serde::{Deserialize, Serialize};
@@ -113,28 +113,10 @@ fn bytes_to_floats(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// This rank's checkpoint tensors: for each parameter its weight and both moments, each
-/// stored flattened as a 1-D global tensor of which this rank writes the slice its optimizer
-/// shard holds. Any layout can read any other layout's slices back by region.
-fn checkpoint_tensors(optim: &AdamW) -> Vec<TensorData> {
-    slot_layout(optim)
-        .0
-        .into_iter()
-        .map(|t| {
-            let start = t.offset as usize / 4;
-            TensorData {
-                name: t.name,
-                dtype: t.dtype,
-                global_shape: t.global_shape,
-                slice: t.slice,
-                data: floats_to_bytes(&optim.memory.current()[start..start + t.bytes as usize / 4]),
-            }
-        })
-        .collect()
-}
-
-/// The same tensors as [`checkpoint_tensors`], as byte ranges of the state memory (what a
-/// `ckptd` slot holds), and the slot's size.
+/// This rank's layout: for each parameter its weight and both moments, each stored flattened
+/// as a 1-D global tensor of which this rank writes the slice its optimizer shard holds, as
+/// byte ranges of the state memory (what a `ckptd` slot holds a copy of); and the state's
+/// size. Any layout can read any other layout's slices back by region.
 fn slot_layout(optim: &AdamW) -> (Vec<SlotTensor>, u64) {
     let mut tensors = Vec::new();
     for shard in &optim.shards {
@@ -214,36 +196,36 @@ impl Session {
     fn checkpoint(&mut self) -> Result<u64> {
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
         let key = StepKey::new(self.state.step, timeline);
-        let tensors = checkpoint_tensors(&self.optim);
+        let (layout, _) = slot_layout(&self.optim);
+        let state: Arc<dyn ByteSource> = Arc::new(floats_to_bytes(self.optim.memory.current()));
         let blobs = if self.world.rank == 0 {
             Session::blobs_of(&self.state, &self.config)?
         } else {
             Vec::new()
         };
-        let input = ShardInput {
-            step: key,
-            rank: self.world.rank as u32,
-            world_size: self.world.size as u32,
-            tensors: tensors.clone(),
+        let shard = SourcedShard::from_regions(
+            key,
+            self.world.rank as u32,
+            self.world.size as u32,
+            &layout,
+            &state,
             blobs,
-        };
+        );
         let Saver::Store { bases: previous } = &mut self.saver else {
             unreachable!("a checkpoint through the store needs the store's saver");
         };
         let manifest =
             self.runtime
-                .block_on(self.run.write_shard(input, previous.as_ref(), &()))?;
+                .block_on(self.run.write_shard_sourced(shard, previous.as_ref(), &()))?;
         self.world.barrier();
         if self.world.rank == 0 {
             self.runtime
                 .block_on(self.run.commit(key, self.world.size as u32))?;
         }
         self.world.barrier();
-        let mut bases = DeltaBases::default();
-        for (tensor, entry) in tensors.into_iter().zip(&manifest.tensors) {
-            bases.insert(tensor.name, tensor.data, entry.chunks.clone());
-        }
-        *previous = Some(bases);
+        let chunks = manifest.tensors.into_iter().map(|t| t.chunks).collect();
+        let bases = DeltaBases::of_regions(&layout, &state, chunks);
+        *previous = bases;
         Ok(self.state.step)
     }
 

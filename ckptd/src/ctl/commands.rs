@@ -112,7 +112,7 @@ async fn events(cli: &Cli, run: &str) -> Result<()> {
 async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::Path) -> Result<()> {
     use lazarus_shared::wire::{JobKey, Message};
     let key = JobKey::from_file(key_file).map_err(|e| UsageError(e.to_string()))?;
-    let reply = crate::daemon::uplink::request_with_key(&key, leader, &Message::StatusRequest)
+    let reply = crate::daemon::framing::request(&key, leader, &Message::StatusRequest)
         .await
         .with_context(|| format!("asking the leader ckptd at {leader}"))?;
     let Message::Status(status) = reply else {

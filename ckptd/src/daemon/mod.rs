@@ -7,16 +7,24 @@
 //! become durable; the nodes then upload those through the store library (T2), and the leader
 //! writes the commit record once every rank's shard manifest is stored.
 //!
-//! Tasks: the Unix-socket server ([`node`]), the TCP server for buddies, the leader and
-//! `ckptctl status` ([`peer`]), the link to the leader ([`uplink::link`]), and the metrics
+//! Tasks: the Unix-socket server for local ranks ([`local`]), the snapshot pipeline
+//! ([`pipeline`]) and restores ([`restore`]) over each rank's state machine ([`rank`]), the
+//! TCP port for buddies' replicas ([`replica`]), the leader and `ckptctl status` ([`peer`],
+//! frames in [`framing`]), the link to the leader ([`uplink::link`]), and the metrics
 //! endpoint ([`metrics`]).
 
 pub mod config;
 pub mod crash;
+pub mod framing;
 pub mod leader;
+pub mod local;
 pub mod metrics;
-pub mod node;
 pub mod peer;
+pub mod pipeline;
+pub mod process;
+pub mod rank;
+pub mod replica;
+pub mod restore;
 pub mod slots;
 pub mod supervisor;
 pub mod uplink;
@@ -33,7 +41,7 @@ use tokio::sync::{mpsc, Mutex};
 
 pub use config::{Cli, Config, ConfigError, LogFormat};
 use metrics::Metrics;
-use node::RankState;
+use rank::RankState;
 
 /// Raw bytes per chunk of a slot, for T0 verification and T1 replication.
 pub const SLOT_CHUNK_BYTES: u64 = 4 << 20;
@@ -56,7 +64,7 @@ pub struct Daemon {
     pub buddy: std::sync::Mutex<Option<std::net::SocketAddr>>,
     pub leader: Option<Arc<leader::Leader>>,
     pub metrics: Arc<Metrics>,
-    /// Pids of local ranks whose exit a thread of their own is waiting for (`node::watch_exit`).
+    /// Pids of local ranks whose exit a thread of their own is waiting for (`local::watch_exit`).
     pub exit_watched: std::sync::Mutex<std::collections::HashSet<u32>>,
     /// Sends a heartbeat to the leader now (a rank's restored and first steps).
     pub heartbeat_now: tokio::sync::Notify,
@@ -140,7 +148,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
-    let unix = node::bind_socket(&cfg)?;
+    let unix = local::bind_socket(&cfg)?;
     let (to_leader, from_node) = mpsc::unbounded_channel();
     let mut durable = None;
     if cfg.lead {
@@ -166,7 +174,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         ))
     });
     let daemon = Arc::new(Daemon {
-        ranks: Mutex::new(node::load_ranks(&cfg)?),
+        ranks: Mutex::new(local::load_ranks(&cfg)),
         replicas: Mutex::new(()),
         buddy: std::sync::Mutex::new(cfg.buddy),
         cfg,
@@ -191,9 +199,9 @@ pub async fn run(cfg: Config) -> Result<()> {
         "ckptd ready"
     );
     tokio::spawn(peer::serve(daemon.clone(), listener));
-    tokio::spawn(node::serve(daemon.clone(), unix));
+    tokio::spawn(local::serve(daemon.clone(), unix));
     tokio::spawn(uplink::link(daemon.clone(), from_node));
-    tokio::spawn(node::expire_pending(daemon.clone()));
+    tokio::spawn(pipeline::expire_pending(daemon.clone()));
     let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
     if let (Some(plan), Some(leader)) = (daemon.cfg.supervision.clone(), daemon.leader.clone()) {
         tracing::info!(launcher = ?plan.launcher, active_nodes = plan.active_nodes, "supervising the training world");

@@ -678,7 +678,7 @@ fn describe_process_state(state: char) -> String {
 /// A rank died. The launcher kills the others within moments, and their reports may come
 /// first (another node's report travels further, or its daemon was slower to run): reports
 /// are gathered for at least 100 ms, and until every rank is down or 300 ms have passed. The
-/// first death by its node's clock (taken when the process exited, see `node::watch_exit`)
+/// first death by its node's clock (taken when the process exited, see `local::watch_exit`)
 /// is the fault. Each node reports a death the moment its process exits, so a report of an
 /// earlier death does not come much later; survivors that live on (srun leaves a rank stuck
 /// in a collective until its kill timeout) are not waited for past that.

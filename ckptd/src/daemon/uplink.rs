@@ -8,13 +8,13 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use lazarus_shared::wire::{self, Message, T0Entry};
 use lazarus_shared::{Rank, StepKey};
 use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
-use super::{node, Daemon};
+use super::{pipeline, process, Daemon};
 
 /// A node's link to the leader: reconnects until it works, says hello with what the node
 /// holds, re-sends pending reports, forwards new ones and applies pushed memory commits.
@@ -56,19 +56,19 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
                             Message::MemoryCommitted { run, step, durable }
                                 if run == daemon.cfg.run =>
                             {
-                                node::memory_committed(&daemon, step, durable).await;
+                                pipeline::memory_committed(&daemon, step, durable).await;
                             }
                             Message::KillRanks { run } if run == daemon.cfg.run => {
-                                node::signal_ranks(&daemon, "KILL").await;
+                                process::signal_ranks(&daemon, "KILL").await;
                             }
                             Message::StopRanks { run } if run == daemon.cfg.run => {
-                                node::signal_ranks(&daemon, "TERM").await;
+                                process::signal_ranks(&daemon, "TERM").await;
                             }
                             Message::MakeDurable { run, step } if run == daemon.cfg.run => {
-                                node::make_durable(&daemon, step).await;
+                                pipeline::make_durable(&daemon, step).await;
                             }
                             Message::UploadReplica { run, rank, step } if run == daemon.cfg.run => {
-                                tokio::spawn(node::upload_replica(daemon.clone(), rank, step));
+                                tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
                             }
                             Message::SetBuddy { address } => {
                                 let buddy = address.and_then(|a| a.parse().ok());
@@ -137,7 +137,7 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
         .collect();
     // Read from /proc without the ranks lock, which every training step's poll takes.
     for beat in &mut beats {
-        beat.process_state = node::process_state(beat.pid);
+        beat.process_state = process::process_state(beat.pid);
     }
     Message::NodeHeartbeat {
         node: daemon.cfg.node.clone(),
@@ -224,23 +224,5 @@ pub async fn which_step(
 
 /// One authenticated request and its answer.
 pub async fn request(daemon: &Daemon, to: SocketAddr, message: &Message) -> Result<Message> {
-    request_with_key(&daemon.key, to, message).await
-}
-
-pub async fn request_with_key(
-    key: &wire::JobKey,
-    to: SocketAddr,
-    message: &Message,
-) -> Result<Message> {
-    let mut stream = tokio::time::timeout(Duration::from_secs(5), TcpStream::connect(to))
-        .await
-        .map_err(|_| anyhow!("{to} did not accept within 5 s"))??;
-    wire::write_frame(&mut stream, message, &[], Some(key)).await?;
-    let frame = tokio::time::timeout(
-        Duration::from_secs(30),
-        wire::read_frame(&mut stream, Some(key)),
-    )
-    .await
-    .map_err(|_| anyhow!("{to} did not answer within 30 s"))??;
-    Ok(frame.message)
+    super::framing::request(&daemon.key, to, message).await
 }

@@ -5,15 +5,22 @@
 //! optimizer's buffer, or a `ckptd` shm slot holding a copy of it): at `offset`, `bytes`
 //! long. A rank's list of regions is its layout. Writing a checkpoint stores each region
 //! as the slice `slice` of the tensor `name`; reading one back asks the checkpoint for the
-//! same slices, whatever layout wrote them ([`Checkpoint::read_regions`]). A new kind of
-//! parallelism adds regions, not callers.
+//! same slices, whatever layout wrote them ([`Checkpoint::read_regions`]); writing builds
+//! the shard from the layout over the rank's flat state ([`SourcedShard::from_regions`],
+//! with [`DeltaBases::of_regions`] for delta encoding). A new kind of parallelism adds
+//! regions, not callers.
+
+use std::sync::Arc;
 
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use super::{Checkpoint, Progress};
+use super::{
+    ByteSource, Checkpoint, DeltaBases, Progress, SourceRange, SourcedShard, SourcedTensor,
+};
 use crate::error::StoreError;
-use crate::format::{DType, DimRange};
+use crate::format::{ChunkRef, DType, DimRange};
+use crate::{Rank, StepKey};
 
 /// One tensor (or its slice) in a rank's flat state, at a byte offset of it.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -74,9 +81,67 @@ impl Checkpoint {
     }
 }
 
-/// The bytes of `region` in a rank's flat state.
-pub fn region_bytes(state: &[u8], region: &Region) -> Bytes {
-    Bytes::copy_from_slice(&state[region.offset as usize..(region.offset + region.bytes) as usize])
+impl SourcedShard {
+    /// What a rank writes for `step`: every region of `layout` as its tensor's slice, its
+    /// bytes read from `source` (the rank's flat state: the trainer's optimizer memory, a
+    /// `ckptd` slot, or a buddy's replica of one) at the region's offset. Both programs write
+    /// through this, with [`RunStore::write_shard_sourced`](super::RunStore::write_shard_sourced).
+    pub fn from_regions(
+        step: StepKey,
+        rank: Rank,
+        world_size: u32,
+        layout: &[Region],
+        source: &Arc<dyn ByteSource>,
+        blobs: Vec<(String, Bytes)>,
+    ) -> Self {
+        Self {
+            step,
+            rank,
+            world_size,
+            tensors: layout
+                .iter()
+                .map(|region| SourcedTensor {
+                    name: region.name.clone(),
+                    dtype: region.dtype,
+                    global_shape: region.global_shape.clone(),
+                    slice: region.slice.clone(),
+                    data: region.range(source),
+                })
+                .collect(),
+            blobs,
+        }
+    }
+}
+
+impl Region {
+    /// This region's bytes in `source`.
+    pub fn range(&self, source: &Arc<dyn ByteSource>) -> SourceRange {
+        SourceRange {
+            source: source.clone(),
+            offset: self.offset,
+            len: self.bytes,
+        }
+    }
+}
+
+impl DeltaBases {
+    /// The delta bases for the next write of `layout`: the previous write's flat state
+    /// (`source`) and, per region in layout order, the chunks the store recorded for it
+    /// (`ShardManifest::tensors`). `None` when the lists do not match the layout.
+    pub fn of_regions(
+        layout: &[Region],
+        source: &Arc<dyn ByteSource>,
+        chunks: Vec<Vec<ChunkRef>>,
+    ) -> Option<Self> {
+        if chunks.len() != layout.len() {
+            return None;
+        }
+        let mut bases = Self::default();
+        for (region, chunks) in layout.iter().zip(chunks) {
+            bases.insert(region.name.clone(), region.range(source), chunks);
+        }
+        Some(bases)
+    }
 }
 
 /// The step a world restores, from the newest step memory-committed for a world of its

@@ -1,0 +1,769 @@
+//! One local rank's state on its node: which of its four shm slots holds what.
+//!
+//! A rank owns nothing in shm: its four slot files belong to the daemon. A slot the daemon
+//! *holds* (the committed T0, the snapshot in flight or waiting for its memory commit, a
+//! restore being filled, the durable upload in flight) is read-only for the rank; the rank's
+//! optimizer writes its next state into a slot that is not held, so handing a snapshot over
+//! is telling the daemon which slot holds which step.
+//!
+//! This module is the state machine alone: every change is a method here, the daemon's tasks
+//! (`local`, `pipeline`, `restore`) call them under the ranks lock and do their I/O outside
+//! it. Its only I/O is `state.json`, written whenever T0 or the delta base changes and before
+//! the answer that lets the rank see a smaller held set, so a daemon restarted at any moment
+//! never hands out a slot the rank may still be writing, nor forgets its T0.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, Context, Result};
+use lazarus_shared::format::ChunkRef;
+use lazarus_shared::wire::SlotTensor;
+use lazarus_shared::{ChunkHash, Rank, StepKey};
+use serde::{Deserialize, Serialize};
+
+use super::SLOTS_PER_RANK;
+
+/// A snapshot the daemon holds: which slot, which step, the chunk hashes of the slot.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Snap {
+    pub step: u64,
+    pub slot: u32,
+    pub hashes: Vec<ChunkHash>,
+    pub blobs: Vec<(String, Vec<u8>)>,
+    /// The trainer (its last snapshot) or the leader (a durable commit) wants this step
+    /// durable.
+    pub durable_requested: bool,
+}
+
+/// The previous durable step's data, kept in `base` for delta encoding.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Base {
+    pub step: u64,
+    /// Per tensor, in slot order, the chunks the store wrote.
+    pub chunks: Vec<Vec<ChunkRef>>,
+}
+
+/// What survives a daemon restart (`state.json` in the rank's directory).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct Persisted {
+    rank: Rank,
+    world_size: u32,
+    slot_bytes: u64,
+    tensors: Vec<SlotTensor>,
+    t0: Option<Snap>,
+    base: Option<Base>,
+}
+
+/// Step changes a newly registered rank reports to the leader at once (`early_beats`).
+const EARLY_BEATS: u8 = 2;
+
+/// One local rank.
+#[derive(Debug)]
+pub struct RankState {
+    pub rank: Rank,
+    pub world_size: u32,
+    /// The registered process; 0 when none is.
+    pub pid: u32,
+    pub slot_bytes: u64,
+    pub tensors: Vec<SlotTensor>,
+    pub dir: PathBuf,
+    /// The committed snapshot: memory-committed, or restored.
+    pub t0: Option<Snap>,
+    /// Where the leader says this rank's newest replica is (from the last `Choose`).
+    pub replica_at: Option<std::net::SocketAddr>,
+    /// Replicated and reported, waiting for the leader's memory commit.
+    pub pending: Option<Snap>,
+    pub pending_at: Instant,
+    /// The slot being hashed and replicated.
+    pub working: Option<u32>,
+    /// The slot a restore is filling (from the buddy or storage), while it runs.
+    pub restoring: Option<u32>,
+    /// The slot being uploaded as a durable step. It is held apart from T0, so memory
+    /// snapshots and commits go on while an upload is slow or storage is down.
+    pub uploading: Option<u32>,
+    /// A durable step waiting for the running upload to end (it is uploaded next, unless a
+    /// newer durable step replaces it first: that one counts as skipped).
+    pub durable_waiting: Option<u64>,
+    /// The newest step this rank's process had stored as a durable shard. Asked again for it
+    /// (the leader's `MakeDurable` at the end of a world), the daemon reports it stored
+    /// instead of writing it a second time. Cleared when the rank registers again.
+    pub stored: Option<StepKey>,
+    pub base: Option<Base>,
+    pub last_step: u64,
+    pub last_seen: Instant,
+    /// The rank's own compute per step (microseconds), smoothed over its recent reports.
+    pub compute_us: u64,
+    /// Step changes still to tell the leader at once rather than with the next heartbeat:
+    /// a (re)registered rank's restored step and its first step, which time a recovery.
+    pub early_beats: u8,
+}
+
+/// The answer to a snapshot hand-over.
+#[derive(Debug, PartialEq, Eq)]
+pub enum HandOver {
+    /// The slot is held (or does not exist): the rank broke the protocol.
+    NotTheRanks,
+    /// A snapshot is still being replicated or waits for its commit: this one is skipped.
+    Busy,
+    /// The slot is now `working`: replicate it.
+    Accepted,
+}
+
+/// What asking for T0 to be uploaded leads to.
+#[derive(Debug, PartialEq)]
+pub enum Upload {
+    /// No T0, or no durable step waiting once an upload ended.
+    Nothing,
+    /// This process already stored T0's step: tell the leader again.
+    Stored(StepKey),
+    /// An upload is running; T0's step goes next. `replaced` is an older waiting step it
+    /// displaces, which is skipped.
+    Queued { replaced: Option<u64> },
+    /// Upload this snapshot now: its slot is held as `uploading` until `upload_ended`.
+    Start(Snap),
+    /// An upload ended and the step that waited for it is gone (T0 moved on to a step that
+    /// is not durable): it is skipped.
+    Skipped(u64),
+}
+
+impl RankState {
+    /// A rank registering for the first time (or with a new layout), its files under `dir`.
+    pub fn new(
+        rank: Rank,
+        world_size: u32,
+        slot_bytes: u64,
+        tensors: Vec<SlotTensor>,
+        dir: PathBuf,
+    ) -> Self {
+        Self {
+            rank,
+            world_size,
+            pid: 0,
+            slot_bytes,
+            tensors,
+            dir,
+            t0: None,
+            pending: None,
+            pending_at: Instant::now(),
+            replica_at: None,
+            working: None,
+            uploading: None,
+            restoring: None,
+            durable_waiting: None,
+            stored: None,
+            base: None,
+            last_step: 0,
+            last_seen: Instant::now(),
+            compute_us: 0,
+            early_beats: 0,
+        }
+    }
+
+    /// Reloads the rank in `dir` as an earlier life of the daemon left it: T0 and the delta
+    /// base; nothing in flight survives.
+    pub fn load(dir: &Path) -> Result<Option<Self>> {
+        let path = dir.join("state.json");
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(error) => return Err(error).with_context(|| format!("reading {}", path.display())),
+        };
+        let state: Persisted = serde_json::from_slice(&bytes)
+            .with_context(|| format!("parsing {}", path.display()))?;
+        let mut loaded = Self::new(
+            state.rank,
+            state.world_size,
+            state.slot_bytes,
+            state.tensors,
+            dir.to_path_buf(),
+        );
+        loaded.t0 = state.t0;
+        loaded.base = state.base;
+        Ok(Some(loaded))
+    }
+
+    /// Every rank found under `root` (one directory each); unreadable ones are skipped.
+    pub fn load_all(root: &Path) -> HashMap<Rank, Self> {
+        let mut ranks = HashMap::new();
+        let Ok(entries) = std::fs::read_dir(root) else {
+            return ranks;
+        };
+        for entry in entries.flatten() {
+            match Self::load(&entry.path()) {
+                Ok(Some(state)) => {
+                    tracing::info!(rank = state.rank, t0 = ?state.t0.as_ref().map(|s| s.step), "found T0 from an earlier life");
+                    ranks.insert(state.rank, state);
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::warn!(error = %format!("{error:#}"), "ignoring unreadable rank state")
+                }
+            }
+        }
+        ranks
+    }
+
+    /// Whether a registration with this layout can keep this state's slots (and T0).
+    pub fn fits(&self, world_size: u32, slot_bytes: u64, tensors: &[SlotTensor]) -> bool {
+        self.world_size == world_size && self.slot_bytes == slot_bytes && self.tensors == tensors
+    }
+
+    /// A (new) process registered as this rank. It has made no step yet: the leader hears
+    /// its restored step when it trains, not the step its predecessor died at.
+    pub fn registered(&mut self, pid: u32) -> Result<()> {
+        self.pid = pid;
+        self.last_seen = Instant::now();
+        self.stored = None;
+        self.last_step = 0;
+        self.early_beats = EARLY_BEATS;
+        self.persist()
+    }
+
+    pub fn slot_path(&self, slot: u32) -> PathBuf {
+        self.dir.join(format!("slot-{slot}"))
+    }
+
+    /// Slots the rank must not write.
+    pub fn held(&self) -> Vec<u32> {
+        let mut held: Vec<u32> = [
+            self.t0.as_ref().map(|s| s.slot),
+            self.pending.as_ref().map(|s| s.slot),
+            self.working,
+            self.uploading,
+            self.restoring,
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        held.sort_unstable();
+        held.dedup();
+        held
+    }
+
+    pub fn busy(&self) -> bool {
+        self.pending.is_some() || self.working.is_some()
+    }
+
+    fn free_slot(&self) -> Option<u32> {
+        let held = self.held();
+        (0..SLOTS_PER_RANK).find(|s| !held.contains(s))
+    }
+
+    /// The rank reported `step` (a poll or a hand-over). True when the leader should hear
+    /// at once: one of the first step changes after registering (see `early_beats`).
+    pub fn saw_step(&mut self, step: u64) -> bool {
+        self.last_seen = Instant::now();
+        let early = step != self.last_step && self.early_beats > 0;
+        if early {
+            self.early_beats -= 1;
+        }
+        self.last_step = step;
+        early
+    }
+
+    /// The rank's compute per step, smoothed: one slow step is not a straggler.
+    pub fn saw_compute(&mut self, compute_us: u64) {
+        if compute_us > 0 {
+            self.compute_us = if self.compute_us == 0 {
+                compute_us
+            } else {
+                (4 * self.compute_us + compute_us) / 5
+            };
+        }
+    }
+
+    /// The rank hands over `slot`, holding its snapshot.
+    pub fn hand_over(&mut self, slot: u32) -> HandOver {
+        if slot >= SLOTS_PER_RANK || self.held().contains(&slot) {
+            return HandOver::NotTheRanks;
+        }
+        if self.busy() {
+            return HandOver::Busy;
+        }
+        self.working = Some(slot);
+        HandOver::Accepted
+    }
+
+    /// The snapshot being worked on was replicated (`Some`: it waits for its memory commit)
+    /// or failed (`None`: the rank keeps its previous T0).
+    pub fn replicated(&mut self, snap: Option<Snap>) {
+        self.working = None;
+        if snap.is_some() {
+            self.pending_at = Instant::now();
+        }
+        self.pending = snap;
+    }
+
+    /// Drops a snapshot whose memory commit did not come within `timeout` (a rank elsewhere
+    /// failed to snapshot that step), so that the rank can hand over the next one.
+    pub fn expire(&mut self, timeout: Duration) -> Option<u64> {
+        if self.pending.is_some() && self.pending_at.elapsed() >= timeout {
+            return self.pending.take().map(|p| p.step);
+        }
+        None
+    }
+
+    /// The leader memory-committed `step`: the waiting snapshot of that step becomes T0
+    /// (marked for upload if `durable`). False when no snapshot of `step` waits. An error
+    /// means T0 changed but `state.json` could not record it.
+    pub fn commit(&mut self, step: u64, durable: bool) -> Result<bool> {
+        if self.pending.as_ref().is_none_or(|p| p.step != step) {
+            return Ok(false);
+        }
+        self.t0 = self.pending.take();
+        if let Some(t0) = self.t0.as_mut().filter(|_| durable) {
+            // Marked, so that an upload running now uploads this step when it ends.
+            t0.durable_requested = true;
+        }
+        self.persist()?;
+        Ok(true)
+    }
+
+    /// The leader wants `step` durable: true when it is T0 (now marked for upload).
+    pub fn request_durable(&mut self, step: u64) -> bool {
+        match self.t0.as_mut().filter(|t0| t0.step == step) {
+            Some(t0) => {
+                t0.durable_requested = true;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Uploads T0 unless an upload is already running; that one catches up with the newest
+    /// durable-requested T0 when it ends.
+    pub fn upload(&mut self) -> Upload {
+        let Some(snap) = self.t0.clone() else {
+            return Upload::Nothing;
+        };
+        if let Some(step) = self.stored.filter(|stored| stored.step == snap.step) {
+            return Upload::Stored(step);
+        }
+        if self.uploading.is_some() {
+            let replaced = self
+                .durable_waiting
+                .replace(snap.step)
+                .filter(|&waiting| waiting < snap.step);
+            return Upload::Queued { replaced };
+        }
+        self.durable_waiting = None;
+        self.uploading = Some(snap.slot);
+        Upload::Start(snap)
+    }
+
+    /// The upload of `step` stored it (with the new delta base, when one is kept).
+    pub fn stored(&mut self, step: StepKey, base: Option<Base>) -> Result<()> {
+        if let Some(base) = base {
+            self.base = Some(base);
+        }
+        self.stored = Some(step);
+        self.persist()
+    }
+
+    /// The upload of `uploaded` ended (stored or failed): its slot is free again, and the
+    /// newest durable-requested T0 goes next.
+    pub fn upload_ended(&mut self, uploaded: u64) -> Upload {
+        self.uploading = None;
+        if self
+            .t0
+            .as_ref()
+            .is_some_and(|t0| t0.durable_requested && t0.step > uploaded)
+        {
+            return self.upload();
+        }
+        match self.durable_waiting.take() {
+            Some(skipped) => Upload::Skipped(skipped),
+            None => Upload::Nothing,
+        }
+    }
+
+    /// A T0 snapshot of `memory` that a restore can serve: the committed slot, or a
+    /// replicated snapshot whose commit arrived late. With the slot's path.
+    pub fn memory_candidate(&self, memory: Option<u64>) -> Option<(PathBuf, Snap)> {
+        [self.t0.as_ref(), self.pending.as_ref()]
+            .into_iter()
+            .flatten()
+            .find(|s| Some(s.step) == memory)
+            .map(|snap| (self.slot_path(snap.slot), snap.clone()))
+    }
+
+    /// Claims a free slot for a restore to fill. The snapshots the rank had are given up, but
+    /// T0 only when it is not the step wanted (`keep`): it may still serve a later attempt.
+    /// A T0 given up is forgotten in `state.json` too before its slot can be filled, so a
+    /// daemon restarted mid-fill never names a half-overwritten slot as T0.
+    pub fn begin_fill(&mut self, keep: Option<u64>) -> Result<u32> {
+        self.pending = None;
+        if self.t0.as_ref().is_some_and(|t| Some(t.step) != keep) {
+            self.t0 = None;
+            self.persist()?;
+        }
+        let slot = self.free_slot().ok_or_else(|| {
+            anyhow!(
+                "no free slot for rank {}'s restore (held: {:?})",
+                self.rank,
+                self.held()
+            )
+        })?;
+        self.restoring = Some(slot);
+        Ok(slot)
+    }
+
+    /// A fill that failed lets its slot go.
+    pub fn end_fill(&mut self) {
+        self.restoring = None;
+    }
+
+    /// A restore ended: `snap` (filled, or T0 verified) is the rank's T0, or it has none.
+    pub fn install(&mut self, snap: Option<Snap>) -> Result<()> {
+        self.restoring = None;
+        self.pending = None;
+        self.t0 = snap;
+        self.persist()
+    }
+
+    fn persist(&self) -> Result<()> {
+        let state = Persisted {
+            rank: self.rank,
+            world_size: self.world_size,
+            slot_bytes: self.slot_bytes,
+            tensors: self.tensors.clone(),
+            t0: self.t0.clone(),
+            base: self.base.clone(),
+        };
+        let path = self.dir.join("state.json");
+        let tmp = self.dir.join("state.json.tmp");
+        std::fs::write(&tmp, serde_json::to_vec(&state)?)
+            .with_context(|| format!("writing {}", tmp.display()))?;
+        std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The state machine against a model of the slot files, sled-style: random sequences of
+    //! what the rank, the replication, the leader, the uploads and restores do, with daemon
+    //! restarts anywhere (a restart keeps only `state.json`). After every operation the
+    //! model checks that the rank never writes a slot the daemon relies on, that every
+    //! snapshot the daemon holds is still what its slot file contains, that T0 survives
+    //! restarts, and that the rank always has a slot to write.
+
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        /// The rank writes its next step into a slot its last answer left free and hands it
+        /// over (the trainer's `HeldSlots` is that answer).
+        HandOver { pick: u8, durable: bool },
+        /// The rank polls: its view becomes the daemon's held set.
+        Poll,
+        /// The replication of the handed-over slot ends.
+        Replicated { ok: bool },
+        /// The leader memory-commits the waiting step (`same`) or another step.
+        Commit { same: bool, durable: bool },
+        /// The commit timeout passes.
+        Expire,
+        /// The leader wants T0's step durable (the end of a world).
+        MakeDurable,
+        /// The running upload ends.
+        UploadEnds { ok: bool },
+        /// A new process registers and restores: T0 when it is the step and verifies
+        /// (`keep`, `t0_ok`), else a fill from the buddy or storage that may fail.
+        Restore {
+            keep: bool,
+            t0_ok: bool,
+            found: bool,
+            fail: bool,
+        },
+        /// The daemon is killed and started again.
+        Restart,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            4 => (any::<u8>(), any::<bool>()).prop_map(|(pick, durable)| Op::HandOver { pick, durable }),
+            2 => Just(Op::Poll),
+            3 => proptest::bool::weighted(0.8).prop_map(|ok| Op::Replicated { ok }),
+            3 => (any::<bool>(), any::<bool>()).prop_map(|(same, durable)| Op::Commit { same, durable }),
+            1 => Just(Op::Expire),
+            1 => Just(Op::MakeDurable),
+            2 => any::<bool>().prop_map(|ok| Op::UploadEnds { ok }),
+            1 => (any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>())
+                .prop_map(|(keep, t0_ok, found, fail)| Op::Restore { keep, t0_ok, found, fail }),
+            1 => Just(Op::Restart),
+        ]
+    }
+
+    struct World {
+        _dir: tempfile::TempDir,
+        rank_dir: PathBuf,
+        daemon: RankState,
+        /// The step each slot file holds (0: none yet).
+        content: [u64; SLOTS_PER_RANK as usize],
+        /// The rank's last answer from the daemon.
+        view: Vec<u32>,
+        next_step: u64,
+        pid: u32,
+        /// The snapshot the daemon is replicating: (step, slot, durable).
+        job: Option<(u64, u32, bool)>,
+        /// The upload the daemon runs.
+        upload: Option<Snap>,
+        /// The model's T0: (step, slot).
+        t0: Option<(u64, u32)>,
+    }
+
+    fn snap(step: u64, slot: u32, durable: bool) -> Snap {
+        Snap {
+            step,
+            slot,
+            hashes: Vec::new(),
+            blobs: Vec::new(),
+            durable_requested: durable,
+        }
+    }
+
+    impl World {
+        fn new() -> Self {
+            let dir = tempfile::tempdir().unwrap();
+            let rank_dir = dir.path().join("rank-0");
+            std::fs::create_dir_all(&rank_dir).unwrap();
+            let mut daemon = RankState::new(0, 2, 1 << 20, Vec::new(), rank_dir.clone());
+            daemon.registered(100).unwrap();
+            let view = daemon.held();
+            Self {
+                _dir: dir,
+                rank_dir,
+                daemon,
+                content: [0; SLOTS_PER_RANK as usize],
+                view,
+                next_step: 0,
+                pid: 100,
+                job: None,
+                upload: None,
+                t0: None,
+            }
+        }
+
+        fn t0(&self) -> Option<(u64, u32)> {
+            self.daemon.t0.as_ref().map(|s| (s.step, s.slot))
+        }
+
+        /// Follows an upload decision as the daemon's pipeline does.
+        fn follow(&mut self, decision: Upload) {
+            match decision {
+                Upload::Start(snap) => {
+                    assert!(self.upload.is_none(), "two uploads at once");
+                    assert_eq!(self.daemon.uploading, Some(snap.slot));
+                    self.upload = Some(snap);
+                }
+                Upload::Queued { .. } => assert!(self.upload.is_some(), "queued behind nothing"),
+                Upload::Stored(_) | Upload::Nothing | Upload::Skipped(_) => {}
+            }
+        }
+
+        fn apply(&mut self, op: &Op) {
+            match *op {
+                Op::HandOver { pick, durable } => {
+                    let free: Vec<u32> = (0..SLOTS_PER_RANK)
+                        .filter(|s| !self.view.contains(s))
+                        .collect();
+                    assert!(
+                        !free.is_empty(),
+                        "the rank has no slot to write: {:?}",
+                        self.view
+                    );
+                    let slot = free[pick as usize % free.len()];
+                    assert!(
+                        !self.daemon.held().contains(&slot),
+                        "the rank overwrites slot {slot}, which the daemon holds: {:?}",
+                        self.daemon
+                    );
+                    self.next_step += 1;
+                    self.content[slot as usize] = self.next_step;
+                    let answer = self.daemon.hand_over(slot);
+                    assert_ne!(answer, HandOver::NotTheRanks);
+                    if answer == HandOver::Accepted {
+                        self.job = Some((self.next_step, slot, durable));
+                    }
+                    self.view = self.daemon.held();
+                }
+                Op::Poll => self.view = self.daemon.held(),
+                Op::Replicated { ok } => {
+                    if let Some((step, slot, durable)) = self.job.take() {
+                        self.daemon
+                            .replicated(ok.then(|| snap(step, slot, durable)));
+                    }
+                }
+                Op::Commit { same, durable } => {
+                    let waiting = self.daemon.pending.as_ref().map(|p| (p.step, p.slot));
+                    let step = match waiting {
+                        Some((step, _)) if same => step,
+                        _ => self.next_step + 1000,
+                    };
+                    let applied = self.daemon.commit(step, durable).unwrap();
+                    assert_eq!(applied, same && waiting.is_some());
+                    if applied {
+                        self.t0 = waiting;
+                        if durable {
+                            let decision = self.daemon.upload();
+                            self.follow(decision);
+                        }
+                    }
+                }
+                Op::Expire => {
+                    let waiting = self.daemon.pending.as_ref().map(|p| p.step);
+                    assert_eq!(self.daemon.expire(Duration::ZERO), waiting);
+                    assert!(self.daemon.pending.is_none());
+                }
+                Op::MakeDurable => {
+                    if let Some((step, _)) = self.t0 {
+                        assert!(self.daemon.request_durable(step));
+                        let decision = self.daemon.upload();
+                        self.follow(decision);
+                    }
+                }
+                Op::UploadEnds { ok } => {
+                    if let Some(upload) = self.upload.take() {
+                        if ok {
+                            self.daemon
+                                .stored(StepKey::new(upload.step, 0), None)
+                                .unwrap();
+                        }
+                        let decision = self.daemon.upload_ended(upload.step);
+                        self.follow(decision);
+                    }
+                }
+                Op::Restore {
+                    keep,
+                    t0_ok,
+                    found,
+                    fail,
+                } => {
+                    // The daemon's `choose` waits for the previous life's snapshot first.
+                    if self.job.is_some() {
+                        return;
+                    }
+                    self.pid += 1;
+                    self.daemon.registered(self.pid).unwrap();
+                    let memory = self.t0.filter(|_| keep).map(|(step, _)| step);
+                    match self.daemon.memory_candidate(memory) {
+                        Some((path, candidate)) if t0_ok => {
+                            assert_eq!(path, self.daemon.slot_path(candidate.slot));
+                            assert_eq!(self.content[candidate.slot as usize], candidate.step);
+                            self.t0 = Some((candidate.step, candidate.slot));
+                            self.daemon.install(Some(candidate)).unwrap();
+                        }
+                        _ => {
+                            let slot = self
+                                .daemon
+                                .begin_fill(memory)
+                                .expect("a restore finds a free slot");
+                            if memory.is_none() {
+                                self.t0 = None;
+                            }
+                            if fail {
+                                // A fill that fails may have written part of the slot.
+                                self.content[slot as usize] = u64::MAX;
+                                self.daemon.end_fill();
+                            } else if found {
+                                self.next_step += 1;
+                                self.content[slot as usize] = self.next_step;
+                                self.daemon
+                                    .install(Some(snap(self.next_step, slot, false)))
+                                    .unwrap();
+                                self.t0 = Some((self.next_step, slot));
+                            } else {
+                                self.daemon.install(None).unwrap();
+                                self.t0 = None;
+                            }
+                        }
+                    }
+                    self.view = self.daemon.held();
+                }
+                Op::Restart => {
+                    self.daemon = RankState::load(&self.rank_dir)
+                        .unwrap()
+                        .expect("state.json is there");
+                    self.job = None;
+                    self.upload = None;
+                }
+            }
+        }
+
+        fn check(&self) {
+            assert_eq!(
+                self.t0(),
+                self.t0,
+                "T0 differs from the model: {:?}",
+                self.daemon
+            );
+            let held = self.daemon.held();
+            assert!(
+                held.len() < SLOTS_PER_RANK as usize,
+                "every slot is held: {:?}",
+                self.daemon
+            );
+            for snap in [self.daemon.t0.as_ref(), self.daemon.pending.as_ref()]
+                .into_iter()
+                .flatten()
+            {
+                assert_eq!(
+                    self.content[snap.slot as usize], snap.step,
+                    "{:?}",
+                    self.daemon
+                );
+            }
+            if let Some((step, slot, _)) = self.job {
+                assert_eq!(self.daemon.working, Some(slot));
+                assert_eq!(self.content[slot as usize], step);
+            }
+            if let Some(upload) = &self.upload {
+                assert_eq!(self.daemon.uploading, Some(upload.slot));
+                assert_eq!(self.content[upload.slot as usize], upload.step);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(300))]
+        #[test]
+        fn the_daemon_never_lets_the_rank_overwrite_a_held_snapshot_and_keeps_t0_across_restarts(
+            ops in proptest::collection::vec(op(), 1..120)
+        ) {
+            let mut world = World::new();
+            for op in &ops {
+                world.apply(op);
+                world.check();
+            }
+        }
+    }
+
+    #[test]
+    fn a_hand_over_while_a_snapshot_waits_for_its_commit_is_skipped() {
+        let mut world = World::new();
+        world.apply(&Op::HandOver {
+            pick: 0,
+            durable: false,
+        });
+        world.apply(&Op::Replicated { ok: true });
+        world.apply(&Op::HandOver {
+            pick: 0,
+            durable: false,
+        });
+        assert_eq!(world.daemon.held().len(), 1, "the skipped slot is not held");
+        world.apply(&Op::Commit {
+            same: true,
+            durable: true,
+        });
+        assert_eq!(
+            world.daemon.held().len(),
+            1,
+            "T0 and its upload share a slot"
+        );
+        world.apply(&Op::Restart);
+        world.check();
+        assert_eq!(world.t0(), Some((1, 0)));
+    }
+}

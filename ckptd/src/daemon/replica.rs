@@ -1,0 +1,363 @@
+//! Buddy replicas (T1), both directions: sending a snapshot to the buddy while it is
+//! hashed, receiving the buddy's snapshots, serving one back to a node that restores, and
+//! fetching this node's own back from the buddy.
+//!
+//! A replica is written beside the current one and only replaces it once every chunk has
+//! arrived and verified against its hash; `meta.json` is written last, so its presence
+//! means complete. File work runs on blocking threads, not on the runtime's workers.
+
+use std::net::SocketAddr;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{anyhow, bail, Context, Result};
+use bytes::Bytes;
+use lazarus_shared::wire::{self, JobKey, Message, SlotTensor, WireError};
+use lazarus_shared::{ChunkHash, Rank, RunId};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpStream;
+
+use super::slots::{chunk_count, read_chunk, reserve, SlotFile};
+use super::{framing, Daemon, SLOT_CHUNK_BYTES};
+
+/// A replica's description (`meta.json`, written last: its presence means complete).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ReplicaMeta {
+    pub from_node: String,
+    pub run: RunId,
+    pub rank: Rank,
+    pub world_size: u32,
+    pub step: u64,
+    pub slot_bytes: u64,
+    pub tensors: Vec<SlotTensor>,
+    pub chunks: Vec<ChunkHash>,
+    pub blobs: Vec<(String, Vec<u8>)>,
+}
+
+fn replica_dir(daemon: &Daemon, rank: Rank) -> PathBuf {
+    daemon
+        .cfg
+        .shm_dir
+        .join(daemon.cfg.run.as_str())
+        .join("replicas")
+        .join(format!("rank-{rank}"))
+}
+
+pub async fn receive(
+    daemon: &Arc<Daemon>,
+    stream: &mut TcpStream,
+    mut meta: ReplicaMeta,
+    chunk_bytes: u64,
+) -> Result<()> {
+    if meta.run != daemon.cfg.run {
+        bail!(
+            "replica of run {}, this daemon serves {}",
+            meta.run,
+            daemon.cfg.run
+        );
+    }
+    if chunk_bytes != SLOT_CHUNK_BYTES {
+        bail!("replica chunks of {chunk_bytes} bytes, expected {SLOT_CHUNK_BYTES}");
+    }
+    if meta.slot_bytes > daemon.cfg.memory_budget_bytes {
+        bail!(
+            "a replica of {} bytes is over memory_budget_bytes {}",
+            meta.slot_bytes,
+            daemon.cfg.memory_budget_bytes
+        );
+    }
+    let _guard = daemon.replicas.lock().await;
+    let dir = replica_dir(daemon, meta.rank);
+    let incoming = dir.join("incoming");
+    let file = {
+        let (incoming, slot_bytes) = (incoming.clone(), meta.slot_bytes);
+        Arc::new(tokio::task::spawn_blocking(move || prepare(&incoming, slot_bytes)).await??)
+    };
+    let expected = chunk_count(meta.slot_bytes);
+    let mut received = vec![None; expected as usize];
+    loop {
+        let frame = framing::read(&daemon.key, stream).await?;
+        match frame.message {
+            Message::ReplicaData { index, hash } => {
+                let slot = received.get_mut(index as usize).ok_or_else(|| {
+                    WireError::Malformed(format!("chunk index {index} out of range"))
+                })?;
+                let offset = u64::from(index) * SLOT_CHUNK_BYTES;
+                let len = SLOT_CHUNK_BYTES.min(meta.slot_bytes - offset);
+                if frame.payload.len() as u64 != len {
+                    bail!(WireError::Malformed(format!(
+                        "chunk {index} has {} bytes, expected {len}",
+                        frame.payload.len()
+                    )));
+                }
+                if !write_chunk(&file, offset, hash, frame.payload).await? {
+                    bail!(WireError::Malformed(format!(
+                        "chunk {index} does not hash to its name"
+                    )));
+                }
+                *slot = Some(hash);
+                if index == 0 {
+                    super::crash::point("replica-in");
+                }
+            }
+            Message::ReplicaEnd { chunks } => {
+                let complete: Option<Vec<ChunkHash>> = received.iter().copied().collect();
+                if complete.as_ref() != Some(&chunks) {
+                    bail!(WireError::Malformed(
+                        "replica ended incomplete or with other hashes".into()
+                    ));
+                }
+                meta.chunks = chunks;
+                break;
+            }
+            other => bail!(WireError::Malformed(format!("{other:?} inside a replica"))),
+        }
+    }
+    let (rank, step, from) = (meta.rank, meta.step, meta.from_node.clone());
+    let held = tokio::task::spawn_blocking(move || swap_in(&dir, &incoming, &meta)).await??;
+    daemon.metrics.replicas_held_bytes.set(held as i64);
+    tracing::debug!(rank, step, %from, "replica stored");
+    Ok(())
+}
+
+/// An empty `incoming` replica directory with its data file sized and reserved.
+fn prepare(incoming: &Path, slot_bytes: u64) -> Result<std::fs::File> {
+    let _ = std::fs::remove_dir_all(incoming);
+    std::fs::create_dir_all(incoming)?;
+    let data_path = incoming.join("data");
+    let file = std::fs::File::create(&data_path)?;
+    file.set_len(slot_bytes)
+        .with_context(|| format!("sizing {}", data_path.display()))?;
+    reserve(&file, slot_bytes, &data_path)?;
+    Ok(file)
+}
+
+/// Completes a received replica (`meta.json` last) and swaps it in as `step-<k>`, keeping the
+/// two newest of the rank. Returns the bytes of replica data held for all ranks.
+fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta) -> Result<u64> {
+    std::fs::write(incoming.join("meta.json"), serde_json::to_vec(meta)?)?;
+    let target = dir.join(format!("step-{}", meta.step));
+    let _ = std::fs::remove_dir_all(&target);
+    std::fs::rename(incoming, &target)?;
+    // Keep the two newest: the newest may be a step the leader never memory-commits (its
+    // sender died before every rank reported), and then the one before it is the committed
+    // one. A sender only starts a replica after its previous one was committed or dropped,
+    // so two are always enough.
+    let mut steps: Vec<(u64, PathBuf)> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter_map(|entry| {
+            let name = entry.file_name().to_str()?.to_string();
+            let step = name.strip_prefix("step-")?.parse().ok()?;
+            Some((step, entry.path()))
+        })
+        .collect();
+    steps.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+    for (_, path) in steps.iter().skip(2) {
+        let _ = std::fs::remove_dir_all(path);
+    }
+    let mut held = 0;
+    for rank_dir in std::fs::read_dir(dir.parent().expect("has a parent"))?.flatten() {
+        for step_dir in std::fs::read_dir(rank_dir.path())?.flatten() {
+            held += std::fs::metadata(step_dir.path().join("data"))
+                .map(|m| m.len())
+                .unwrap_or(0);
+        }
+    }
+    Ok(held)
+}
+
+/// Writes one replica chunk at `offset` of `file` if it hashes to `hash`; false if not.
+async fn write_chunk(
+    file: &Arc<std::fs::File>,
+    offset: u64,
+    hash: ChunkHash,
+    payload: Bytes,
+) -> Result<bool> {
+    let file = file.clone();
+    tokio::task::spawn_blocking(move || {
+        if ChunkHash::of(&payload) != hash {
+            return Ok(false);
+        }
+        file.write_all_at(&payload, offset)?;
+        Ok(true)
+    })
+    .await?
+}
+
+/// The complete replica of `rank`'s `step` held here: its data file and description.
+pub fn held(daemon: &Daemon, rank: Rank, step: u64) -> Result<Option<(PathBuf, ReplicaMeta)>> {
+    let dir = replica_dir(daemon, rank).join(format!("step-{step}"));
+    match std::fs::read(dir.join("meta.json")) {
+        Ok(bytes) => Ok(Some((dir.join("data"), serde_json::from_slice(&bytes)?))),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// Streams this daemon's replica of (rank, step) back to the asker.
+pub async fn send(
+    daemon: &Arc<Daemon>,
+    stream: &mut TcpStream,
+    rank: Rank,
+    step: u64,
+) -> Result<()> {
+    let dir = replica_dir(daemon, rank).join(format!("step-{step}"));
+    let meta = match held(daemon, rank, step)? {
+        Some((_, meta)) => meta,
+        None => {
+            let reply = Message::Ack {
+                ok: false,
+                reason: format!("no replica of rank {rank} step {step} here"),
+            };
+            return framing::write(&daemon.key, stream, &reply, &[]).await;
+        }
+    };
+    let (specs, payload) = wire::pack_blobs(&meta.blobs);
+    let begin = Message::ReplicaBegin {
+        from_node: daemon.cfg.node.clone(),
+        run: meta.run.clone(),
+        rank,
+        world_size: meta.world_size,
+        step,
+        slot_bytes: meta.slot_bytes,
+        chunk_bytes: SLOT_CHUNK_BYTES,
+        tensors: meta.tensors.clone(),
+        blobs: specs,
+    };
+    framing::write(&daemon.key, stream, &begin, &payload).await?;
+    let file = Arc::new(SlotFile::open(&dir.join("data"))?);
+    for (index, hash) in meta.chunks.iter().enumerate() {
+        let data = read_chunk(&file, meta.slot_bytes, index as u64).await?;
+        let message = Message::ReplicaData {
+            index: index as u32,
+            hash: *hash,
+        };
+        framing::write(&daemon.key, stream, &message, &data).await?;
+    }
+    framing::write(
+        &daemon.key,
+        stream,
+        &Message::ReplicaEnd {
+            chunks: meta.chunks.clone(),
+        },
+        &[],
+    )
+    .await
+}
+
+/// Sends one replica to the buddy.
+#[derive(Debug)]
+pub struct ReplicaSender {
+    stream: TcpStream,
+    key: JobKey,
+}
+
+impl ReplicaSender {
+    /// Connects to the buddy and sends `begin` (a `ReplicaBegin`) with its blobs' bytes.
+    pub async fn begin(
+        daemon: &Daemon,
+        buddy: SocketAddr,
+        begin: Message,
+        blob_bytes: &[u8],
+    ) -> Result<Self> {
+        let mut sender = Self {
+            stream: framing::connect(buddy, "buddy").await?,
+            key: daemon.key.clone(),
+        };
+        framing::write(&sender.key, &mut sender.stream, &begin, blob_bytes).await?;
+        Ok(sender)
+    }
+
+    pub async fn data(&mut self, index: u32, hash: ChunkHash, data: &[u8]) -> Result<()> {
+        let message = Message::ReplicaData { index, hash };
+        framing::write(&self.key, &mut self.stream, &message, data).await
+    }
+
+    pub async fn end(mut self, chunks: Vec<ChunkHash>) -> Result<()> {
+        let end = Message::ReplicaEnd { chunks };
+        framing::write(&self.key, &mut self.stream, &end, &[]).await?;
+        let reply = framing::read(&self.key, &mut self.stream)
+            .await
+            .context("the buddy did not acknowledge the replica")?;
+        match reply.message {
+            Message::Ack { ok: true, .. } => Ok(()),
+            Message::Ack { reason, .. } => bail!("the buddy refused the replica: {reason}"),
+            other => bail!("the buddy answered {other:?}"),
+        }
+    }
+}
+
+/// Fetches this node's rank's replica of `step` from the buddy into the slot at `path`,
+/// verifying every chunk. Returns the chunk hashes and the blobs.
+#[allow(clippy::too_many_arguments)]
+pub async fn fetch(
+    daemon: &Arc<Daemon>,
+    holder: Option<SocketAddr>,
+    rank: Rank,
+    step: u64,
+    world_size: u32,
+    slot_bytes: u64,
+    tensors: &[SlotTensor],
+    path: &Path,
+) -> Result<(Vec<ChunkHash>, Vec<(String, Vec<u8>)>)> {
+    let buddy = holder
+        .or(*daemon.buddy.lock().expect("not poisoned"))
+        .ok_or_else(|| anyhow!("no buddy configured, and the leader knows no replica"))?;
+    let mut stream = framing::connect(buddy, "buddy").await?;
+    let request = Message::FetchReplica {
+        run: daemon.cfg.run.clone(),
+        rank,
+        step,
+    };
+    framing::write(&daemon.key, &mut stream, &request, &[]).await?;
+    let first = framing::read(&daemon.key, &mut stream).await?;
+    let blobs = match first.message {
+        Message::ReplicaBegin {
+            rank: r,
+            world_size: w,
+            step: s,
+            slot_bytes: b,
+            tensors: t,
+            blobs,
+            ..
+        } => {
+            if r != rank || w != world_size || s != step || b != slot_bytes || t != tensors {
+                bail!(
+                    "the buddy's replica has another layout (rank {r} of {w}, step {s}, {b} bytes)"
+                );
+            }
+            wire::unpack_blobs(&blobs, &first.payload)?
+        }
+        Message::Ack { reason, .. } => bail!("{reason}"),
+        other => bail!("the buddy answered {other:?}"),
+    };
+    let file = Arc::new(std::fs::OpenOptions::new().write(true).open(path)?);
+    let mut hashes = Vec::new();
+    loop {
+        let frame = framing::read(&daemon.key, &mut stream).await?;
+        match frame.message {
+            Message::ReplicaData { index, hash } => {
+                if index as usize != hashes.len() {
+                    bail!("chunk {index} arrived out of order");
+                }
+                let offset = u64::from(index) * SLOT_CHUNK_BYTES;
+                if !write_chunk(&file, offset, hash, frame.payload).await? {
+                    bail!("replica chunk {index} of rank {rank} step {step} does not verify");
+                }
+                hashes.push(hash);
+            }
+            Message::ReplicaEnd { chunks } => {
+                if chunks != hashes || hashes.len() as u64 != chunk_count(slot_bytes) {
+                    bail!("the replica ended incomplete");
+                }
+                break;
+            }
+            other => bail!("unexpected {other:?} in a replica"),
+        }
+    }
+    Ok((
+        hashes,
+        blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
+    ))
+}
