@@ -11,41 +11,27 @@ use std::time::{Duration, Instant};
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
 use lazarus_tests::deadline::test_dir;
 use lazarus_tests::runbook::Runbook;
-use lazarus_tests::supervision::kill;
-use lazarus_tests::train::{loss_texts as losses, pid_in_rank_table, prepared, small_model_args};
+use lazarus_tests::supervision::{kill, Status};
+use lazarus_tests::train::{loss_texts as losses, pid_in_rank_table, prepared, TrainerArgs};
 use lazarus_tests::{bin, Ctl, S3Server};
 
 /// A small model, one snapshot per step. The learning rate stays in its warm-up, where it
 /// depends on the step alone, so runs with different `train.steps` see the same rates.
 fn trainer_args(dir: &Path, run: &str, store: &str, steps: u64, busy: &str) -> Vec<String> {
-    small_model_args(
-        dir,
-        &[
-            format!("run.id={run}"),
-            format!("train.steps={steps}"),
-            "train.warmup_steps=1000".into(),
-            "train.lr=0.5".into(),
-            "checkpoint.every=1".into(),
-            format!("checkpoint.busy={busy}"),
-            format!("checkpoint.store={store}"),
-        ],
-    )
+    small_args(dir, run, store, steps, busy).build()
 }
 
-/// Waits until the store's latest durable step of `run` is `step`.
-fn wait_for_latest(ctl: &Ctl, run: &str, step: u64) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let listed = ctl.json(&["list", run]);
-        if listed["latest"]["step"].as_u64() == Some(step) {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "step {step} never became durable: {listed}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+fn small_args(dir: &Path, run: &str, store: &str, steps: u64, busy: &str) -> TrainerArgs {
+    TrainerArgs::small(dir)
+        .run(run)
+        .steps(steps)
+        .sets([
+            "train.warmup_steps=1000",
+            "train.lr=0.5",
+            "checkpoint.every=1",
+        ])
+        .set("checkpoint.busy", busy)
+        .store(store)
 }
 
 /// Starts the ranks on a long run, waits for `step`, and SIGKILLs rank 1. Returns once the
@@ -102,7 +88,7 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
     let said = cluster.train(&trainer_args(&dir, "e2e", &store, 30, "wait"));
     assert!(said.contains("0 snapshots skipped"), "{said}");
     let ctl = Ctl::new(store.clone(), &dir.join("index"));
-    wait_for_latest(&ctl, "e2e", 30);
+    ctl.wait_for_latest("e2e", 30);
     assert_eq!(ctl.committed("e2e"), vec![5, 10, 15, 20, 25, 30]);
     ctl.expect(0, &["verify", "e2e", "--all", "--read-data"]);
     assert_eq!(
@@ -122,16 +108,7 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
     assert!(cluster.metric(0, "lazarus_ckptd_snapshot_stall_seconds_count") >= 29.0);
 
     // The operator's view, from the leader.
-    let status = ctl.expect(
-        0,
-        &[
-            "status",
-            "--leader",
-            &cluster.leader(),
-            "--key-file",
-            cluster.key_file.to_str().unwrap(),
-        ],
-    );
+    let status = Status::of(&cluster, &ctl).text();
     assert!(status.contains("n1") && status.contains("n2"), "{status}");
     assert!(status.contains("memory-committed step 30"), "{status}");
 
@@ -204,16 +181,7 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
         "the replica is untouched"
     );
     assert!(!replica(999).exists());
-    let status = ctl.expect(
-        0,
-        &[
-            "status",
-            "--leader",
-            &cluster.leader(),
-            "--key-file",
-            cluster.key_file.to_str().unwrap(),
-        ],
-    );
+    let status = Status::of(&cluster, &ctl).text();
     assert!(status.contains("memory-committed step 30"), "{status}");
     assert_eq!(ctl.committed("e2e"), vec![5, 10, 15, 20, 25, 30]);
 }
@@ -223,8 +191,9 @@ fn lost_ranks_and_a_lost_node_restore_from_t0_and_t1_bit_for_bit() {
     let (_guard, dir) = prepared();
     // The uninterrupted reference: the plain trainer over MPI, no daemon.
     let reference_store = format!("file://{}", dir.join("reference").display());
-    let mut reference = trainer_args(&dir, "reference", &reference_store, 40, "wait");
-    reference.extend(["--set".into(), "checkpoint.every=1000".into()]);
+    let reference = small_args(&dir, "reference", &reference_store, 40, "wait")
+        .set("checkpoint.every", 1000)
+        .build();
     let output = Command::new("mpiexec")
         .args(["-n", "2"])
         .arg(bin("trainer"))
@@ -284,7 +253,7 @@ fn lost_ranks_and_a_lost_node_restore_from_t0_and_t1_bit_for_bit() {
         got[&40]
     );
     let ctl = Ctl::new(store, &dir.join("index"));
-    wait_for_latest(&ctl, "lossy", 40);
+    ctl.wait_for_latest("lossy", 40);
     ctl.expect(0, &["verify", "lossy", "--all", "--read-data"]);
 }
 
@@ -327,7 +296,7 @@ fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
         cluster.log(1)
     );
     let ctl = Ctl::new(store, &dir.join("index"));
-    wait_for_latest(&ctl, "restart", 60);
+    ctl.wait_for_latest("restart", 60);
     let steps = ctl.committed("restart");
     assert!(steps.len() >= 5, "{steps:?}");
     ctl.expect(0, &["verify", "restart", "--all", "--read-data"]);
@@ -434,7 +403,7 @@ fn a_daemon_killed_at_any_moment_and_restarted_leaves_the_run_bit_for_bit_the_sa
             "{moment}: the losses differ from the uninterrupted run\n{}",
             said()
         );
-        wait_for_latest(&ctl, &run, steps);
+        ctl.wait_for_latest(&run, steps);
         ctl.expect(0, &["verify", &run, "--all", "--read-data"]);
         println!(
             "{moment}: completed bit for bit; committed {:?}",
@@ -517,7 +486,7 @@ fn a_slow_restore_holds_up_neither_the_node_nor_its_other_ranks() {
         std::thread::spawn(move || {
             let mut silence_ms = Vec::new();
             while watching.load(std::sync::atomic::Ordering::SeqCst) {
-                let status = lazarus_tests::supervision::leader_status(&leader, &key_file, &ctl);
+                let status = Status::new(&ctl, &leader, &key_file).json();
                 if let Some(node) = status["nodes"]
                     .as_array()
                     .and_then(|nodes| nodes.iter().find(|n| n["node"] == "n2").cloned())
@@ -581,7 +550,7 @@ fn two_nodes_stream_to_a_real_s3_server() {
     cluster.train(&trainer_args(&dir, "s3run", &store, 12, "wait"));
     let mut ctl = Ctl::new(store, &dir.join("index"));
     ctl.envs = s3.envs();
-    wait_for_latest(&ctl, "s3run", 12);
+    ctl.wait_for_latest("s3run", 12);
     assert_eq!(ctl.committed("s3run"), vec![5, 10, 12]);
     ctl.expect(0, &["verify", "s3run", "--all", "--read-data"]);
 }
@@ -698,7 +667,7 @@ fn a_full_shm_is_a_clear_refusal_and_the_runbook_frees_it() {
     cluster.train(&args);
     let ctl = Ctl::new(store.clone(), &dir.join("index"));
     // The leader commits the last step after the ranks have left (CI once verified first).
-    wait_for_latest(&ctl, "shmfull", 10);
+    ctl.wait_for_latest("shmfull", 10);
     ctl.expect(0, &["verify", "shmfull", "latest", "--read-data"]);
     cluster.kill_node(1);
 }
@@ -789,7 +758,7 @@ fn a_storage_outage_pauses_durable_commits_and_they_resume_after_it() {
     // The store is back: uploads retry, and the run ends durable and verified.
     s3.restart();
     assert!(training.wait().unwrap().success(), "{}", cluster.logs());
-    wait_for_latest(&ctl, "outage", 150);
+    ctl.wait_for_latest("outage", 150);
     let verified = runbook.run("Verify it worked", &env);
     assert!(
         verified.contains("lazarus_ckptd_durable_committed_step 150"),

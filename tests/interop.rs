@@ -15,6 +15,7 @@ use lazarus_shared::hf_olmoe::{ModelSpec, MODEL_BLOB};
 use lazarus_shared::store::{OpenMode, Store, StoreOptions};
 use lazarus_shared::RunId;
 use lazarus_tests::deadline::{test_dir, TestDir};
+use lazarus_tests::train::TrainerArgs;
 use lazarus_tests::{bin, shared_data, Ctl};
 use lazarus_trainer::config::ModelConfig;
 use lazarus_trainer::model::Model;
@@ -57,31 +58,27 @@ fn trained_and_exported() -> Exported {
     // A small MoE trained for a few steps at a high learning rate, so that norms and every
     // weight have moved away from their initial values.
     let store = format!("file://{}", dir.path().join("store").display());
-    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-        .map(String::from)
-        .to_vec();
-    args.push(dir.path().join("metrics").display().to_string());
-    for set in [
-        "run.id=interop".to_string(),
-        "model.d_model=64".into(),
-        "model.layers=2".into(),
-        "model.heads=4".into(),
-        "model.experts=4".into(),
-        "model.top_k=2".into(),
-        "model.expert_ffn=48".into(),
-        "model.seq_len=32".into(),
-        "train.micro_batch=4".into(),
-        "train.steps=6".into(),
-        "train.warmup_steps=1".into(),
-        "train.lr=0.01".into(),
-        "train.val_every=1000".into(),
-        "checkpoint.every=6".into(),
-        format!("checkpoint.store={store}"),
-        format!("data.path={}", data.display()),
-    ] {
-        args.push("--set".into());
-        args.push(set);
-    }
+    let args = TrainerArgs::new("tiny")
+        .metrics(&dir.path().join("metrics"))
+        .run("interop")
+        .sets([
+            "model.d_model=64",
+            "model.layers=2",
+            "model.heads=4",
+            "model.experts=4",
+            "model.top_k=2",
+            "model.expert_ffn=48",
+            "model.seq_len=32",
+            "train.micro_batch=4",
+            "train.steps=6",
+            "train.warmup_steps=1",
+            "train.lr=0.01",
+            "train.val_every=1000",
+            "checkpoint.every=6",
+        ])
+        .store(&store)
+        .data(&data)
+        .build();
     run_ok(Command::new(bin("trainer")).args(&args));
 
     let out = dir.path().join("hf");

@@ -2,7 +2,7 @@
 //! below what token frequencies alone would score. (Its own module so that, in name order,
 //! it starts among the first tests rather than last and alone.)
 
-use lazarus_tests::train::prepared;
+use lazarus_tests::train::{prepared, TrainerArgs};
 
 use crate::trainer::trainer;
 
@@ -33,26 +33,15 @@ fn the_tiny_preset_learns_below_the_unigram_entropy() {
     let entropy = unigram_entropy(&data.join("train.tokens"));
     let metrics = dir.path().join("metrics");
     let steps = 60;
-    let (code, said) = trainer(&[
-        "train",
-        "--config",
-        "tiny",
-        "--metrics-dir",
-        metrics.to_str().unwrap(),
-        "--set",
-        &format!("train.steps={steps}"),
-        "--set",
-        "train.val_every=20",
-        "--set",
-        "checkpoint.every=1000",
-        "--set",
-        &format!(
-            "checkpoint.store=file://{}",
-            dir.path().join("store").display()
-        ),
-        "--set",
-        &format!("data.path={}", data.display()),
-    ]);
+    let args = TrainerArgs::new("tiny")
+        .metrics(&metrics)
+        .steps(steps)
+        .set("train.val_every", 20)
+        .set("checkpoint.every", 1000)
+        .store(&format!("file://{}", dir.path().join("store").display()))
+        .data(&data)
+        .build();
+    let (code, said) = trainer(&args);
     assert_eq!(code, 0, "{said}");
     let text = std::fs::read_to_string(metrics.join("tiny").join("metrics.jsonl")).unwrap();
     let validation: Vec<(u64, f64)> = text

@@ -7,7 +7,7 @@ use std::process::Command;
 
 use lazarus_tests::bin;
 use lazarus_tests::runbook::Runbook;
-use lazarus_tests::train::prepared;
+use lazarus_tests::train::{prepared, TrainerArgs};
 
 /// A small model; `micro_batch` is per rank, so the global batch is micro_batch x ranks.
 fn args(dir: &Path, run: &str, steps: u64, micro_batch: usize) -> Vec<String> {
@@ -16,36 +16,21 @@ fn args(dir: &Path, run: &str, steps: u64, micro_batch: usize) -> Vec<String> {
 
 /// [`args`] with `parallel.ep`.
 fn args_ep(dir: &Path, run: &str, steps: u64, micro_batch: usize, ep: usize) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-        .map(String::from)
-        .to_vec();
-    args.push(dir.join("metrics").display().to_string());
-    for set in [
-        format!("run.id={run}"),
-        "model.d_model=32".into(),
-        "model.layers=2".into(),
-        "model.heads=2".into(),
-        "model.experts=4".into(),
-        "model.expert_ffn=32".into(),
-        "model.seq_len=32".into(),
-        format!("train.micro_batch={micro_batch}"),
-        format!("train.steps={steps}"),
-        "train.log_every=1".into(),
+    TrainerArgs::small(dir)
+        .run(run)
+        .set("train.micro_batch", micro_batch)
+        .steps(steps)
         // Inside the warm-up the schedule does not depend on train.steps, so a run stopped
         // at step 5 and resumed to 10 sees the same learning rates as one run to 10.
-        "train.warmup_steps=20".into(),
-        "train.lr=0.02".into(),
-        "train.val_every=1000".into(),
-        "train.threads=1".into(),
-        format!("parallel.ep={ep}"),
-        "checkpoint.every=5".into(),
-        format!("checkpoint.store=file://{}", dir.join("store").display()),
-        format!("data.path={}", dir.join("data").display()),
-    ] {
-        args.push("--set".into());
-        args.push(set);
-    }
-    args
+        .sets([
+            "train.warmup_steps=20",
+            "train.lr=0.02",
+            "train.val_every=1000",
+        ])
+        .set("parallel.ep", ep)
+        .set("checkpoint.every", 5)
+        .store(&format!("file://{}", dir.join("store").display()))
+        .build()
 }
 
 fn run(ranks: usize, args: &[String]) -> String {

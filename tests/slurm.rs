@@ -5,7 +5,7 @@ use std::path::Path;
 use std::process::Command;
 
 use lazarus_tests::cluster::text_of;
-use lazarus_tests::train::{loss_texts, pid_in_rank_table, prepared, small_model_args};
+use lazarus_tests::train::{loss_texts, pid_in_rank_table, prepared, TrainerArgs};
 use lazarus_tests::{bin, slurm_cluster};
 
 fn args(dir: &Path, run: &str) -> Vec<String> {
@@ -13,16 +13,12 @@ fn args(dir: &Path, run: &str) -> Vec<String> {
 }
 
 fn args_steps(dir: &Path, run: &str, steps: u64) -> Vec<String> {
-    small_model_args(
-        dir,
-        &[
-            format!("run.id={run}"),
-            format!("train.steps={steps}"),
-            "parallel.ep=2".into(),
-            "checkpoint.every=3".into(),
-            format!("checkpoint.store=file://{}", dir.join("store").display()),
-        ],
-    )
+    TrainerArgs::small(dir)
+        .run(run)
+        .steps(steps)
+        .sets(["parallel.ep=2", "checkpoint.every=3"])
+        .store(&format!("file://{}", dir.join("store").display()))
+        .build()
 }
 
 #[test]

@@ -15,26 +15,28 @@ use std::time::{Duration, Instant};
 use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::runbook::Runbook;
 use lazarus_tests::supervision::{
-    events, kill, kinds, leader_status, now_ms, rank_pid_at, supervised_on, supervised_with,
-    wait_for_event_or, wait_for_event_within,
+    events, kill, kinds, now_ms, supervised_on, supervised_with, wait_for_event_or,
+    wait_for_event_within, Status,
 };
-use lazarus_tests::train::{loss_texts as losses, prepared, small_model_args};
+use lazarus_tests::train::{loss_texts as losses, prepared, TrainerArgs};
 use lazarus_tests::{bin, Ctl, S3Server};
 
 const STEPS: u64 = 200;
 
 fn trainer_args(dir: &Path, run: &str, store: &str) -> Vec<String> {
-    small_model_args(
-        dir,
-        &[
-            format!("run.id={run}"),
-            format!("train.steps={STEPS}"),
-            "train.warmup_steps=1000".into(),
-            "train.lr=0.5".into(),
-            "checkpoint.every=1".into(),
-            format!("checkpoint.store={store}"),
-        ],
-    )
+    small_args(dir, run, store).build()
+}
+
+fn small_args(dir: &Path, run: &str, store: &str) -> TrainerArgs {
+    TrainerArgs::small(dir)
+        .run(run)
+        .steps(STEPS)
+        .sets([
+            "train.warmup_steps=1000",
+            "train.lr=0.5",
+            "checkpoint.every=1",
+        ])
+        .store(store)
 }
 
 /// The losses of the same training, uninterrupted, under plain mpiexec with 2 ranks. Every
@@ -46,8 +48,9 @@ fn reference_losses(dir: &Path) -> BTreeMap<u64, String> {
 
 fn run_reference(dir: &Path) -> BTreeMap<u64, String> {
     let reference_store = format!("file://{}", dir.join("reference").display());
-    let mut reference = trainer_args(dir, "reference", &reference_store);
-    reference.extend(["--set".into(), "checkpoint.every=100000".into()]);
+    let reference = small_args(dir, "reference", &reference_store)
+        .set("checkpoint.every", 100000)
+        .build();
     let output = Command::new("mpiexec")
         .args(["-n", "2"])
         .arg(bin("trainer"))
@@ -98,7 +101,7 @@ fn wait_for_event(ctl: &Ctl, run: &str, kind: &str, count: usize, cluster: &Clus
 
 /// The pid of a rank of the running world, from the leader, once it is past `past_step`.
 fn rank_pid(cluster: &Cluster, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
-    rank_pid_at(&cluster.leader(), &cluster.key_file, ctl, rank, past_step)
+    Status::of(cluster, ctl).rank_pid(rank, past_step)
 }
 
 /// Under srun on the local Slurm cluster where this process may start one (as root), else
@@ -343,7 +346,7 @@ fn a_rank_killed_while_the_store_hangs_restores_from_memory_in_seconds() {
             })
             .unwrap_or_default()
     };
-    let before = ranks(&leader_status(&cluster.leader(), &cluster.key_file, &ctl));
+    let before = ranks(&Status::of(&cluster, &ctl).json());
     assert_eq!(before.len(), 2, "{before:?}");
 
     // The store stops answering (a hung S3 endpoint), then rank 1 is killed. Detection,
@@ -352,7 +355,7 @@ fn a_rank_killed_while_the_store_hangs_restores_from_memory_in_seconds() {
     let killed = Instant::now();
     assert!(kill("KILL", before[1].0));
     loop {
-        let status = leader_status(&cluster.leader(), &cluster.key_file, &ctl);
+        let status = Status::of(&cluster, &ctl).json();
         let now = ranks(&status);
         let recovered = now.len() == 2
             && now
@@ -442,16 +445,7 @@ fn under_slurm_a_lost_node_is_drained_and_a_spare_takes_over() {
         "the spare restored rank 1 from its buddy's replica\n{}",
         cluster.logs()
     );
-    let status = ctl.expect(
-        0,
-        &[
-            "status",
-            "--leader",
-            &cluster.leader(),
-            "--key-file",
-            cluster.key_file.to_str().unwrap(),
-        ],
-    );
+    let status = Status::of(&cluster, &ctl).text();
     assert!(
         status.contains("active n1,n3, spares -, drained n2"),
         "{status}"
@@ -742,7 +736,7 @@ fn a_throttled_rank_is_reported_as_a_straggler() {
     let throttle = Throttle::start(slow);
     let deadline = Instant::now() + Duration::from_secs(60);
     let status = loop {
-        let status = leader_status(&cluster.leader(), &cluster.key_file, &ctl);
+        let status = Status::of(&cluster, &ctl).json();
         let ranks = status["runs"][0]["ranks"]
             .as_array()
             .cloned()
@@ -766,16 +760,7 @@ fn a_throttled_rank_is_reported_as_a_straggler() {
         .iter()
         .all(|r| r["rank"] == 1 || r["straggler"] == false));
     assert_eq!(cluster.metric(0, "lazarus_ckptd_stragglers"), 1.0);
-    let text = ctl.expect(
-        0,
-        &[
-            "status",
-            "--leader",
-            &cluster.leader(),
-            "--key-file",
-            cluster.key_file.to_str().unwrap(),
-        ],
-    );
+    let text = Status::of(&cluster, &ctl).text();
     assert!(text.contains("stragglers: rank 1 on n2"), "{text}");
     assert!(
         cluster.log(0).contains("straggler: rank 1 on n2"),
@@ -863,8 +848,8 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
     let leader = format!("127.0.0.1:{ports}");
 
     // One daemon per node; two train, one is a spare.
-    rank_pid_at(&leader, &key_file, &ctl, 0, 60);
-    let status = leader_status(&leader, &key_file, &ctl);
+    Status::new(&ctl, &leader, &key_file).rank_pid(0, 60);
+    let status = Status::new(&ctl, &leader, &key_file).json();
     assert_eq!(status["nodes"].as_array().unwrap().len(), 3, "{status}");
     assert_eq!(
         status["supervision"]["spares"].as_array().unwrap().len(),

@@ -4,10 +4,10 @@
 use std::process::Command;
 
 use lazarus_tests::deadline::test_dir;
-use lazarus_tests::train::prepared;
+use lazarus_tests::train::{prepared, TrainerArgs, SMALL_MODEL};
 use lazarus_tests::{bin, shared_data};
 
-pub(crate) fn trainer(args: &[&str]) -> (i32, String) {
+pub(crate) fn trainer<S: AsRef<std::ffi::OsStr>>(args: &[S]) -> (i32, String) {
     let output = Command::new(bin("trainer")).args(args).output().unwrap();
     let text = String::from_utf8_lossy(&output.stdout).to_string()
         + &String::from_utf8_lossy(&output.stderr);
@@ -100,25 +100,14 @@ fn bad_configs_and_missing_data_exit_2_with_the_reason() {
     assert!(said.contains("bad.toml"), "{said}");
 }
 
-/// A small model (the GPT-2 vocabulary still sets the head's width) for fast loop tests.
-const SMALL: [&str; 16] = [
-    "--set",
-    "model.d_model=32",
-    "--set",
-    "model.layers=2",
-    "--set",
-    "model.heads=2",
-    "--set",
-    "model.expert_ffn=32",
-    "--set",
-    "model.seq_len=32",
-    "--set",
-    "train.micro_batch=2",
-    "--set",
-    "train.log_every=1",
-    "--set",
-    "train.val_every=1000",
-];
+/// A small model (the GPT-2 vocabulary still sets the head's width) for fast loop tests,
+/// metrics under `metrics`.
+fn small(metrics: &std::path::Path) -> TrainerArgs {
+    TrainerArgs::new("tiny")
+        .metrics(metrics)
+        .sets(SMALL_MODEL)
+        .set("train.val_every", 1000)
+}
 
 /// Per-step losses from a run's metrics.jsonl, as exact bit patterns.
 fn losses(metrics_dir: &std::path::Path, run: &str) -> Vec<(u64, u64)> {
@@ -153,27 +142,13 @@ fn training_is_deterministic_and_resume_is_bit_identical() {
     let store = format!("file://{}", dir.path().join("store").display());
     let metrics = dir.path().join("metrics");
     let run = |id: &str, steps: u64| {
-        let mut args: Vec<String> = [
-            "train",
-            "--config",
-            "tiny",
-            "--metrics-dir",
-            metrics.to_str().unwrap(),
-        ]
-        .map(String::from)
-        .to_vec();
-        args.extend(SMALL.map(String::from));
-        for set in [
-            format!("run.id={id}"),
-            format!("train.steps={steps}"),
-            "checkpoint.every=100".into(),
-            format!("checkpoint.store={store}"),
-            format!("data.path={}", data.display()),
-        ] {
-            args.push("--set".into());
-            args.push(set);
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let args = small(&metrics)
+            .run(id)
+            .steps(steps)
+            .set("checkpoint.every", 100)
+            .store(&store)
+            .data(&data)
+            .build();
         let (code, said) = trainer(&args);
         assert_eq!(code, 0, "{said}");
         said
@@ -255,22 +230,14 @@ fn training_is_deterministic_and_resume_is_bit_identical() {
     ctl.expect(0, &["verify", "resumed", "--all", "--read-data"]);
 
     // A run with checkpoints is never overwritten by a fresh start.
-    let mut args: Vec<String> = ["train", "--config", "tiny", "--resume", "never"]
-        .map(String::from)
-        .to_vec();
-    args.extend(SMALL.map(String::from));
-    for set in [
-        "run.id=straight".to_string(),
-        format!(
-            "checkpoint.store=file://{}",
-            dir.path().join("store").display()
-        ),
-        format!("data.path={}", data.display()),
-    ] {
-        args.push("--set".into());
-        args.push(set);
-    }
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let args = TrainerArgs::new("tiny")
+        .option("--resume", "never")
+        .sets(SMALL_MODEL)
+        .set("train.val_every", 1000)
+        .run("straight")
+        .store(&format!("file://{}", dir.path().join("store").display()))
+        .data(&data)
+        .build();
     let (code, said) = trainer(&args);
     assert_eq!(code, 2, "{said}");
     assert!(said.contains("refusing to overwrite"), "{said}");
@@ -295,20 +262,11 @@ fn bad_data_files_and_unusable_stores_get_clear_errors() {
     ]);
     assert_eq!(code, 0, "{said}");
     let train_to = |data: &std::path::Path, store: &str| {
-        let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-            .map(String::from)
-            .to_vec();
-        args.push(dir.path().join("metrics").display().to_string());
-        args.extend(SMALL.map(String::from));
-        for set in [
-            "train.steps=1".to_string(),
-            format!("checkpoint.store={store}"),
-            format!("data.path={}", data.display()),
-        ] {
-            args.push("--set".into());
-            args.push(set);
-        }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let args = small(&dir.path().join("metrics"))
+            .steps(1)
+            .store(store)
+            .data(data)
+            .build();
         trainer(&args)
     };
     let good_store = format!("file://{}", dir.path().join("store").display());
@@ -382,21 +340,12 @@ fn sigterm_checkpoints_the_current_step_and_a_rerun_resumes() {
     let data = dir.path().join("data");
     let store = format!("file://{}", dir.path().join("store").display());
     let args = |steps: u64| {
-        let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-            .map(String::from)
-            .to_vec();
-        args.push(dir.path().join("metrics").display().to_string());
-        args.extend(SMALL.map(String::from));
-        for set in [
-            format!("train.steps={steps}"),
-            "checkpoint.every=1000".into(),
-            format!("checkpoint.store={store}"),
-            format!("data.path={}", data.display()),
-        ] {
-            args.push("--set".into());
-            args.push(set);
-        }
-        args
+        small(&dir.path().join("metrics"))
+            .steps(steps)
+            .set("checkpoint.every", 1000)
+            .store(&store)
+            .data(&data)
+            .build()
     };
     let mut child = Command::new(bin("trainer"))
         .args(args(100_000))
@@ -453,20 +402,12 @@ fn training_checkpoints_to_s3_and_resumes_from_it() {
     let s3 = lazarus_tests::S3Server::start();
     let store = s3.url("ckpt");
     let run = |steps: u64| {
-        let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-            .map(String::from)
-            .to_vec();
-        args.push(dir.path().join("metrics").display().to_string());
-        args.extend(SMALL.map(String::from));
-        for set in [
-            format!("train.steps={steps}"),
-            "checkpoint.every=2".into(),
-            format!("checkpoint.store={store}"),
-            format!("data.path={}", data.display()),
-        ] {
-            args.push("--set".into());
-            args.push(set);
-        }
+        let args = small(&dir.path().join("metrics"))
+            .steps(steps)
+            .set("checkpoint.every", 2)
+            .store(&store)
+            .data(&data)
+            .build();
         let output = Command::new(bin("trainer"))
             .args(&args)
             .envs(s3.envs())

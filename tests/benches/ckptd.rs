@@ -19,37 +19,31 @@ use std::process::Command;
 use std::time::Instant;
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::train::TrainerArgs;
 use lazarus_tests::{bin, python, shared_data, Ctl};
 
 const STEPS: u64 = 10;
 
 fn args(dir: &Path, run: &str, store: &str, d_model: usize, steps: u64, every: u64) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-        .map(String::from)
-        .to_vec();
-    args.push(dir.join("metrics").display().to_string());
-    for set in [
-        format!("run.id={run}"),
-        format!("model.d_model={d_model}"),
-        "model.layers=2".into(),
-        "model.heads=2".into(),
-        "model.experts=4".into(),
-        "model.expert_ffn=64".into(),
-        "model.seq_len=32".into(),
-        "train.micro_batch=2".into(),
-        format!("train.steps={steps}"),
-        "train.log_every=1".into(),
-        "train.warmup_steps=10".into(),
-        "train.val_every=100000".into(),
-        "train.threads=1".into(),
-        format!("checkpoint.every={every}"),
-        format!("checkpoint.store={store}"),
-        format!("data.path={}", dir.join("data").display()),
-    ] {
-        args.push("--set".into());
-        args.push(set);
-    }
-    args
+    bench_args(dir, run, store, d_model, steps, every).build()
+}
+
+fn bench_args(
+    dir: &Path,
+    run: &str,
+    store: &str,
+    d_model: usize,
+    steps: u64,
+    every: u64,
+) -> TrainerArgs {
+    TrainerArgs::small(dir)
+        .run(run)
+        .set("model.d_model", d_model)
+        .set("model.expert_ffn", 64)
+        .steps(steps)
+        .set("train.warmup_steps", 10)
+        .set("checkpoint.every", every)
+        .store(store)
 }
 
 /// (mean, median, max) ms and state bytes from the trainer's stall line.
@@ -185,8 +179,9 @@ fn main() {
         ..Settings::default()
     };
     let cluster = Cluster::start(dir, "ratio", &store, 2, &settings, Vec::new());
-    let mut wait_args = args(dir, "ratio", &store, 32, 100, 1);
-    wait_args.extend(["--set".into(), "checkpoint.busy=wait".into()]);
+    let wait_args = bench_args(dir, "ratio", &store, 32, 100, 1)
+        .set("checkpoint.busy", "wait")
+        .build();
     cluster.train(&wait_args);
     drop(cluster);
     let ctl = Ctl::new(store.clone(), &dir.join("index"));

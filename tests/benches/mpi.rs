@@ -13,6 +13,7 @@
 use std::path::Path;
 use std::process::Command;
 
+use lazarus_tests::train::TrainerArgs;
 use lazarus_tests::{bin, shared_data};
 
 const STEPS: u64 = 6;
@@ -27,22 +28,23 @@ fn train(dir: &Path, ranks: usize, ep: usize) -> (f64, String) {
         command.args(["-n", &ranks.to_string()]).arg(bin("trainer"));
         command
     };
-    command.args(["train", "--config", "tiny", "--metrics-dir"]);
-    command.arg(dir.join("metrics"));
-    for set in [
-        format!("run.id={run}"),
-        format!("train.steps={STEPS}"),
-        format!("train.micro_batch={}", 8 / ranks),
-        format!("train.threads={}", 2 / ranks),
-        format!("parallel.ep={ep}"),
-        "train.log_every=1".into(),
-        "train.val_every=1000".into(),
-        "checkpoint.every=1000".into(),
-        format!("checkpoint.store=file://{}", dir.join("store").display()),
-        format!("data.path={}", dir.join("data").display()),
-    ] {
-        command.args(["--set", &set]);
-    }
+    command.args(
+        TrainerArgs::new("tiny")
+            .metrics(&dir.join("metrics"))
+            .run(&run)
+            .steps(STEPS)
+            .set("train.micro_batch", 8 / ranks)
+            .set("train.threads", 2 / ranks)
+            .set("parallel.ep", ep)
+            .sets([
+                "train.log_every=1",
+                "train.val_every=1000",
+                "checkpoint.every=1000",
+            ])
+            .store(&format!("file://{}", dir.join("store").display()))
+            .data(&dir.join("data"))
+            .build(),
+    );
     let output = command.output().expect("trainer runs");
     let text = String::from_utf8_lossy(&output.stdout).to_string()
         + &String::from_utf8_lossy(&output.stderr);

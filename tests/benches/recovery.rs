@@ -22,23 +22,22 @@ use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::supervision::{
-    events, kill, leader_status, now_ms, rank_pid_at, supervised_with, wait_for_event_or,
+    events, kill, now_ms, supervised_with, wait_for_event_or, Status,
 };
-use lazarus_tests::train::{loss_texts, small_model_args};
+use lazarus_tests::train::{loss_texts, TrainerArgs};
 use lazarus_tests::{bin, shared_data};
 
 fn trainer_args(dir: &Path, run: &str) -> Vec<String> {
-    small_model_args(
-        dir,
-        &[
-            format!("run.id={run}"),
-            "train.steps=10000000".into(),
-            "train.warmup_steps=1000".into(),
-            "train.lr=0.5".into(),
-            "checkpoint.every=1".into(),
-            format!("checkpoint.store=file://{}", dir.join("store").display()),
-        ],
-    )
+    TrainerArgs::small(dir)
+        .run(run)
+        .sets([
+            "train.steps=10000000",
+            "train.warmup_steps=1000",
+            "train.lr=0.5",
+            "checkpoint.every=1",
+        ])
+        .store(&format!("file://{}", dir.join("store").display()))
+        .build()
 }
 
 /// The newest step the run logged (rank 0 logs every step).
@@ -99,7 +98,7 @@ fn scenario(root: &Path, name: &str, nodes: usize, flags: &[&str], fault: Fault)
         Vec::new(),
     );
     // Past the first durable step (50), so a shrink has one to start from too.
-    let victim = rank_pid_at(&cluster.leader(), &cluster.key_file, &ctl, 1, 60);
+    let victim = Status::of(&cluster, &ctl).rank_pid(1, 60);
     let injected = now_ms();
     match fault {
         Fault::CrashRank => assert!(kill("KILL", victim)),
@@ -138,7 +137,7 @@ fn goodput_run(root: &Path, name: &str, minutes: f64, every: Option<f64>) -> (u6
     let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
     let (mut cluster, ctl) =
         supervised_with(&dir, run, 3, &flags, &trainer_args(&dir, run), Vec::new());
-    rank_pid_at(&cluster.leader(), &cluster.key_file, &ctl, 0, 0);
+    Status::of(&cluster, &ctl).rank_pid(0, 0);
     let started = Instant::now();
     let end = started + Duration::from_secs_f64(minutes * 60.0);
     let mut faults = 0;
@@ -153,7 +152,7 @@ fn goodput_run(root: &Path, name: &str, minutes: f64, every: Option<f64>) -> (u6
             }
         }
         if next.is_some_and(|at| Instant::now() >= at) {
-            let status = leader_status(&cluster.leader(), &cluster.key_file, &ctl);
+            let status = Status::of(&cluster, &ctl).json();
             let ranks = status["runs"][0]["ranks"]
                 .as_array()
                 .cloned()

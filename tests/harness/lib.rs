@@ -113,6 +113,22 @@ impl Ctl {
             .collect()
     }
 
+    /// Waits (up to 60 s) until the store's latest durable step of `run` is `step`.
+    pub fn wait_for_latest(&self, run: &str, step: u64) {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let listed = self.json(&["list", run]);
+            if listed["latest"]["step"].as_u64() == Some(step) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "step {step} never became durable: {listed}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+    }
+
     pub fn json(&self, args: &[&str]) -> serde_json::Value {
         let mut all = vec!["--json"];
         all.extend_from_slice(args);

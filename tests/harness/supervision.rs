@@ -1,7 +1,7 @@
 //! Driving a supervising leader from tests and benchmarks: start one over a cluster of
 //! daemons, read its timeline, find and signal its ranks.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -112,35 +112,68 @@ pub fn wait_for_event_within(
     }
 }
 
-/// What `ckptctl status` says of the leader (null while it does not answer).
-pub fn leader_status(leader: &str, key_file: &Path, ctl: &Ctl) -> serde_json::Value {
-    let output = ctl.run(&[
-        "--json",
-        "status",
-        "--leader",
-        leader,
-        "--key-file",
-        key_file.to_str().expect("a UTF-8 path"),
-    ]);
-    serde_json::from_slice(&output.stdout).unwrap_or_default()
+/// Reads `ckptctl status` from a leader; the one place that builds its command line.
+#[derive(Debug)]
+pub struct Status<'a> {
+    ctl: &'a Ctl,
+    leader: String,
+    key_file: PathBuf,
 }
 
-/// The pid of a rank of the running world, once it is past `past_step`.
-pub fn rank_pid_at(leader: &str, key_file: &Path, ctl: &Ctl, rank: u64, past_step: u64) -> u32 {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let status = leader_status(leader, key_file, ctl);
-        let found = status["runs"][0]["ranks"]
-            .as_array()
-            .and_then(|ranks| ranks.iter().find(|r| r["rank"] == rank).cloned());
-        if let Some(r) = found.filter(|r| r["step"].as_u64().unwrap_or(0) > past_step) {
-            return r["pid"].as_u64().expect("a pid") as u32;
+impl<'a> Status<'a> {
+    pub fn new(ctl: &'a Ctl, leader: &str, key_file: &Path) -> Self {
+        Self {
+            ctl,
+            leader: leader.to_string(),
+            key_file: key_file.to_path_buf(),
         }
-        assert!(
-            Instant::now() < deadline,
-            "rank {rank} never passed step {past_step}: {status}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    /// The leader of `cluster`.
+    pub fn of(cluster: &Cluster, ctl: &'a Ctl) -> Self {
+        Self::new(ctl, &cluster.leader(), &cluster.key_file)
+    }
+
+    fn args(&self, json: bool) -> Vec<&str> {
+        let mut args = if json { vec!["--json"] } else { Vec::new() };
+        args.extend([
+            "status",
+            "--leader",
+            &self.leader,
+            "--key-file",
+            self.key_file.to_str().expect("a UTF-8 path"),
+        ]);
+        args
+    }
+
+    /// What the operator reads; the command must succeed.
+    pub fn text(&self) -> String {
+        self.ctl.expect(0, &self.args(false))
+    }
+
+    /// The same as JSON (null while the leader does not answer).
+    pub fn json(&self) -> serde_json::Value {
+        let output = self.ctl.run(&self.args(true));
+        serde_json::from_slice(&output.stdout).unwrap_or_default()
+    }
+
+    /// The pid of a rank of the running world, once it is past `past_step`.
+    pub fn rank_pid(&self, rank: u64, past_step: u64) -> u32 {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            let status = self.json();
+            let found = status["runs"][0]["ranks"]
+                .as_array()
+                .and_then(|ranks| ranks.iter().find(|r| r["rank"] == rank).cloned());
+            if let Some(r) = found.filter(|r| r["step"].as_u64().unwrap_or(0) > past_step) {
+                return r["pid"].as_u64().expect("a pid") as u32;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rank {rank} never passed step {past_step}: {status}"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 }
 

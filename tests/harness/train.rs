@@ -33,33 +33,110 @@ pub fn prepared_within(limit: std::time::Duration) -> (TestDir, PathBuf) {
     (dir, path)
 }
 
-/// `trainer train` on the `tiny` preset shrunk to a few million parameters (one thread per
-/// rank, a log line per step, metrics under `dir/metrics`, data from [`prepared`]), then
-/// `sets` (later ones win).
-pub fn small_model_args(dir: &Path, sets: &[String]) -> Vec<String> {
-    let mut args: Vec<String> = ["train", "--config", "tiny", "--metrics-dir"]
-        .map(String::from)
-        .to_vec();
-    args.push(dir.join("metrics").display().to_string());
-    let base = [
-        "model.d_model=32",
-        "model.layers=2",
-        "model.heads=2",
-        "model.experts=4",
-        "model.expert_ffn=32",
-        "model.seq_len=32",
-        "train.micro_batch=2",
-        "train.log_every=1",
-        "train.val_every=100000",
-        "train.threads=1",
-    ]
-    .map(String::from);
-    let data = format!("data.path={}", dir.join("data").display());
-    for set in base.iter().chain(std::iter::once(&data)).chain(sets) {
-        args.push("--set".into());
-        args.push(set.clone());
+/// Arguments of `trainer train`, built up: a config (a preset's name or a file), where the
+/// metrics go, and `--set` overrides in order (a later one wins). Every test that starts a
+/// trainer builds its arguments here.
+#[derive(Clone, Debug)]
+pub struct TrainerArgs {
+    config: String,
+    metrics: Option<PathBuf>,
+    options: Vec<String>,
+    sets: Vec<String>,
+}
+
+/// The `tiny` preset's model shrunk to a few million parameters (the GPT-2 vocabulary still
+/// sets the head's width), a log line per step and no validation.
+pub const SMALL_MODEL: [&str; 7] = [
+    "model.d_model=32",
+    "model.layers=2",
+    "model.heads=2",
+    "model.expert_ffn=32",
+    "model.seq_len=32",
+    "train.micro_batch=2",
+    "train.log_every=1",
+];
+
+impl TrainerArgs {
+    /// `trainer train --config <config>`, nothing overridden.
+    pub fn new(config: &str) -> Self {
+        Self {
+            config: config.to_string(),
+            metrics: None,
+            options: Vec::new(),
+            sets: Vec::new(),
+        }
     }
-    args
+
+    /// What the multi-process tests train: [`SMALL_MODEL`] with four experts and one thread
+    /// per rank, metrics under `dir/metrics`, data from [`prepared`] in `dir`.
+    pub fn small(dir: &Path) -> Self {
+        Self::new("tiny")
+            .metrics(&dir.join("metrics"))
+            .sets(SMALL_MODEL)
+            .sets([
+                "model.experts=4",
+                "train.val_every=100000",
+                "train.threads=1",
+            ])
+            .data(&dir.join("data"))
+    }
+
+    /// Metrics (`metrics.jsonl` per run) under `dir`.
+    pub fn metrics(mut self, dir: &Path) -> Self {
+        self.metrics = Some(dir.to_path_buf());
+        self
+    }
+
+    /// A command-line option before the overrides, e.g. `--resume never`.
+    pub fn option(mut self, name: &str, value: &str) -> Self {
+        self.options.push(name.to_string());
+        self.options.push(value.to_string());
+        self
+    }
+
+    /// `--set key=value`.
+    pub fn set(mut self, key: &str, value: impl std::fmt::Display) -> Self {
+        self.sets.push(format!("{key}={value}"));
+        self
+    }
+
+    /// `--set` for each `key=value`.
+    pub fn sets<S: Into<String>>(mut self, sets: impl IntoIterator<Item = S>) -> Self {
+        self.sets.extend(sets.into_iter().map(Into::into));
+        self
+    }
+
+    pub fn run(self, id: &str) -> Self {
+        self.set("run.id", id)
+    }
+
+    pub fn steps(self, steps: u64) -> Self {
+        self.set("train.steps", steps)
+    }
+
+    pub fn store(self, url: &str) -> Self {
+        self.set("checkpoint.store", url)
+    }
+
+    /// Tokenised data in `dir` (what [`prepared`] makes under `<test dir>/data`).
+    pub fn data(self, dir: &Path) -> Self {
+        self.set("data.path", dir.display())
+    }
+
+    /// The command line after the program's name.
+    pub fn build(&self) -> Vec<String> {
+        let mut args: Vec<String> = vec!["train".into(), "--config".into(), self.config.clone()];
+        if let Some(metrics) = &self.metrics {
+            args.push("--metrics-dir".into());
+            args.push(metrics.display().to_string());
+        }
+        args.extend(self.options.iter().cloned());
+        for set in &self.sets {
+            args.push("--set".into());
+            args.push(set.clone());
+        }
+        args
+    }
 }
 
 /// The last loss logged for each step of `run`, as exact text (for bit-for-bit comparisons).
