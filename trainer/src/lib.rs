@@ -15,4 +15,5 @@ pub mod model;
 pub mod norm;
 pub mod optim;
 pub mod snapshot;
+pub mod steplog;
 pub mod train;

@@ -31,6 +31,7 @@ use crate::dist::{Group, World};
 use crate::model::Model;
 use crate::optim::{learning_rate, AdamW, Part};
 use crate::snapshot::{Ckptd, HeldSlots, StateMemory};
+use crate::steplog::{Phase, StepLog};
 use lazarus_shared::wire::SlotTensor;
 
 /// Bad configuration or a run that must not be touched (exit 2).
@@ -44,30 +45,6 @@ struct TrainerState {
     step: u64,
     samples_seen: u64,
     optimizer_step: u64,
-}
-
-/// One line of `metrics.jsonl`.
-#[derive(Clone, Debug, Serialize)]
-pub struct StepMetrics {
-    pub step: u64,
-    pub loss: f64,
-    pub cross_entropy: f64,
-    pub load_balancing: f64,
-    pub router_z: f64,
-    pub grad_norm: f64,
-    pub lr: f64,
-    pub tokens_per_second: f64,
-    /// Most-loaded expert's share over the mean share, averaged over layers (1.0 = balanced).
-    pub expert_imbalance: f64,
-    /// Model FLOPs per second over the matmul peak `trainer bench-peak` measured (if it ran).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub mfu: Option<f64>,
-    /// Mean milliseconds per step since the last log line, by phase.
-    pub forward_ms: f64,
-    pub backward_ms: f64,
-    pub optimizer_ms: f64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub val_loss: Option<f64>,
 }
 
 /// What a finished (or stopped) run reports.
@@ -192,6 +169,28 @@ struct Session {
 }
 
 impl Session {
+    /// How long the loop stood still for its checkpoints or snapshots, if it took any.
+    fn report_stalls(&self, log: &mut dyn Write) -> Result<()> {
+        if self.stalls.is_empty() {
+            return Ok(());
+        }
+        let n = self.stalls.len();
+        let mean = self.stalls.iter().sum::<f64>() / n as f64;
+        let max = self.stalls.iter().copied().fold(0.0, f64::max);
+        let mut sorted = self.stalls.clone();
+        sorted.sort_by(f64::total_cmp);
+        writeln!(
+            log,
+            "checkpoint stall ({}) over {n} in-loop checkpoints: mean {:.3} ms, median {:.3} ms, max {:.3} ms, state {} bytes per rank",
+            self.saver_name(),
+            mean * 1e3,
+            sorted[n / 2] * 1e3,
+            max * 1e3,
+            4 * self.optim.state_len()
+        )?;
+        Ok(())
+    }
+
     /// Every rank writes its shard manifest; once all are durable, rank 0 writes the commit.
     fn checkpoint(&mut self) -> Result<u64> {
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
@@ -612,35 +611,16 @@ impl StartChecks {
     }
 }
 
-/// Trains until `config.train.steps` or until `stop` is raised (then checkpoints and returns).
-pub fn train(
-    config: &Config,
-    world: Arc<World>,
-    stop: Arc<AtomicBool>,
-    metrics_dir: &Path,
-    log: &mut dyn Write,
-) -> Result<Summary> {
-    config
-        .validate_world(world.size)
-        .map_err(|e| RefusedRun(e.to_string()))?;
-    // Rank 0 speaks for the job; the others log nothing.
-    let mut quiet = std::io::sink();
-    let log: &mut dyn Write = if world.rank == 0 { log } else { &mut quiet };
-    let dataset = Dataset::open(Path::new(&config.data.path))?;
-    if dataset.index.vocab_size > config.model.vocab_size {
-        bail!(RefusedRun(format!(
-            "{}: the data's tokenizer has {} tokens, more than model.vocab_size {}",
-            config.data.path, dataset.index.vocab_size, config.model.vocab_size
-        )));
-    }
-    let seq = config.model.seq_len;
-    let mut sampler = Sampler::new(&dataset.train, seq, config.run.seed).ok_or_else(|| {
-        RefusedRun(format!(
-            "{}: the training split holds {} tokens, fewer than one sequence of {seq}",
-            config.data.path,
-            dataset.train.len()
-        ))
-    })?;
+/// The run's store, opened and checked before any training: the run exists (rank 0 creates
+/// it), was made for this model, and is not overwritten when `checkpoint.resume = never`.
+struct OpenedRun {
+    runtime: tokio::runtime::Runtime,
+    url: String,
+    run_id: RunId,
+    run: RunStore,
+}
+
+fn open_run(config: &Config, world: &World, log: &mut dyn Write) -> Result<OpenedRun> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -709,6 +689,49 @@ pub fn train(
             )));
         }
     }
+    Ok(OpenedRun {
+        runtime,
+        url,
+        run_id,
+        run,
+    })
+}
+
+/// Trains until `config.train.steps` or until `stop` is raised (then checkpoints and returns).
+pub fn train(
+    config: &Config,
+    world: Arc<World>,
+    stop: Arc<AtomicBool>,
+    metrics_dir: &Path,
+    log: &mut dyn Write,
+) -> Result<Summary> {
+    config
+        .validate_world(world.size)
+        .map_err(|e| RefusedRun(e.to_string()))?;
+    // Rank 0 speaks for the job; the others log nothing.
+    let mut quiet = std::io::sink();
+    let log: &mut dyn Write = if world.rank == 0 { log } else { &mut quiet };
+    let dataset = Dataset::open(Path::new(&config.data.path))?;
+    if dataset.index.vocab_size > config.model.vocab_size {
+        bail!(RefusedRun(format!(
+            "{}: the data's tokenizer has {} tokens, more than model.vocab_size {}",
+            config.data.path, dataset.index.vocab_size, config.model.vocab_size
+        )));
+    }
+    let seq = config.model.seq_len;
+    let mut sampler = Sampler::new(&dataset.train, seq, config.run.seed).ok_or_else(|| {
+        RefusedRun(format!(
+            "{}: the training split holds {} tokens, fewer than one sequence of {seq}",
+            config.data.path,
+            dataset.train.len()
+        ))
+    })?;
+    let OpenedRun {
+        runtime,
+        url,
+        run_id,
+        run,
+    } = open_run(config, &world, log)?;
     let mut model = Model::new(&config.model, config.run.seed, DType::F32)?;
     if world.size > 1 {
         model.world = Some(world.clone());
@@ -774,34 +797,12 @@ pub fn train(
             world.size, world.size, world.ep, optimizer_bytes, predicted_bytes
         )?;
     }
-    let metrics_path = metrics_dir.join(run_id.as_str()).join("metrics.jsonl");
-    std::fs::create_dir_all(metrics_path.parent().expect("has a parent"))
-        .with_context(|| format!("creating {}", metrics_path.display()))?;
-    let mut metrics: Box<dyn Write> = if world.rank == 0 {
-        Box::new(
-            std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&metrics_path)
-                .with_context(|| format!("opening {}", metrics_path.display()))?,
-        )
-    } else {
-        Box::new(std::io::sink())
-    };
+    let mut step_log = StepLog::open(config, world.size, world.rank == 0, metrics_dir, log)?;
     let batch = config.train.micro_batch;
     let first_step = session.state.step + 1;
     let mut losses = Vec::new();
     let mut last_checkpoint = resumed_from;
     let mut stopped_by_signal = false;
-    let mut window_start = Instant::now();
-    let mut window_tokens = 0usize;
-    let mut window_steps = 0u32;
-    let flops_per_token = crate::model::training_flops_per_token(&config.model);
-    let peak_gflops = saved_peak(metrics_dir);
-    if peak_gflops.is_none() {
-        writeln!(log, "no matmul peak measured yet: run `trainer bench-peak --out-dir {}` to get CPU-MFU in the logs", metrics_dir.display())?;
-    }
-    let mut phase_seconds = [0f64; 3];
     while session.state.step < config.train.steps {
         // Every rank stops at the same step, whichever of them saw the signal first.
         let stop_requested = if world.size > 1 {
@@ -819,14 +820,14 @@ pub fn train(
         let tokens: Vec<u32> = (0..batch)
             .flat_map(|i| sampler.sample(&dataset.train, first_sample + i as u64))
             .collect();
-        let (forward, grads) = session.gradients(&tokens, batch, &mut phase_seconds)?;
+        let (forward, grads) = session.gradients(&tokens, batch, step_log.phases())?;
         session.heartbeat();
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
         let held = session.saver.held();
         let update = session.optim.update(&session.model, &grads, lr, held)?;
-        phase_seconds[2] += timer.elapsed().as_secs_f64();
-        window_steps += 1;
+        step_log.time(Phase::Optimizer, timer.elapsed().as_secs_f64());
+        step_log.stepped();
         // A checkpoint is due: ask the saver whether it is free now, and agree on it across
         // ranks in the same sum as the loss.
         let checkpoint_due = step % config.checkpoint.every == 0;
@@ -848,7 +849,6 @@ pub fn train(
             optimizer_step: session.optim.step,
         };
         losses.push((step, loss));
-        window_tokens += batch * seq * world.size;
         if !loss.is_finite() {
             bail!("the loss became {loss} at step {step}; lower train.lr or check the data");
         }
@@ -857,55 +857,7 @@ pub fn train(
         } else {
             None
         };
-        if step % config.train.log_every == 0 || val_loss.is_some() || step == config.train.steps {
-            let seconds = window_start.elapsed().as_secs_f64();
-            let imbalance = forward
-                .expert_load
-                .iter()
-                .map(|load| {
-                    let mean = load.iter().sum::<u64>() as f64 / load.len() as f64;
-                    *load.iter().max().expect("at least one expert") as f64 / mean.max(1e-9)
-                })
-                .sum::<f64>()
-                / forward.expert_load.len() as f64;
-            let line = StepMetrics {
-                step,
-                loss,
-                cross_entropy: forward.cross_entropy,
-                load_balancing: forward.load_balancing,
-                router_z: forward.router_z,
-                grad_norm: update.grad_norm,
-                lr,
-                tokens_per_second: window_tokens as f64 / seconds.max(1e-9),
-                expert_imbalance: imbalance,
-                mfu: peak_gflops.map(|peak| {
-                    window_tokens as f64 / seconds.max(1e-9) * flops_per_token / 1e9 / peak
-                }),
-                forward_ms: phase_seconds[0] * 1000.0 / f64::from(window_steps),
-                backward_ms: phase_seconds[1] * 1000.0 / f64::from(window_steps),
-                optimizer_ms: phase_seconds[2] * 1000.0 / f64::from(window_steps),
-                val_loss,
-            };
-            writeln!(metrics, "{}", serde_json::to_string(&line)?)?;
-            writeln!(
-                log,
-                "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s{}  experts max/mean {imbalance:.2}  ms fwd/bwd/opt {:.0}/{:.0}/{:.0}{}",
-                line.cross_entropy,
-                line.load_balancing,
-                line.router_z,
-                line.grad_norm,
-                line.tokens_per_second,
-                line.mfu.map(|m| format!("  MFU {:.1}%", m * 100.0)).unwrap_or_default(),
-                line.forward_ms,
-                line.backward_ms,
-                line.optimizer_ms,
-                val_loss.map(|v| format!("  val {v:.4}")).unwrap_or_default()
-            )?;
-            window_start = Instant::now();
-            window_tokens = 0;
-            window_steps = 0;
-            phase_seconds = [0.0; 3];
-        }
+        step_log.step_done(step, loss, &forward, &update, lr, val_loss, log)?;
         if checkpoint_due && session.save(step == config.train.steps, any_busy, poll_time)? {
             last_checkpoint = Some(step);
         }
@@ -922,22 +874,7 @@ pub fn train(
     if let Some(step) = session.finish(last_checkpoint, log)? {
         last_checkpoint = Some(step);
     }
-    if !session.stalls.is_empty() {
-        let n = session.stalls.len();
-        let mean = session.stalls.iter().sum::<f64>() / n as f64;
-        let max = session.stalls.iter().copied().fold(0.0, f64::max);
-        let mut sorted = session.stalls.clone();
-        sorted.sort_by(f64::total_cmp);
-        writeln!(
-            log,
-            "checkpoint stall ({}) over {n} in-loop checkpoints: mean {:.3} ms, median {:.3} ms, max {:.3} ms, state {} bytes per rank",
-            session.saver_name(),
-            mean * 1e3,
-            sorted[n / 2] * 1e3,
-            max * 1e3,
-            4 * session.optim.state_len()
-        )?;
-    }
+    session.report_stalls(log)?;
     Ok(Summary {
         run: run_id.to_string(),
         store: url,
@@ -964,10 +901,4 @@ pub fn bench_peak(size: usize) -> Result<f64> {
         best = best.min(timer.elapsed().as_secs_f64());
     }
     Ok(2.0 * (size as f64).powi(3) / best / 1e9)
-}
-
-/// The peak `trainer bench-peak` saved in `dir`, if any.
-fn saved_peak(dir: &Path) -> Option<f64> {
-    let text = std::fs::read(dir.join("peak.json")).ok()?;
-    serde_json::from_slice::<serde_json::Value>(&text).ok()?["gflops"].as_f64()
 }

@@ -1,0 +1,202 @@
+//! The training loop's record of itself: the time each phase of a step took, the window of
+//! steps since the last log line, and the line itself, written to the log (rank 0's stdout)
+//! and as JSON to `metrics.jsonl`.
+
+use std::io::Write;
+use std::path::Path;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::model::Forward;
+use crate::optim::UpdateStats;
+
+/// One line of `metrics.jsonl`.
+#[derive(Clone, Debug, Serialize)]
+pub struct StepMetrics {
+    pub step: u64,
+    pub loss: f64,
+    pub cross_entropy: f64,
+    pub load_balancing: f64,
+    pub router_z: f64,
+    pub grad_norm: f64,
+    pub lr: f64,
+    pub tokens_per_second: f64,
+    /// Most-loaded expert's share over the mean share, averaged over layers (1.0 = balanced).
+    pub expert_imbalance: f64,
+    /// Model FLOPs per second over the matmul peak `trainer bench-peak` measured (if it ran).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
+    /// Mean milliseconds per step since the last log line, by phase.
+    pub forward_ms: f64,
+    pub backward_ms: f64,
+    pub optimizer_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f64>,
+}
+
+/// A step's phases, for the per-phase times of the log line.
+#[derive(Clone, Copy, Debug)]
+pub enum Phase {
+    Forward = 0,
+    Backward = 1,
+    Optimizer = 2,
+}
+
+/// The window of steps since the last log line and where lines go.
+pub struct StepLog {
+    metrics: Box<dyn Write>,
+    log_every: u64,
+    last_step: u64,
+    tokens_per_step: usize,
+    flops_per_token: f64,
+    peak_gflops: Option<f64>,
+    window_start: Instant,
+    window_tokens: usize,
+    window_steps: u32,
+    phase_seconds: [f64; 3],
+}
+
+impl std::fmt::Debug for StepLog {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StepLog")
+            .field("window_steps", &self.window_steps)
+            .field("window_tokens", &self.window_tokens)
+            .finish_non_exhaustive()
+    }
+}
+
+impl StepLog {
+    /// Appends to `<metrics_dir>/<run>/metrics.jsonl` on rank 0 (`speaks`), to nothing on
+    /// the other ranks. Says on `log` when no matmul peak was measured for CPU-MFU.
+    pub fn open(
+        config: &Config,
+        world_size: usize,
+        speaks: bool,
+        metrics_dir: &Path,
+        log: &mut dyn Write,
+    ) -> Result<Self> {
+        let path = metrics_dir.join(&config.run.id).join("metrics.jsonl");
+        std::fs::create_dir_all(path.parent().expect("has a parent"))
+            .with_context(|| format!("creating {}", path.display()))?;
+        let metrics: Box<dyn Write> = if speaks {
+            Box::new(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&path)
+                    .with_context(|| format!("opening {}", path.display()))?,
+            )
+        } else {
+            Box::new(std::io::sink())
+        };
+        let peak_gflops = saved_peak(metrics_dir);
+        if peak_gflops.is_none() {
+            writeln!(log, "no matmul peak measured yet: run `trainer bench-peak --out-dir {}` to get CPU-MFU in the logs", metrics_dir.display())?;
+        }
+        Ok(Self {
+            metrics,
+            log_every: config.train.log_every,
+            last_step: config.train.steps,
+            tokens_per_step: config.train.micro_batch * config.model.seq_len * world_size,
+            flops_per_token: crate::model::training_flops_per_token(&config.model),
+            peak_gflops,
+            window_start: Instant::now(),
+            window_tokens: 0,
+            window_steps: 0,
+            phase_seconds: [0.0; 3],
+        })
+    }
+
+    /// Adds `seconds` to `phase` of the current step.
+    pub fn time(&mut self, phase: Phase, seconds: f64) {
+        self.phase_seconds[phase as usize] += seconds;
+    }
+
+    /// The per-phase seconds of the window, for the step's parts to add to.
+    pub fn phases(&mut self) -> &mut [f64; 3] {
+        &mut self.phase_seconds
+    }
+
+    /// The optimizer step ran: the step counts in the window.
+    pub fn stepped(&mut self) {
+        self.window_steps += 1;
+    }
+
+    /// Step `step` is done (its loss summed over the ranks): writes its line when one is due
+    /// (every `log_every` steps, at validation and at the last step) and starts a new window.
+    #[allow(clippy::too_many_arguments)]
+    pub fn step_done(
+        &mut self,
+        step: u64,
+        loss: f64,
+        forward: &Forward,
+        update: &UpdateStats,
+        lr: f64,
+        val_loss: Option<f64>,
+        log: &mut dyn Write,
+    ) -> Result<()> {
+        self.window_tokens += self.tokens_per_step;
+        if step % self.log_every != 0 && val_loss.is_none() && step != self.last_step {
+            return Ok(());
+        }
+        let seconds = self.window_start.elapsed().as_secs_f64();
+        let imbalance = forward
+            .expert_load
+            .iter()
+            .map(|load| {
+                let mean = load.iter().sum::<u64>() as f64 / load.len() as f64;
+                *load.iter().max().expect("at least one expert") as f64 / mean.max(1e-9)
+            })
+            .sum::<f64>()
+            / forward.expert_load.len() as f64;
+        let steps = f64::from(self.window_steps);
+        let tokens_per_second = self.window_tokens as f64 / seconds.max(1e-9);
+        let line = StepMetrics {
+            step,
+            loss,
+            cross_entropy: forward.cross_entropy,
+            load_balancing: forward.load_balancing,
+            router_z: forward.router_z,
+            grad_norm: update.grad_norm,
+            lr,
+            tokens_per_second,
+            expert_imbalance: imbalance,
+            mfu: self
+                .peak_gflops
+                .map(|peak| tokens_per_second * self.flops_per_token / 1e9 / peak),
+            forward_ms: self.phase_seconds[0] * 1000.0 / steps,
+            backward_ms: self.phase_seconds[1] * 1000.0 / steps,
+            optimizer_ms: self.phase_seconds[2] * 1000.0 / steps,
+            val_loss,
+        };
+        writeln!(self.metrics, "{}", serde_json::to_string(&line)?)?;
+        writeln!(
+            log,
+            "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s{}  experts max/mean {imbalance:.2}  ms fwd/bwd/opt {:.0}/{:.0}/{:.0}{}",
+            line.cross_entropy,
+            line.load_balancing,
+            line.router_z,
+            line.grad_norm,
+            line.tokens_per_second,
+            line.mfu.map(|m| format!("  MFU {:.1}%", m * 100.0)).unwrap_or_default(),
+            line.forward_ms,
+            line.backward_ms,
+            line.optimizer_ms,
+            val_loss.map(|v| format!("  val {v:.4}")).unwrap_or_default()
+        )?;
+        self.window_start = Instant::now();
+        self.window_tokens = 0;
+        self.window_steps = 0;
+        self.phase_seconds = [0.0; 3];
+        Ok(())
+    }
+}
+
+/// The peak `trainer bench-peak` saved in `dir`, if any.
+fn saved_peak(dir: &Path) -> Option<f64> {
+    let text = std::fs::read(dir.join("peak.json")).ok()?;
+    serde_json::from_slice::<serde_json::Value>(&text).ok()?["gflops"].as_f64()
+}
