@@ -145,10 +145,6 @@ pub async fn run(cfg: Config) -> Result<()> {
             .map_err(|e| ConfigError(format!("cannot serve metrics on {address}: {e}")))?;
         tracing::info!(%bound, "metrics at /metrics");
     }
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
-    let unix = local::bind_socket(&cfg)?;
     let (to_leader, from_node) = mpsc::unbounded_channel();
     let mut durable = None;
     if cfg.lead {
@@ -165,6 +161,12 @@ pub async fn run(cfg: Config) -> Result<()> {
         let since = newest.unwrap_or_else(lazarus_shared::store::now_unix_ms);
         metrics.durable_commit_timestamp.set(since as f64 / 1e3);
     }
+    // The sockets are bound last: once they accept, the daemon is ready (a leader has read
+    // the store above), which is what nodes, ranks and operators take a connection to mean.
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
+    let unix = local::bind_socket(&cfg)?;
     let leader = cfg.lead.then(|| {
         Arc::new(leader::Leader::new(
             cfg.clone(),
