@@ -115,11 +115,6 @@ impl StepLog {
         self.phase_seconds[phase as usize] += seconds;
     }
 
-    /// The per-phase seconds of the window, for the step's parts to add to.
-    pub fn phases(&mut self) -> &mut [f64; 3] {
-        &mut self.phase_seconds
-    }
-
     /// The optimizer step ran: the step counts in the window.
     pub fn stepped(&mut self) {
         self.window_steps += 1;

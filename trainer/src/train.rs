@@ -356,14 +356,14 @@ impl Session {
     }
 
     /// The step's forward and backward pass over this rank's `tokens`; adds their seconds to
-    /// `phase_seconds[0]` and `[1]`. Each rank's losses are its means over N, so the
+    /// the step log's forward and backward times. Each rank's losses are its means over N, so the
     /// gradients, summed over ranks, are those of the mean over the global batch; so are the
     /// reported losses (summed here).
     fn gradients(
         &self,
         tokens: &[u32],
         batch: usize,
-        phase_seconds: &mut [f64; 3],
+        step_log: &mut StepLog,
     ) -> Result<(crate::model::Forward, candle_core::backprop::GradStore)> {
         let world = &self.world;
         let timer = Instant::now();
@@ -383,10 +383,10 @@ impl Session {
                 forward.router_z,
             ) = (global[0], global[1], global[2]);
         }
-        phase_seconds[0] += timer.elapsed().as_secs_f64();
+        step_log.time(Phase::Forward, timer.elapsed().as_secs_f64());
         let timer = Instant::now();
         let grads = forward.loss.backward()?;
-        phase_seconds[1] += timer.elapsed().as_secs_f64();
+        step_log.time(Phase::Backward, timer.elapsed().as_secs_f64());
         Ok((forward, grads))
     }
 
@@ -820,7 +820,7 @@ pub fn train(
         let tokens: Vec<u32> = (0..batch)
             .flat_map(|i| sampler.sample(&dataset.train, first_sample + i as u64))
             .collect();
-        let (forward, grads) = session.gradients(&tokens, batch, step_log.phases())?;
+        let (forward, grads) = session.gradients(&tokens, batch, &mut step_log)?;
         session.heartbeat();
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
