@@ -14,14 +14,16 @@ use serde_json::value::RawValue;
 
 use crate::codec::{Codec, CHUNK_RAW_BYTES_MAX, DELTA_DEPTH_MAX};
 use crate::hash::ChunkHash;
-use crate::ids::{Rank, RunId, StepKey};
+use crate::ids::{Rank, RunId, StepKey, STEP_MAX};
 
 pub const FORMAT_VERSION: u32 = 1;
 /// Bounds that keep a hostile manifest from asking for absurd work.
 pub const TENSORS_PER_SHARD_MAX: usize = 1 << 20;
 pub const NAME_BYTES_MAX: usize = 1024;
 pub const DIMS_MAX: usize = 16;
-pub const WORLD_SIZE_MAX: u32 = 1 << 20;
+/// Ranks are named with 6 digits in object keys (`000123.json`), and the parsers read no other
+/// width: ranks stay below 1,000,000.
+pub const WORLD_SIZE_MAX: u32 = 1_000_000;
 pub const OBJECT_BYTES_MAX: usize = 1 << 30;
 
 /// What is wrong with a stored JSON object.
@@ -402,6 +404,9 @@ impl Object for ShardManifest {
                 format!("rank {} of world size {}", self.rank, self.world_size),
             ));
         }
+        if self.step.step > STEP_MAX {
+            return Err(invalid("shard manifest", format!("step {}", self.step)));
+        }
         if self.tensors.len() + self.blobs.len() > TENSORS_PER_SHARD_MAX {
             return Err(invalid("shard manifest", "too many tensors"));
         }
@@ -485,6 +490,9 @@ impl Object for CommitRecord {
                     self.world_size
                 ),
             ));
+        }
+        if self.step.step > STEP_MAX {
+            return Err(invalid("commit record", format!("step {}", self.step)));
         }
         Ok(())
     }

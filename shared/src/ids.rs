@@ -80,6 +80,10 @@ pub struct StepKey {
     pub timeline: u32,
 }
 
+/// The largest step number: object names give a step 12 digits, and the parsers read no
+/// other width.
+pub const STEP_MAX: u64 = 999_999_999_999;
+
 impl StepKey {
     pub fn new(step: u64, timeline: u32) -> Self {
         Self { step, timeline }

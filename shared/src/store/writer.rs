@@ -11,6 +11,7 @@
 //! after our manifest was stored sees the manifest and keeps its chunks; a gc that took it
 //! earlier has finished deleting by the time the re-check runs.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,7 +26,7 @@ use crate::format::{
     self, BlobEntry, ChunkRef, CommitRecord, DType, DimRange, ShardManifest, ShardRef, TensorEntry,
 };
 use crate::hash::ChunkHash;
-use crate::ids::{Rank, StepKey};
+use crate::ids::{Rank, StepKey, STEP_MAX};
 
 /// One tensor, or the slice of it that this rank holds, with its bytes (row-major).
 #[derive(Clone, Debug)]
@@ -262,6 +263,7 @@ impl RunStore {
                 ),
             });
         }
+        refuse_unnamable(input.step, input.world_size)?;
         let chunk_bytes = info.chunk_bytes as usize;
         let mut tensors = Vec::with_capacity(input.tensors.len());
         let mut blobs = Vec::with_capacity(input.blobs.len());
@@ -350,10 +352,18 @@ impl RunStore {
             uploaded_bytes,
         };
         let mut manifest = self.store_manifest(written).await?;
+        let stored = manifest.clone();
         let repaired = self.recheck_chunks(&mut manifest, &raw_by_hash).await?;
         if repaired > 0 {
-            tracing::warn!(run = %self.run, step = %input.step, rank = input.rank, repaired, "re-uploaded chunks removed by a concurrent gc");
-            self.put_manifest(&manifest, false).await?;
+            tracing::warn!(run = %self.run, step = %input.step, rank = input.rank, repaired, "stored again, whole, chunks that a concurrent gc removed or that another writer stored on other bases");
+            if self.is_committed(input.step).await? {
+                // A commit pins the stored manifest's bytes (a retried write of a shard
+                // already committed). The chunks stored again are whole and need none of the
+                // bases it lists, so it stays as it is.
+                manifest = stored;
+            } else {
+                self.put_manifest(&manifest, false).await?;
+            }
         }
         if let Some(index) = self.store.index() {
             let hashes: Vec<ChunkHash> = manifest.chunk_refs().map(|c| c.hash).collect();
@@ -395,13 +405,21 @@ impl RunStore {
 
     /// `StepAlreadyCommitted` if `step` has a commit record: its shards are fixed.
     async fn refuse_committed(&self, step: StepKey) -> Result<(), StoreError> {
-        match self.store.head(&layout::commit(&self.run, step)).await? {
-            Some(_) => Err(StoreError::StepAlreadyCommitted {
+        if self.is_committed(step).await? {
+            return Err(StoreError::StepAlreadyCommitted {
                 run: self.run.clone(),
                 step,
-            }),
-            None => Ok(()),
+            });
         }
+        Ok(())
+    }
+
+    async fn is_committed(&self, step: StepKey) -> Result<bool, StoreError> {
+        Ok(self
+            .store
+            .head(&layout::commit(&self.run, step))
+            .await?
+            .is_some())
     }
 
     /// Puts `manifest` at its shard's path; with `create_only`, `false` if one is there.
@@ -456,13 +474,14 @@ impl RunStore {
             zstd_level: self.store.options.zstd_level,
             delta_depth_max: self.store.options.delta_depth_max,
         };
+        let encoding = raw.clone();
         let (encoded, base_ref) = tokio::task::spawn_blocking(move || {
             let delta = base.as_ref().map(|(raw, chunk)| DeltaBase {
                 hash: chunk.hash,
                 depth: chunk.bases.len() as u8,
                 raw,
             });
-            let encoded = codec::encode_best(&raw, hash, delta, policy);
+            let encoded = codec::encode_best(&encoding, hash, delta, policy);
             (encoded, base.map(|(_, chunk)| chunk))
         })
         .await
@@ -471,34 +490,75 @@ impl RunStore {
             (Some(_), Some(base)) => std::iter::once(base.hash).chain(base.bases).collect(),
             _ => Vec::new(),
         };
-        let info = self.put_chunk(hash, encoded, bases).await?;
-        let stored_len = info.stored_len;
-        let codec = info.codec;
+        let (info, uploaded_bytes) = self.put_chunk(hash, raw, encoded, bases).await?;
         progress.advance(raw_len);
         Ok(ChunkDone {
             item: job.item,
             reference: ChunkRef {
                 hash,
                 raw_len,
-                stored_len,
-                codec,
+                stored_len: info.stored_len,
+                codec: info.codec,
                 bases: info.bases,
             },
-            uploaded_bytes: stored_len,
+            uploaded_bytes,
         })
     }
 
-    /// Puts an encoded chunk (durable on return) and notes it in the local index.
+    /// Puts an encoded chunk create-only (durable on return) and notes it in the local index.
+    /// Returns what is stored and the bytes this call uploaded.
+    ///
+    /// A stored chunk never changes its encoding under the manifests that list its delta
+    /// chain (gc keeps exactly the listed bases alive): if another writer stored `hash` first,
+    /// its encoding is taken as it is. Only a stored chunk whose chain is broken, or whose
+    /// header does not read, is replaced, and then whole, which needs no base at all.
     async fn put_chunk(
         &self,
         hash: ChunkHash,
+        raw: Bytes,
         encoded: codec::EncodedChunk,
         bases: Vec<ChunkHash>,
-    ) -> Result<ChunkInfo, StoreError> {
+    ) -> Result<(ChunkInfo, u64), StoreError> {
+        let bytes = Bytes::from(encoded.bytes);
+        let info = ChunkInfo {
+            stored_len: bytes.len() as u64,
+            codec: encoded.header.codec,
+            bases,
+        };
+        let path = layout::chunk(&self.run, &hash);
+        if self.store.put(&path, bytes.clone(), true).await? {
+            self.index_chunk(hash, &info)?;
+            let uploaded = info.stored_len;
+            return Ok((info, uploaded));
+        }
+        if let Some(stored) = self.stored_chunk(hash).await? {
+            self.index_chunk(hash, &stored)?;
+            return Ok((stored, 0));
+        }
+        if info.bases.is_empty() {
+            self.store.put(&path, bytes, false).await?;
+            self.index_chunk(hash, &info)?;
+            let uploaded = info.stored_len;
+            return Ok((info, uploaded));
+        }
+        let info = self.put_whole(hash, raw).await?;
+        let uploaded = info.stored_len;
+        Ok((info, uploaded))
+    }
+
+    /// Encodes `raw` whole (zstd, no delta base) and puts it over whatever is stored under
+    /// `hash`. Replacing any encoding with a whole one breaks no manifest's chain.
+    async fn put_whole(&self, hash: ChunkHash, raw: Bytes) -> Result<ChunkInfo, StoreError> {
+        let level = self.store.options.zstd_level;
+        let encoded = tokio::task::spawn_blocking(move || {
+            codec::encode_with(&raw, hash, codec::Codec::Zstd, None, level)
+        })
+        .await
+        .expect("encoding does not panic");
         let info = ChunkInfo {
             stored_len: encoded.bytes.len() as u64,
             codec: encoded.header.codec,
-            bases,
+            bases: Vec::new(),
         };
         self.store
             .put(
@@ -507,14 +567,19 @@ impl RunStore {
                 false,
             )
             .await?;
-        if let Some(index) = self.store.index() {
-            index.put_chunk(&self.run, &hash, &info)?;
-        }
+        self.index_chunk(hash, &info)?;
         Ok(info)
     }
 
-    /// What storage holds under `hash`, from the local index or the chunk's header (and its
-    /// bases' headers, for a delta chain). `None` if the chunk is not stored.
+    fn index_chunk(&self, hash: ChunkHash, info: &ChunkInfo) -> Result<(), StoreError> {
+        match self.store.index() {
+            Some(index) => index.put_chunk(&self.run, &hash, info),
+            None => Ok(()),
+        }
+    }
+
+    /// What storage holds under `hash`, from the local index or else from storage (see
+    /// [`RunStore::stored_chunk`]). `None` if the chunk is not stored.
     pub(crate) async fn known_chunk(
         &self,
         hash: ChunkHash,
@@ -526,6 +591,16 @@ impl RunStore {
         {
             return Ok(Some(info));
         }
+        let info = self.stored_chunk(hash).await?;
+        if let Some(info) = &info {
+            self.index_chunk(hash, info)?;
+        }
+        Ok(info)
+    }
+
+    /// What storage holds under `hash`, read from the chunk's header and its bases' headers.
+    /// `None` if the chunk is absent, its header does not read, or its delta chain is broken.
+    async fn stored_chunk(&self, hash: ChunkHash) -> Result<Option<ChunkInfo>, StoreError> {
         let Some(header) = self.chunk_header(hash).await? else {
             return Ok(None);
         };
@@ -545,15 +620,11 @@ impl RunStore {
                 None => return Ok(None),
             }
         }
-        let info = ChunkInfo {
+        Ok(Some(ChunkInfo {
             stored_len,
             codec: header.codec,
             bases,
-        };
-        if let Some(index) = self.store.index() {
-            index.put_chunk(&self.run, &hash, &info)?;
-        }
-        Ok(Some(info))
+        }))
     }
 
     /// The parsed header and stored size of a chunk; `None` if absent or unreadable.
@@ -572,7 +643,11 @@ impl RunStore {
         }
     }
 
-    /// Step 3 of the write path. Returns how many chunks had to be stored again.
+    /// Step 3 of the write path: every chunk the manifest names must be stored, with a delta
+    /// chain made only of bases the manifest lists (gc keeps exactly those alive). A chunk
+    /// that a concurrent gc removed, whose chain lost a base, or that is stored on bases other
+    /// than the listed ones (another writer's encoding, when this writer's index was stale) is
+    /// stored again whole and its reference updated. Returns how many chunks were.
     async fn recheck_chunks(
         &self,
         manifest: &mut ShardManifest,
@@ -585,35 +660,40 @@ impl RunStore {
             needed.extend(chunk.bases.iter().copied());
         }
         let concurrency = self.store.options.upload_concurrency.max(1) * 4;
-        let missing: HashSet<ChunkHash> = stream::iter(needed)
+        // For each needed hash that is stored with a readable header: its delta base, if any.
+        let stored: HashMap<ChunkHash, Option<ChunkHash>> = stream::iter(needed)
             .map(|hash| async move {
-                Ok::<_, StoreError>((
-                    hash,
-                    self.store
-                        .head(&layout::chunk(&self.run, &hash))
-                        .await?
-                        .is_none(),
-                ))
+                let header = self.chunk_header(hash).await?;
+                Ok::<_, StoreError>(header.map(|(header, _)| (hash, header.base)))
             })
             .buffer_unordered(concurrency)
-            .try_filter_map(|(hash, missing)| async move { Ok(missing.then_some(hash)) })
+            .try_filter_map(|found| async move { Ok(found) })
             .try_collect()
             .await?;
-        if missing.is_empty() {
-            return Ok(0);
-        }
-        let mut repaired = HashMap::new();
+        let sound = |chunk: &ChunkRef| {
+            let mut next = Some(chunk.hash);
+            for _ in 0..=codec::DELTA_DEPTH_MAX {
+                let Some(hash) = next else {
+                    return true;
+                };
+                match stored.get(&hash) {
+                    Some(base) if base.is_none_or(|b| chunk.bases.contains(&b)) => next = *base,
+                    _ => return false,
+                }
+            }
+            false
+        };
+        let mut repaired: HashMap<ChunkHash, ChunkInfo> = HashMap::new();
         let refs = manifest
             .tensors
             .iter_mut()
             .flat_map(|t| t.chunks.iter_mut())
             .chain(manifest.blobs.iter_mut().flat_map(|b| b.chunks.iter_mut()));
         for chunk in refs {
-            if !missing.contains(&chunk.hash) && !chunk.bases.iter().any(|b| missing.contains(b)) {
-                continue;
-            }
-            if !repaired.contains_key(&chunk.hash) {
-                // Store it whole (no delta), so it depends on nothing that may be gone.
+            if let Entry::Vacant(slot) = repaired.entry(chunk.hash) {
+                if sound(chunk) {
+                    continue;
+                }
                 let raw = raw_by_hash
                     .get(&chunk.hash)
                     .expect("every referenced chunk came from this write")
@@ -627,15 +707,7 @@ impl RunStore {
                         ),
                     });
                 }
-                let hash = chunk.hash;
-                let level = self.store.options.zstd_level;
-                let encoded = tokio::task::spawn_blocking(move || {
-                    codec::encode_with(&raw, hash, codec::Codec::Zstd, None, level)
-                })
-                .await
-                .expect("encoding does not panic");
-                let info = self.put_chunk(hash, encoded, Vec::new()).await?;
-                repaired.insert(hash, info);
+                slot.insert(self.put_whole(chunk.hash, raw).await?);
             }
             let info = &repaired[&chunk.hash];
             chunk.stored_len = info.stored_len;
@@ -663,6 +735,7 @@ impl RunStore {
     /// Writes the commit record of `step` once every rank's manifest is stored. Idempotent:
     /// committing an already committed step with the same manifests returns the stored record.
     pub async fn commit(&self, step: StepKey, world_size: u32) -> Result<CommitRecord, StoreError> {
+        refuse_unnamable(step, world_size)?;
         let current = self.current_timeline().await?;
         if step.timeline < current && self.rollbacks().await?.iter().any(|r| r.hides(step)) {
             return Err(StoreError::RolledBack {
@@ -735,5 +808,227 @@ impl RunStore {
                 step,
             })
         }
+    }
+}
+
+/// Steps and ranks beyond what object names can hold (12 and 6 digits) are refused before
+/// anything is written: listings and gc would not see them.
+fn refuse_unnamable(step: StepKey, world_size: u32) -> Result<(), StoreError> {
+    if step.step > STEP_MAX || world_size > format::WORLD_SIZE_MAX {
+        return Err(StoreError::BadRequest {
+            reason: format!(
+                "step {step} of world size {world_size} is beyond the store's names (steps up \
+                 to {STEP_MAX}, world sizes up to {})",
+                format::WORLD_SIZE_MAX
+            ),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use std::sync::Arc;
+
+    use bytes::Bytes;
+    use object_store::memory::InMemory;
+    use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+    use super::{layout, DeltaBases, ShardInput, TensorData};
+    use crate::codec::{self, Codec, DeltaBase};
+    use crate::format::DType;
+    use crate::hash::ChunkHash;
+    use crate::ids::{RunId, StepKey};
+    use crate::store::{RunStore, Store, StoreOptions};
+    use crate::StoreError;
+
+    const FLOATS: usize = 16 << 10;
+
+    fn floats(seed: u32, changed: usize) -> Bytes {
+        let mut values: Vec<f32> = (0..FLOATS)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32)
+            .collect();
+        for value in values.iter_mut().take(changed) {
+            *value += 1.0;
+        }
+        Bytes::from(
+            values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        )
+    }
+
+    async fn open(objects: Arc<dyn ObjectStore>, index: Option<&std::path::Path>) -> RunStore {
+        let options = StoreOptions {
+            chunk_bytes: (FLOATS * 4) as u64,
+            index_path: index.map(|path| path.to_path_buf()),
+            ..StoreOptions::default()
+        };
+        let store = Store::with_objects(objects, "memory://", options)
+            .await
+            .unwrap();
+        let run_store = store.run(&"rebase".parse::<RunId>().unwrap());
+        if run_store.info().await.is_err() {
+            run_store.create(serde_json::json!({})).await.unwrap();
+        }
+        run_store
+    }
+
+    fn shard(step: u64, data: &Bytes) -> ShardInput {
+        ShardInput {
+            step: StepKey::new(step, 0),
+            rank: 0,
+            world_size: 1,
+            tensors: vec![TensorData::whole(
+                "w",
+                DType::F32,
+                vec![FLOATS as u64],
+                data.clone(),
+            )],
+            blobs: vec![],
+        }
+    }
+
+    /// A writer whose index says a chunk is stored on one base, while storage holds it on
+    /// another (another writer's encoding after a gc): the re-check stores it again whole, so
+    /// the manifest never lists fewer bases than the chunk needs, and gc of the other base
+    /// breaks nothing.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chunk_stored_on_other_bases_than_listed_is_stored_again_whole() {
+        let dir = tempfile::tempdir().unwrap();
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let run_store = open(objects.clone(), Some(&dir.path().join("index"))).await;
+        let (a, b, c) = (floats(1, 0), floats(1, 64), floats(2, 0));
+        let first = run_store
+            .write_shard(shard(1, &a), None, &())
+            .await
+            .unwrap();
+        let mut bases = DeltaBases::default();
+        bases.insert("w".into(), a.clone(), first.tensors[0].chunks.clone());
+        let second = run_store
+            .write_shard(shard(2, &b), Some(&bases), &())
+            .await
+            .unwrap();
+        let b_ref = second.tensors[0].chunks[0].clone();
+        let a_hash = first.tensors[0].chunks[0].hash;
+        assert_eq!(b_ref.bases, vec![a_hash], "step 2 is a delta on step 1");
+        let third = run_store
+            .write_shard(shard(3, &c), None, &())
+            .await
+            .unwrap();
+        let c_hash = third.tensors[0].chunks[0].hash;
+
+        // Storage now holds b as a delta on c, which this writer's index does not know.
+        let rebased = codec::encode_with(
+            &b,
+            b_ref.hash,
+            Codec::XorShuffle4Zstd,
+            Some(DeltaBase {
+                hash: c_hash,
+                depth: 0,
+                raw: &c,
+            }),
+            3,
+        );
+        assert_eq!(rebased.header.base, Some(c_hash));
+        let b_path = layout::chunk(run_store.id(), &b_ref.hash);
+        objects
+            .put(&b_path, PutPayload::from(rebased.bytes))
+            .await
+            .unwrap();
+
+        let fourth = run_store
+            .write_shard(shard(4, &b), Some(&bases), &())
+            .await
+            .unwrap();
+        let b_now = &fourth.tensors[0].chunks[0];
+        assert_eq!(b_now.hash, b_ref.hash);
+        assert!(b_now.bases.is_empty(), "{b_now:?}");
+        assert_eq!(b_now.codec, Codec::Zstd);
+        run_store.commit(StepKey::new(4, 0), 1).await.unwrap();
+
+        // gc of c (no retained manifest lists it) leaves step 4 whole.
+        objects
+            .delete(&layout::chunk(run_store.id(), &c_hash))
+            .await
+            .unwrap();
+        let checkpoint = run_store.open_checkpoint(StepKey::new(4, 0)).await.unwrap();
+        assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
+        assert_eq!(ChunkHash::of(&b), b_ref.hash);
+    }
+
+    /// A writer that finds a chunk already stored by someone else takes that encoding as it is
+    /// (its chain complete), and one whose chain is broken replaces it whole.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stored_chunk_keeps_its_encoding_unless_its_chain_is_broken() {
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let run_store = open(objects.clone(), None).await;
+        let (a, b) = (floats(1, 0), floats(1, 64));
+        let first = run_store
+            .write_shard(shard(1, &a), None, &())
+            .await
+            .unwrap();
+        let mut bases = DeltaBases::default();
+        bases.insert("w".into(), a.clone(), first.tensors[0].chunks.clone());
+        let second = run_store
+            .write_shard(shard(2, &b), Some(&bases), &())
+            .await
+            .unwrap();
+        let b_ref = second.tensors[0].chunks[0].clone();
+        assert!(!b_ref.bases.is_empty());
+        // Without delta bases, a writer of b still lists the stored chain.
+        let again = run_store
+            .write_shard(shard(3, &b), None, &())
+            .await
+            .unwrap();
+        assert_eq!(again.tensors[0].chunks[0], b_ref);
+        assert_eq!(again.uploaded_bytes, 0);
+        // a is gone: b's chain is broken, and the next write of b stores it whole.
+        objects
+            .delete(&layout::chunk(
+                run_store.id(),
+                &first.tensors[0].chunks[0].hash,
+            ))
+            .await
+            .unwrap();
+        let fourth = run_store
+            .write_shard(shard(4, &b), Some(&bases), &())
+            .await
+            .unwrap();
+        assert!(fourth.tensors[0].chunks[0].bases.is_empty());
+        run_store.commit(StepKey::new(4, 0), 1).await.unwrap();
+        let checkpoint = run_store.open_checkpoint(StepKey::new(4, 0)).await.unwrap();
+        assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn steps_and_world_sizes_beyond_the_object_names_are_refused() {
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let run_store = open(objects, None).await;
+        let data = floats(1, 0);
+        let mut too_late = shard(0, &data);
+        too_late.step = StepKey::new(crate::ids::STEP_MAX + 1, 0);
+        let mut too_wide = shard(1, &data);
+        too_wide.world_size = crate::format::WORLD_SIZE_MAX + 1;
+        for input in [too_late, too_wide] {
+            let error = run_store.write_shard(input, None, &()).await.unwrap_err();
+            assert!(matches!(error, StoreError::BadRequest { .. }), "{error}");
+        }
+        let error = run_store
+            .commit(StepKey::new(crate::ids::STEP_MAX + 1, 0), 1)
+            .await
+            .unwrap_err();
+        assert!(matches!(error, StoreError::BadRequest { .. }), "{error}");
+        run_store
+            .write_shard(shard(crate::ids::STEP_MAX, &data), None, &())
+            .await
+            .unwrap();
+        run_store
+            .commit(StepKey::new(crate::ids::STEP_MAX, 0), 1)
+            .await
+            .unwrap();
     }
 }
