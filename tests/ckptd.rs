@@ -345,7 +345,9 @@ fn a_daemon_killed_at_any_moment_and_restarted_leaves_the_run_bit_for_bit_the_sa
         durable_every_steps: 3,
         ..Settings::default()
     };
-    let steps = 24;
+    // Every crash point is reached by about step 10; the steps after it include two durable
+    // ones (every third step), made by the restarted daemon.
+    let steps = 15;
     let reference = {
         let cluster = Cluster::start(&dir, "reference", &store, 2, &settings, Vec::new());
         cluster.train(&trainer_args(&dir, "reference", &store, steps, "skip"));
@@ -551,7 +553,14 @@ fn two_nodes_stream_to_a_real_s3_server() {
     let mut ctl = Ctl::new(store, &dir.join("index"));
     ctl.envs = s3.envs();
     ctl.wait_for_latest("s3run", 12);
-    assert_eq!(ctl.committed("s3run"), vec![5, 10, 12]);
+    // Step 5 is durable first (no upload runs before it) and the last step at the end of the
+    // run. Step 10 waits while 5 still uploads, and step 12 replaces it when it arrives first
+    // (by design, on a loaded machine); so 10 may be absent, but nothing else may appear.
+    let committed = ctl.committed("s3run");
+    assert!(
+        committed == [5, 10, 12] || committed == [5, 12],
+        "durable steps on S3: {committed:?}"
+    );
     ctl.expect(0, &["verify", "s3run", "--all", "--read-data"]);
 }
 
