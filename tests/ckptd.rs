@@ -322,7 +322,7 @@ fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
 /// The moments of its work a daemon is killed at (`ckptd`'s crash points), each with the
 /// time it is reached at: node 2 (rank 1's daemon, and the buddy of node 1) dies there and
 /// is started again 300 ms later.
-const CRASH_MOMENTS: [&str; 7] = [
+const CRASH_MOMENTS: [&str; 8] = [
     "poll:9",
     "snapshot:4",
     "snapshot:9",
@@ -330,6 +330,7 @@ const CRASH_MOMENTS: [&str; 7] = [
     "replica-in:4",
     "commit:4",
     "upload:3",
+    "base:2",
 ];
 
 /// Regression: a rank whose daemon died right after it handed a snapshot over panicked in

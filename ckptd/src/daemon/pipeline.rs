@@ -348,11 +348,15 @@ async fn upload_inner(
         .set(manifest.raw_bytes() as f64 / started.elapsed().as_secs_f64().max(1e-9));
     tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), uploaded = manifest.uploaded_bytes, seconds = started.elapsed().as_secs_f64(), "shard stored");
     let new_base = if daemon.cfg.delta {
+        if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
+            state.forget_base()?;
+        }
         let tmp = dir.join("base.tmp");
         let from = path.clone();
         let to = tmp.clone();
         tokio::task::spawn_blocking(move || copy_file(&from, &to, slot_bytes)).await??;
         std::fs::rename(&tmp, &base_path)?;
+        super::crash::point("base");
         Some(Base {
             step: snap.step,
             chunks: manifest.tensors.iter().map(|t| t.chunks.clone()).collect(),

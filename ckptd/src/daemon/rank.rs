@@ -352,6 +352,14 @@ impl RankState {
         Upload::Start(snap)
     }
 
+    /// The delta-base file is about to be replaced by the slot just stored: from now until
+    /// [`RankState::stored`] records the new base, no upload may pair that file with the old
+    /// base's chunks (a daemon killed in between would otherwise come back doing so).
+    pub fn forget_base(&mut self) -> Result<()> {
+        self.base = None;
+        self.persist()
+    }
+
     /// The upload of `step` stored it (with the new delta base, when one is kept).
     pub fn stored(&mut self, step: StepKey, base: Option<Base>) -> Result<()> {
         if let Some(base) = base {

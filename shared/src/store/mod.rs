@@ -4,8 +4,8 @@
 //!
 //! 1. [`RunStore::write_shard`], per rank: cut tensors into chunks, blake3 each, skip chunks
 //!    already stored, encode and put the rest (each put is durable when it returns), then put
-//!    the shard manifest, then re-check that every referenced chunk still exists once no
-//!    garbage collection holds the run's lock.
+//!    the shard manifest, then re-check, once no garbage collection holds the run's lock,
+//!    that every referenced chunk is stored on a delta chain the manifest lists.
 //! 2. [`RunStore::commit`]: after every rank's manifest is stored, put `commits/<step>.json`
 //!    create-only. The step counts as committed from that moment, and never before.
 //!

@@ -3,8 +3,9 @@
 //! Ordering points (each put is durable when it returns, see `backend`):
 //! 1. chunk objects, in any order, concurrently (bounded by `upload_concurrency`);
 //! 2. the shard manifest, after all its chunks;
-//! 3. the re-check: once no gc holds the run's lock, every chunk the manifest names (and every
-//!    delta base below it) must exist; any that a concurrent gc removed is uploaded again;
+//! 3. the re-check: once no gc holds the run's lock, every chunk the manifest names must be
+//!    stored with a delta chain made of bases the manifest lists; any that a concurrent gc
+//!    removed, or that is stored on other bases, is stored again whole;
 //! 4. the commit record, create-only, after every rank's manifest.
 //!
 //! Why 3 is enough: gc lists manifests only after taking its lock. A gc that took the lock
@@ -357,9 +358,9 @@ impl RunStore {
         if repaired > 0 {
             tracing::warn!(run = %self.run, step = %input.step, rank = input.rank, repaired, "stored again, whole, chunks that a concurrent gc removed or that another writer stored on other bases");
             if self.is_committed(input.step).await? {
-                // A commit pins the stored manifest's bytes (a retried write of a shard
-                // already committed). The chunks stored again are whole and need none of the
-                // bases it lists, so it stays as it is.
+                // A commit that came while this write ran (a concurrent write of the same
+                // shard, committed first) pins the stored manifest's bytes. The chunks stored
+                // again are whole and need none of the bases it lists, so it stays as it is.
                 manifest = stored;
             } else {
                 self.put_manifest(&manifest, false).await?;
@@ -474,14 +475,26 @@ impl RunStore {
             zstd_level: self.store.options.zstd_level,
             delta_depth_max: self.store.options.delta_depth_max,
         };
-        let encoding = raw.clone();
+        // `raw` is dropped once encoded: the writer holds at most `upload_concurrency` encoded
+        // chunks, and the rare fallback of `put_chunk` reads its source again.
+        let run = self.run.clone();
         let (encoded, base_ref) = tokio::task::spawn_blocking(move || {
+            // A delta against bytes that are not its base's would decode to something else
+            // under the base's name: a base offered with other bytes than its reference names
+            // (a caller's stale delta-base file) is not used.
+            let base = base.filter(|(base_raw, chunk)| {
+                let matches = ChunkHash::of(base_raw) == chunk.hash;
+                if !matches {
+                    tracing::warn!(%run, base = %chunk.hash.short(), "a delta base's bytes do not match its chunk; storing without it");
+                }
+                matches
+            });
             let delta = base.as_ref().map(|(raw, chunk)| DeltaBase {
                 hash: chunk.hash,
                 depth: chunk.bases.len() as u8,
                 raw,
             });
-            let encoded = codec::encode_best(&encoding, hash, delta, policy);
+            let encoded = codec::encode_best(&raw, hash, delta, policy);
             (encoded, base.map(|(_, chunk)| chunk))
         })
         .await
@@ -490,7 +503,7 @@ impl RunStore {
             (Some(_), Some(base)) => std::iter::once(base.hash).chain(base.bases).collect(),
             _ => Vec::new(),
         };
-        let (info, uploaded_bytes) = self.put_chunk(hash, raw, encoded, bases).await?;
+        let (info, uploaded_bytes) = self.put_chunk(hash, &job.raw, encoded, bases).await?;
         progress.advance(raw_len);
         Ok(ChunkDone {
             item: job.item,
@@ -515,7 +528,7 @@ impl RunStore {
     async fn put_chunk(
         &self,
         hash: ChunkHash,
-        raw: Bytes,
+        source: &SourceRange,
         encoded: codec::EncodedChunk,
         bases: Vec<ChunkHash>,
     ) -> Result<(ChunkInfo, u64), StoreError> {
@@ -541,7 +554,9 @@ impl RunStore {
             let uploaded = info.stored_len;
             return Ok((info, uploaded));
         }
-        let info = self.put_whole(hash, raw).await?;
+        let info = self
+            .put_whole(hash, load_verified(source, hash).await?)
+            .await?;
         let uploaded = info.stored_len;
         Ok((info, uploaded))
     }
@@ -672,7 +687,8 @@ impl RunStore {
             .await?;
         let sound = |chunk: &ChunkRef| {
             let mut next = Some(chunk.hash);
-            for _ in 0..=codec::DELTA_DEPTH_MAX {
+            // The chunk, up to DELTA_DEPTH_MAX bases, and the end of the chain.
+            for _ in 0..usize::from(codec::DELTA_DEPTH_MAX) + 2 {
                 let Some(hash) = next else {
                     return true;
                 };
@@ -694,19 +710,10 @@ impl RunStore {
                 if sound(chunk) {
                     continue;
                 }
-                let raw = raw_by_hash
+                let source = raw_by_hash
                     .get(&chunk.hash)
-                    .expect("every referenced chunk came from this write")
-                    .load()
-                    .await?;
-                if ChunkHash::of(&raw) != chunk.hash {
-                    return Err(StoreError::BadRequest {
-                        reason: format!(
-                            "the source of chunk {} changed while the shard was written",
-                            chunk.hash.short()
-                        ),
-                    });
-                }
+                    .expect("every referenced chunk came from this write");
+                let raw = load_verified(source, chunk.hash).await?;
                 slot.insert(self.put_whole(chunk.hash, raw).await?);
             }
             let info = &repaired[&chunk.hash];
@@ -809,6 +816,25 @@ impl RunStore {
             })
         }
     }
+}
+
+/// The bytes of `source`, which must still hash to `hash` (the slot or buffer a shard is
+/// written from must not change while it is written).
+async fn load_verified(source: &SourceRange, hash: ChunkHash) -> Result<Bytes, StoreError> {
+    let raw = source.load().await?;
+    let check = raw.clone();
+    let found = tokio::task::spawn_blocking(move || ChunkHash::of(&check))
+        .await
+        .expect("hashing does not panic");
+    if found != hash {
+        return Err(StoreError::BadRequest {
+            reason: format!(
+                "the source of chunk {} changed while the shard was written",
+                hash.short()
+            ),
+        });
+    }
+    Ok(raw)
 }
 
 /// Steps and ranks beyond what object names can hold (12 and 6 digits) are refused before
@@ -1002,6 +1028,87 @@ mod tests {
         run_store.commit(StepKey::new(4, 0), 1).await.unwrap();
         let checkpoint = run_store.open_checkpoint(StepKey::new(4, 0)).await.unwrap();
         assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
+    }
+
+    /// A caller whose delta-base bytes are not what the base's chunk holds (a daemon's base
+    /// file replaced before its state recorded the new base) gets chunks that still decode to
+    /// its data: the base is not used.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_delta_base_with_other_bytes_than_its_chunk_is_not_used() {
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let run_store = open(objects, None).await;
+        let (a, b, stale) = (floats(1, 0), floats(1, 64), floats(1, 32));
+        let first = run_store
+            .write_shard(shard(1, &a), None, &())
+            .await
+            .unwrap();
+        let mut bases = DeltaBases::default();
+        bases.insert("w".into(), stale, first.tensors[0].chunks.clone());
+        let second = run_store
+            .write_shard(shard(2, &b), Some(&bases), &())
+            .await
+            .unwrap();
+        assert!(second.tensors[0].chunks[0].bases.is_empty());
+        run_store.commit(StepKey::new(2, 0), 1).await.unwrap();
+        let checkpoint = run_store.open_checkpoint(StepKey::new(2, 0)).await.unwrap();
+        assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
+    }
+
+    /// `put_chunk` itself, losing the create-only race: it takes the stored encoding (nothing
+    /// uploaded, the object untouched) while its chain is complete, and stores the chunk whole
+    /// once the chain is broken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_put_that_finds_the_chunk_stored_adopts_it_or_replaces_it_whole() {
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let run_store = open(objects.clone(), None).await;
+        let (a, b) = (floats(1, 0), floats(1, 64));
+        let first = run_store
+            .write_shard(shard(1, &a), None, &())
+            .await
+            .unwrap();
+        let mut bases = DeltaBases::default();
+        bases.insert("w".into(), a.clone(), first.tensors[0].chunks.clone());
+        let second = run_store
+            .write_shard(shard(2, &b), Some(&bases), &())
+            .await
+            .unwrap();
+        let b_ref = second.tensors[0].chunks[0].clone();
+        let a_hash = first.tensors[0].chunks[0].hash;
+        let b_path = layout::chunk(run_store.id(), &b_ref.hash);
+        let stored = || async { objects.get(&b_path).await.unwrap().bytes().await.unwrap() };
+        let before = stored().await;
+
+        let whole = codec::encode_with(&b, b_ref.hash, Codec::Zstd, None, 3);
+        let source = super::SourceRange::from(b.clone());
+        let (info, uploaded) = run_store
+            .put_chunk(b_ref.hash, &source, whole, Vec::new())
+            .await
+            .unwrap();
+        assert_eq!((info.bases, uploaded), (vec![a_hash], 0));
+        assert_eq!(stored().await, before, "the stored chunk is untouched");
+
+        objects
+            .delete(&layout::chunk(run_store.id(), &a_hash))
+            .await
+            .unwrap();
+        let rebased = codec::encode_with(
+            &b,
+            b_ref.hash,
+            Codec::XorShuffle4Zstd,
+            Some(DeltaBase {
+                hash: a_hash,
+                depth: 0,
+                raw: &a,
+            }),
+            3,
+        );
+        let (info, uploaded) = run_store
+            .put_chunk(b_ref.hash, &source, rebased, vec![a_hash])
+            .await
+            .unwrap();
+        assert!(info.bases.is_empty() && uploaded > 0, "{info:?}");
+        let header = codec::ChunkHeader::parse(&stored().await).unwrap();
+        assert_eq!((header.codec, header.base), (Codec::Zstd, None));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
