@@ -75,6 +75,21 @@ fn assert_close(a: &[(u64, f64)], b: &[(u64, f64)], what: &str) {
     }
 }
 
+/// The rows of rank 0's layout table, split at whitespace: rank, tp, pp, dp, ep, host, then
+/// weights, gradients and optimizer MB held, each followed by its prediction in parentheses.
+fn layout_rows(said: &str) -> Vec<Vec<String>> {
+    said.lines()
+        .skip_while(|line| !line.starts_with("layout: "))
+        .skip(2)
+        .map(|line| {
+            line.split_whitespace()
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .take_while(|row| row.len() == 12 && row[0].parse::<usize>().is_ok())
+        .collect()
+}
+
 #[test]
 fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     let (_guard, dir) = prepared();
@@ -92,6 +107,20 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     assert_close(&single, &losses(&dir, "ep2"), "DP2 x EP2 vs one process");
     let said = run(4, &args_ep(&dir, "dp4-ep2", 10, 1, 2));
     assert!(said.contains("expert parallel 2"), "{said}");
+    // Rank 0's layout table: rank r is data-parallel rank r at place r % 2 of its expert
+    // group, and holds what the layout predicts.
+    let rows = layout_rows(&said);
+    assert_eq!(rows.len(), 4, "{said}");
+    for (rank, row) in rows.iter().enumerate() {
+        assert_eq!(
+            row[..5],
+            [rank, 0, 0, rank, rank % 2].map(|n| n.to_string()),
+            "{said}"
+        );
+        for (held, predicted) in [(6, 7), (8, 9), (10, 11)] {
+            assert_eq!(format!("({})", row[held]), row[predicted], "{said}");
+        }
+    }
     assert_close(
         &single,
         &losses(&dir, "dp4-ep2"),
@@ -115,6 +144,38 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     let shown = ctl.json(&["show", "dp2", "10"]);
     assert_eq!(shown["manifests"].as_array().unwrap().len(), 2, "{shown}");
     ctl.expect(0, &["verify", "dp2", "--all", "--read-data"]);
+}
+
+/// A layout that does not fit the world, or one not built yet, ends the job with exit 2 and
+/// the reason before any training.
+#[test]
+fn a_layout_that_does_not_fit_exits_2_with_the_reason() {
+    let (_guard, dir) = prepared();
+    for (ranks, set, says) in [
+        (
+            3,
+            "parallel.ep=2",
+            "parallel.ep 2 must divide the data-parallel size 3",
+        ),
+        (
+            2,
+            "parallel.tp=2",
+            "tensor and pipeline parallel are not built yet",
+        ),
+    ] {
+        let output = Command::new("mpiexec")
+            .args(["-n", &ranks.to_string()])
+            .arg(bin("trainer"))
+            .args(args(&dir, "misfit", 2, 2))
+            .args(["--set", set])
+            .output()
+            .expect("mpiexec runs");
+        let said = String::from_utf8_lossy(&output.stdout).to_string()
+            + &String::from_utf8_lossy(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{set} on {ranks}: {said}");
+        assert!(said.contains(says), "{set} on {ranks}: {said}");
+        assert!(!said.contains("step 1"), "{set} on {ranks}: {said}");
+    }
 }
 
 #[test]

@@ -79,6 +79,24 @@ fn bad_configs_and_missing_data_exit_2_with_the_reason() {
             "prepare the data first",
         ),
         (
+            vec!["train", "--config", "tiny", "--set", "parallel.pp=3"],
+            "must divide model.layers 4",
+        ),
+        (
+            vec!["train", "--config", "tiny", "--set", "parallel.tp=2"],
+            "parallel.tp x parallel.pp = 2 x 1 must divide the number of ranks 1",
+        ),
+        (
+            vec![
+                "train",
+                "--config",
+                "tiny",
+                "--set",
+                "parallel.schedule=\"zigzag\"",
+            ],
+            "parallel.schedule \"zigzag\"",
+        ),
+        (
             vec![
                 "prepare",
                 "--input",

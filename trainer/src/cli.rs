@@ -13,6 +13,7 @@ use std::sync::Arc;
 use crate::config::{Config, ConfigError};
 use crate::data::{self, DataError, PrepareProgress};
 use crate::dist::World;
+use crate::layout::Layout;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -149,7 +150,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             Ok(())
         }
         Command::BenchAllToAll { bytes, repeats } => {
-            let world = World::init(1)?;
+            let world = World::init(|ranks| {
+                Ok::<_, std::convert::Infallible>(Layout::data_parallel(ranks))
+            })?;
             let (moved, seconds) =
                 world.bench_all_to_all(crate::dist::Group::World, bytes, repeats);
             if world.rank == 0 {
@@ -193,7 +196,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 // candle's matmul and element-wise pools read this when they first start.
                 std::env::set_var("RAYON_NUM_THREADS", config.train.threads.to_string());
             }
-            let world = Arc::new(World::init(config.parallel.ep)?);
+            let world = Arc::new(World::init(|ranks| {
+                config.layout(ranks).and_then(Layout::built)
+            })?);
             let stop = Arc::new(AtomicBool::new(false));
             watch_signals(stop.clone());
             // A panic is an error like any other here: unwinding past this point would drop

@@ -40,17 +40,60 @@ pub struct Config {
     pub parallel: ParallelConfig,
 }
 
-/// How ranks split the work when launched under MPI (`mpiexec -n N`): the data-parallel size
-/// is N; expert-parallel groups of `ep` consecutive ranks split each layer's experts.
+/// How ranks split the work when launched under MPI (`mpiexec -n N`): see [`crate::layout`].
+/// Tensor parallel `tp` and pipeline parallel `pp`; the data-parallel size is
+/// `N / (tp * pp)`, and expert-parallel groups of `ep` data-parallel ranks split each layer's
+/// experts. Keys a config file leaves out are 1 (and `schedule` is `1f1b`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelConfig {
+    #[serde(default = "one")]
+    pub tp: usize,
+    #[serde(default = "one")]
+    pub pp: usize,
+    #[serde(default = "one")]
     pub ep: usize,
+    /// Micro-batches per pipeline step (`train.micro_batch` is cut into this many).
+    #[serde(default = "one")]
+    pub micro_batches: usize,
+    /// `1f1b` or `interleaved`.
+    #[serde(default = "one_f_one_b")]
+    pub schedule: String,
+    /// Model chunks per pipeline rank under the interleaved schedule.
+    #[serde(default = "one")]
+    pub virtual_stages: usize,
+}
+
+fn one() -> usize {
+    1
+}
+
+fn one_f_one_b() -> String {
+    "1f1b".into()
 }
 
 impl Default for ParallelConfig {
     fn default() -> Self {
-        Self { ep: 1 }
+        Self {
+            tp: 1,
+            pp: 1,
+            ep: 1,
+            micro_batches: 1,
+            schedule: one_f_one_b(),
+            virtual_stages: 1,
+        }
+    }
+}
+
+impl ParallelConfig {
+    pub fn schedule(&self) -> Result<crate::layout::Schedule, ConfigError> {
+        match self.schedule.as_str() {
+            "1f1b" => Ok(crate::layout::Schedule::OneFOneB),
+            "interleaved" => Ok(crate::layout::Schedule::Interleaved),
+            other => Err(ConfigError::Invalid(format!(
+                "parallel.schedule {other:?} must be \"1f1b\" or \"interleaved\""
+            ))),
+        }
     }
 }
 
@@ -163,15 +206,9 @@ impl Config {
         Ok(config)
     }
 
-    /// Checks the layout against the world it runs in: `ep` must divide the number of ranks.
-    pub fn validate_world(&self, ranks: usize) -> Result<(), ConfigError> {
-        if ranks % self.parallel.ep != 0 {
-            return Err(ConfigError::Invalid(format!(
-                "parallel.ep {} must divide the number of ranks {ranks}",
-                self.parallel.ep
-            )));
-        }
-        Ok(())
+    /// The layout of this config on `ranks` processes, or every reason it does not fit.
+    pub fn layout(&self, ranks: usize) -> Result<crate::layout::Layout, ConfigError> {
+        crate::layout::Layout::new(&self.parallel, &self.model, self.train.micro_batch, ranks)
     }
 
     /// Checks that the numbers describe a model and a run that can exist.
@@ -256,13 +293,14 @@ impl Config {
             t.log_every > 0 && t.val_every > 0 && t.val_batches > 0,
             "train.log_every, val_every and val_batches must be positive".into(),
         );
+        let p = &self.parallel;
         require(
-            self.parallel.ep > 0 && m.experts % self.parallel.ep.max(1) == 0,
-            format!(
-                "parallel.ep {} must divide model.experts {}",
-                self.parallel.ep, m.experts
-            ),
+            p.tp > 0 && p.pp > 0 && p.ep > 0 && p.micro_batches > 0 && p.virtual_stages > 0,
+            "parallel.tp, pp, ep, micro_batches and virtual_stages must be at least 1".into(),
         );
+        if let Err(error) = p.schedule() {
+            require(false, error.to_string().replace("invalid config: ", ""));
+        }
         require(
             self.checkpoint.every > 0,
             "checkpoint.every must be positive".into(),

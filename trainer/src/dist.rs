@@ -1,10 +1,10 @@
 //! The training world: one process, or N ranks under MPI (`mpiexec -n N`, or `srun` with
-//! pmi2), laid out as data parallel x expert parallel.
+//! pmi2), laid out by a [`Layout`] (tensor, data, pipeline and expert parallel). Each kind of
+//! group has its own communicator, whose ranks are in the order of their place in the group.
 //!
-//! Rank `r` is in expert-parallel group `r / ep` at slot `r % ep`; the ranks with the same slot
-//! hold the same experts and form the expert-data-parallel group. Every collective here is
-//! deterministic by construction: sums are taken by each rank over all contributions in rank
-//! order, never by MPI's reduction trees, so a given layout reproduces bit for bit.
+//! Every collective here is deterministic by construction: sums are taken by each rank over
+//! all contributions in rank order, never by MPI's reduction trees, so a given layout
+//! reproduces bit for bit.
 //!
 //! Launched without MPI, the world is a single rank and every collective is the identity.
 
@@ -16,29 +16,57 @@ use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 use mpi::Count;
 
+use crate::layout::{Dim, Layout};
+
 /// Which ranks a collective spans.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Group {
     /// Every rank.
     World,
+    /// The ranks that split this rank's layers' tensors.
+    Tensor,
+    /// The ranks that hold the same weights as this rank and take other samples.
+    Data,
+    /// The stages of this rank's pipeline.
+    Pipeline,
     /// The ranks of this rank's expert-parallel group (they split the experts).
     Expert,
     /// The ranks that hold the same experts as this rank.
     ExpertData,
 }
 
+impl Group {
+    fn dim(self) -> Option<Dim> {
+        match self {
+            Group::World => None,
+            Group::Tensor => Some(Dim::Tensor),
+            Group::Data => Some(Dim::Data),
+            Group::Pipeline => Some(Dim::Pipeline),
+            Group::Expert => Some(Dim::Expert),
+            Group::ExpertData => Some(Dim::ExpertData),
+        }
+    }
+}
+
 struct Comms {
     world: SimpleCommunicator,
-    expert: SimpleCommunicator,
-    expert_data: SimpleCommunicator,
+    /// One per [`Dim`], in the order of `DIMS`.
+    groups: Vec<SimpleCommunicator>,
 }
+
+const DIMS: [Dim; 5] = [
+    Dim::Tensor,
+    Dim::Data,
+    Dim::Pipeline,
+    Dim::Expert,
+    Dim::ExpertData,
+];
 
 /// This process's place in the training world.
 pub struct World {
     pub rank: usize,
     pub size: usize,
-    /// Ranks per expert-parallel group.
-    pub ep: usize,
+    pub layout: Layout,
     comms: Option<Comms>,
     // Dropped last: finalizes MPI after the communicators are freed.
     _universe: Option<Universe>,
@@ -49,7 +77,7 @@ impl std::fmt::Debug for World {
         f.debug_struct("World")
             .field("rank", &self.rank)
             .field("size", &self.size)
-            .field("ep", &self.ep)
+            .field("layout", &self.layout.describe())
             .field("mpi", &self.comms.is_some())
             .finish()
     }
@@ -83,38 +111,47 @@ impl World {
         Self {
             rank: 0,
             size: 1,
-            ep: 1,
+            layout: Layout::data_parallel(1),
             comms: None,
             _universe: None,
         }
     }
 
-    /// Joins the MPI world if an MPI launcher started this process, else a world of one.
-    /// `ep` must divide the number of ranks (checked by the caller's config validation).
-    pub fn init(ep: usize) -> anyhow::Result<Self> {
+    /// Joins the MPI world if an MPI launcher started this process, else a world of one, laid
+    /// out by `layout_for(number of ranks)`; its error (a layout that does not fit) is
+    /// returned as it is, the same on every rank.
+    pub fn init<E>(layout_for: impl FnOnce(usize) -> Result<Layout, E>) -> anyhow::Result<Self>
+    where
+        E: std::error::Error + Send + Sync + 'static,
+    {
         if !launched_by_mpi() {
-            return Ok(Self::single());
+            let layout = layout_for(1)?;
+            return Ok(Self {
+                layout,
+                ..Self::single()
+            });
         }
         let (universe, _) = mpi::initialize_with_threading(mpi::Threading::Funneled)
             .ok_or_else(|| anyhow::anyhow!("MPI was already initialised"))?;
         let world = universe.world();
         let (rank, size) = (world.rank() as usize, world.size() as usize);
-        let ep = ep.max(1);
-        let expert = world
-            .split_by_color(Color::with_value((rank / ep) as i32))
-            .ok_or_else(|| anyhow::anyhow!("splitting the expert-parallel groups failed"))?;
-        let expert_data = world
-            .split_by_color(Color::with_value((rank % ep) as i32))
-            .ok_or_else(|| anyhow::anyhow!("splitting the expert-data-parallel groups failed"))?;
+        let layout = layout_for(size)?;
+        let mut groups = Vec::with_capacity(DIMS.len());
+        for dim in DIMS {
+            // The group's first rank names it; MPI keeps world order inside, which is the
+            // order of the ranks' places in the group.
+            let color = layout.group(rank, dim)[0];
+            groups.push(
+                world
+                    .split_by_color(Color::with_value(color as i32))
+                    .ok_or_else(|| anyhow::anyhow!("splitting the {dim:?} groups failed"))?,
+            );
+        }
         Ok(Self {
             rank,
             size,
-            ep,
-            comms: Some(Comms {
-                world,
-                expert,
-                expert_data,
-            }),
+            layout,
+            comms: Some(Comms { world, groups }),
             _universe: Some(universe),
         })
     }
@@ -123,30 +160,26 @@ impl World {
         self.comms.is_some()
     }
 
-    /// This rank's slot in its expert-parallel group (which experts it holds).
+    /// This rank's place in its expert-parallel group (which experts it holds).
     pub fn ep_rank(&self) -> usize {
-        self.rank % self.ep
-    }
-
-    /// This rank's index among the ranks that hold the same experts.
-    pub fn edp_rank(&self) -> usize {
-        self.rank / self.ep
+        self.layout.coords(self.rank).ep
     }
 
     /// `(my index, size)` within a group.
     pub fn position(&self, group: Group) -> (usize, usize) {
-        match group {
-            Group::World => (self.rank, self.size),
-            Group::Expert => (self.ep_rank(), self.ep),
-            Group::ExpertData => (self.edp_rank(), self.size / self.ep),
+        match group.dim() {
+            None => (self.rank, self.size),
+            Some(dim) => self.layout.place(self.rank, dim),
         }
     }
 
     fn comm(&self, group: Group) -> Option<&SimpleCommunicator> {
-        self.comms.as_ref().map(|c| match group {
-            Group::World => &c.world,
-            Group::Expert => &c.expert,
-            Group::ExpertData => &c.expert_data,
+        self.comms.as_ref().map(|c| match group.dim() {
+            None => &c.world,
+            Some(dim) => {
+                let index = DIMS.iter().position(|d| *d == dim).expect("every Dim");
+                &c.groups[index]
+            }
         })
     }
 

@@ -10,6 +10,7 @@ pub mod data;
 pub mod dist;
 pub mod experts;
 pub mod kernels;
+pub mod layout;
 pub mod loss;
 pub mod model;
 pub mod norm;

@@ -338,7 +338,8 @@ impl Model {
         sorted: &Tensor,
         routed: &[Vec<u32>],
     ) -> Result<Tensor> {
-        let (ep, local) = (world.ep, self.config.experts / world.ep);
+        let ep = world.layout.ep;
+        let local = self.config.experts / ep;
         let sent: Vec<usize> = routed.iter().map(Vec::len).collect();
         // received[src * local + e]: rows rank src sends for local expert e.
         let received = world.all_to_all_usize(Group::Expert, &sent, local);
@@ -430,7 +431,9 @@ impl Model {
         let order = Tensor::new(order.as_slice(), &self.device)?;
         let sorted = x.index_select(&order, 0)?;
         let expert_out = match &self.world {
-            Some(world) if world.ep > 1 => self.remote_experts(layer, world, &sorted, &routed)?,
+            Some(world) if world.layout.ep > 1 => {
+                self.remote_experts(layer, world, &sorted, &routed)?
+            }
             _ => {
                 let groups = Groups::from_counts(&routed.iter().map(Vec::len).collect::<Vec<_>>());
                 sorted
@@ -452,7 +455,9 @@ impl Model {
         // load-balancing loss of the whole batch needs every rank's counts.
         let local: Vec<u64> = routed.iter().map(|r| r.len() as u64).collect();
         let (load, ranks) = match &self.world {
-            Some(world) if world.size > 1 => (world.sum_u64(Group::World, &local), world.size),
+            Some(world) if world.layout.dp > 1 => {
+                (world.sum_u64(Group::Data, &local), world.layout.dp)
+            }
             _ => (local, 1),
         };
         let share: Vec<f64> = load

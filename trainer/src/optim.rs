@@ -150,7 +150,10 @@ impl AdamW {
                     config.weight_decay
                 };
                 let (global_len, global_offset) = if experts {
-                    (values.len() * world.ep, values.len() * world.ep_rank())
+                    (
+                        values.len() * world.layout.ep,
+                        values.len() * world.ep_rank(),
+                    )
                 } else {
                     (values.len(), 0)
                 };
@@ -175,7 +178,7 @@ impl AdamW {
         let mut shards = Vec::new();
         let mut state = Vec::new();
         for (group, range) in [
-            (Group::World, 0..dense_len),
+            (Group::Data, 0..dense_len),
             (Group::ExpertData, dense_len..flat.len()),
         ] {
             let (me, size) = world.position(group);
@@ -293,6 +296,8 @@ impl AdamW {
                     .sum::<f64>()
             })
             .sum();
+        // Every element is owned by one rank of the world while tp = pp = 1; tensor parallel
+        // will have to count the tensors its ranks replicate once.
         let grad_norm = self.world.sum_f64(Group::World, &[local_sq])[0].sqrt();
         let scale = if grad_norm > self.grad_clip {
             self.grad_clip / (grad_norm + 1e-6)

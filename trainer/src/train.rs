@@ -368,15 +368,17 @@ impl Session {
         let world = &self.world;
         let timer = Instant::now();
         let mut forward = self.model.forward(tokens, batch)?;
-        if world.size > 1 {
-            forward.loss = (forward.loss * (1.0 / world.size as f64))?;
+        // The batch's loss is the mean over the data-parallel ranks' samples.
+        let dp = world.layout.dp;
+        if dp > 1 {
+            forward.loss = (forward.loss * (1.0 / dp as f64))?;
             let local = [
                 forward.cross_entropy,
                 forward.load_balancing,
                 forward.router_z,
             ]
-            .map(|v| v / world.size as f64);
-            let global = world.sum_f64(Group::World, &local);
+            .map(|v| v / dp as f64);
+            let global = world.sum_f64(Group::Data, &local);
             (
                 forward.cross_entropy,
                 forward.load_balancing,
@@ -697,6 +699,52 @@ fn open_run(config: &Config, world: &World, log: &mut dyn Write) -> Result<Opene
     })
 }
 
+/// Rank 0's table of the layout: every rank's coordinates, host, and the bytes it holds
+/// (`held`: weights, gradients, optimizer state per rank, in rank order) next to the layout's
+/// prediction.
+fn write_layout_table(
+    log: &mut dyn Write,
+    model: &crate::config::ModelConfig,
+    layout: &crate::layout::Layout,
+    processes: &[(u32, String)],
+    held: &[f64],
+) -> Result<()> {
+    let mb = |bytes: f64| bytes / 1e6;
+    writeln!(log, "layout: {}", layout.describe())?;
+    writeln!(
+        log,
+        "{:>5} {:>3} {:>3} {:>3} {:>3}  {:<16} {:>21} {:>21} {:>21}",
+        "rank",
+        "tp",
+        "pp",
+        "dp",
+        "ep",
+        "host",
+        "weights MB (pred.)",
+        "gradients MB (pred.)",
+        "optimizer MB (pred.)"
+    )?;
+    for (rank, ((_, host), held)) in processes.iter().zip(held.chunks(3)).enumerate() {
+        let at = layout.coords(rank);
+        let predicted = crate::layout::RankBytes::predict(model, layout, at);
+        writeln!(
+            log,
+            "{rank:>5} {:>3} {:>3} {:>3} {:>3}  {host:<16} {:>10.1} {:<10} {:>10.1} {:<10} {:>10.1} ({:.1})",
+            at.tp,
+            at.pp,
+            at.dp,
+            at.ep,
+            mb(held[0]),
+            format!("({:.1})", mb(predicted.weights)),
+            mb(held[1]),
+            format!("({:.1})", mb(predicted.gradients)),
+            mb(held[2]),
+            mb(predicted.optimizer),
+        )?;
+    }
+    Ok(())
+}
+
 /// Trains until `config.train.steps` or until `stop` is raised (then checkpoints and returns).
 pub fn train(
     config: &Config,
@@ -705,9 +753,7 @@ pub fn train(
     metrics_dir: &Path,
     log: &mut dyn Write,
 ) -> Result<Summary> {
-    config
-        .validate_world(world.size)
-        .map_err(|e| RefusedRun(e.to_string()))?;
+    let layout = &world.layout;
     // Rank 0 speaks for the job; the others log nothing.
     let mut quiet = std::io::sink();
     let log: &mut dyn Write = if world.rank == 0 { log } else { &mut quiet };
@@ -736,8 +782,8 @@ pub fn train(
     if world.size > 1 {
         model.world = Some(world.clone());
     }
-    if world.ep > 1 {
-        model.keep_local_experts(world.ep, world.ep_rank())?;
+    if layout.ep > 1 {
+        model.keep_local_experts(layout.ep, world.ep_rank())?;
     }
     let optim = AdamW::new(&model, &config.train, world.clone())?;
     let parameters = optim.len;
@@ -784,17 +830,26 @@ pub fn train(
             .unwrap_or_default()
     )?;
     if world.size > 1 {
-        let ranks: Vec<String> = world
-            .processes()
+        let processes = world.processes();
+        let ranks: Vec<String> = processes
             .iter()
             .enumerate()
             .map(|(rank, (pid, host))| format!("rank {rank} = pid {pid} on {host}"))
             .collect();
         writeln!(log, "ranks: {}", ranks.join(", "))?;
+        let held = world.all_gather_f64(
+            Group::World,
+            &[
+                4.0 * parameters as f64,
+                4.0 * parameters as f64,
+                optimizer_bytes as f64,
+            ],
+        );
+        write_layout_table(log, &config.model, layout, &processes, &held)?;
         writeln!(
             log,
             "{} ranks (data parallel {}, expert parallel {}): optimizer state {} bytes per rank on rank 0, ZeRO-1 predicts {:.0}",
-            world.size, world.size, world.ep, optimizer_bytes, predicted_bytes
+            world.size, layout.dp, layout.ep, optimizer_bytes, predicted_bytes
         )?;
     }
     let mut step_log = StepLog::open(config, world.size, world.rank == 0, metrics_dir, log)?;
@@ -816,7 +871,8 @@ pub fn train(
         }
         let step = session.state.step + 1;
         // This rank's part of the global batch: the same global sample order for any N.
-        let first_sample = session.state.samples_seen + (world.rank * batch) as u64;
+        let data_rank = layout.coords(world.rank).dp;
+        let first_sample = session.state.samples_seen + (data_rank * batch) as u64;
         let tokens: Vec<u32> = (0..batch)
             .flat_map(|i| sampler.sample(&dataset.train, first_sample + i as u64))
             .collect();
@@ -837,6 +893,8 @@ pub fn train(
             (false, std::time::Duration::ZERO)
         };
         let local_loss = forward.loss.to_scalar::<f32>()? as f64;
+        // Over the world while tp = pp = 1 (it is then the data-parallel group); with tensor
+        // or pipeline parallel the loss is the last stage's, summed over its data group.
         let (loss, any_busy) = if world.size > 1 {
             let sums = world.sum_f64(Group::World, &[local_loss, f64::from(u8::from(busy_here))]);
             (sums[0], sums[1] > 0.0)
@@ -845,7 +903,7 @@ pub fn train(
         };
         session.state = TrainerState {
             step,
-            samples_seen: session.state.samples_seen + (batch * world.size) as u64,
+            samples_seen: session.state.samples_seen + (batch * layout.dp) as u64,
             optimizer_step: session.optim.step,
         };
         losses.push((step, loss));
@@ -862,7 +920,7 @@ pub fn train(
             last_checkpoint = Some(step);
         }
     }
-    if world.ep > 1 {
+    if layout.ep > 1 {
         let (bytes, seconds) = crate::dist::exchange_totals();
         writeln!(
             log,
