@@ -21,6 +21,8 @@ pub(crate) mod layout;
 mod lock;
 mod reader;
 mod regions;
+#[cfg(test)]
+mod testing;
 mod transfer;
 mod verify;
 mod writer;

@@ -139,36 +139,12 @@ mod tests {
     use object_store::{ObjectStore, ObjectStoreExt};
 
     use super::layout;
-    use crate::format::DType;
-    use crate::ids::{RunId, StepKey};
-    use crate::store::{DeltaBases, RunStore, ShardInput, Store, StoreOptions, TensorData};
-
-    const FLOATS: usize = 16 << 10;
-
-    fn floats(seed: u32, changed: usize) -> Bytes {
-        let mut values: Vec<f32> = (0..FLOATS)
-            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32)
-            .collect();
-        for value in values.iter_mut().take(changed) {
-            *value += 1.0;
-        }
-        Bytes::from(
-            values
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<u8>>(),
-        )
-    }
+    use crate::ids::StepKey;
+    use crate::store::testing::{bases_of, floats, open_run, write};
+    use crate::store::RunStore;
 
     async fn open(objects: Arc<dyn ObjectStore>) -> RunStore {
-        let options = StoreOptions {
-            chunk_bytes: (FLOATS * 4) as u64,
-            ..StoreOptions::default()
-        };
-        Store::with_objects(objects, "memory://", options)
-            .await
-            .unwrap()
-            .run(&"copy".parse::<RunId>().unwrap())
+        open_run(objects, "copy", None).await
     }
 
     /// Writes and commits `data` as step `step` of tensor `w`, as a delta on `base` if given.
@@ -178,23 +154,8 @@ mod tests {
         data: &Bytes,
         base: Option<(&Bytes, &crate::format::ShardManifest)>,
     ) -> crate::format::ShardManifest {
-        let mut bases = DeltaBases::default();
-        if let Some((raw, manifest)) = base {
-            bases.insert("w".into(), raw.clone(), manifest.tensors[0].chunks.clone());
-        }
-        let input = ShardInput {
-            step: StepKey::new(step, 0),
-            rank: 0,
-            world_size: 1,
-            tensors: vec![TensorData::whole(
-                "w",
-                DType::F32,
-                vec![FLOATS as u64],
-                data.clone(),
-            )],
-            blobs: vec![],
-        };
-        let manifest = run.write_shard(input, Some(&bases), &()).await.unwrap();
+        let bases = base.map(|(raw, manifest)| bases_of(raw, manifest));
+        let manifest = write(run, step, data, bases.as_ref()).await;
         run.commit(StepKey::new(step, 0), 1).await.unwrap();
         manifest
     }

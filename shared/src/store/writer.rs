@@ -858,64 +858,23 @@ mod tests {
 
     use std::sync::Arc;
 
-    use bytes::Bytes;
     use object_store::memory::InMemory;
     use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
-    use super::{layout, DeltaBases, ShardInput, TensorData};
+    use super::layout;
     use crate::codec::{self, Codec, DeltaBase};
-    use crate::format::DType;
     use crate::hash::ChunkHash;
-    use crate::ids::{RunId, StepKey};
-    use crate::store::{RunStore, Store, StoreOptions};
+    use crate::ids::StepKey;
+    use crate::store::testing::{bases_of, floats, open_run, shard, write};
+    use crate::store::RunStore;
     use crate::StoreError;
 
-    const FLOATS: usize = 16 << 10;
-
-    fn floats(seed: u32, changed: usize) -> Bytes {
-        let mut values: Vec<f32> = (0..FLOATS)
-            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) as f32 / u32::MAX as f32)
-            .collect();
-        for value in values.iter_mut().take(changed) {
-            *value += 1.0;
-        }
-        Bytes::from(
-            values
-                .iter()
-                .flat_map(|v| v.to_le_bytes())
-                .collect::<Vec<u8>>(),
-        )
-    }
-
     async fn open(objects: Arc<dyn ObjectStore>, index: Option<&std::path::Path>) -> RunStore {
-        let options = StoreOptions {
-            chunk_bytes: (FLOATS * 4) as u64,
-            index_path: index.map(|path| path.to_path_buf()),
-            ..StoreOptions::default()
-        };
-        let store = Store::with_objects(objects, "memory://", options)
-            .await
-            .unwrap();
-        let run_store = store.run(&"rebase".parse::<RunId>().unwrap());
+        let run_store = open_run(objects, "rebase", index).await;
         if run_store.info().await.is_err() {
             run_store.create(serde_json::json!({})).await.unwrap();
         }
         run_store
-    }
-
-    fn shard(step: u64, data: &Bytes) -> ShardInput {
-        ShardInput {
-            step: StepKey::new(step, 0),
-            rank: 0,
-            world_size: 1,
-            tensors: vec![TensorData::whole(
-                "w",
-                DType::F32,
-                vec![FLOATS as u64],
-                data.clone(),
-            )],
-            blobs: vec![],
-        }
     }
 
     /// A writer whose index says a chunk is stored on one base, while storage holds it on
@@ -928,23 +887,13 @@ mod tests {
         let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
         let run_store = open(objects.clone(), Some(&dir.path().join("index"))).await;
         let (a, b, c) = (floats(1, 0), floats(1, 64), floats(2, 0));
-        let first = run_store
-            .write_shard(shard(1, &a), None, &())
-            .await
-            .unwrap();
-        let mut bases = DeltaBases::default();
-        bases.insert("w".into(), a.clone(), first.tensors[0].chunks.clone());
-        let second = run_store
-            .write_shard(shard(2, &b), Some(&bases), &())
-            .await
-            .unwrap();
+        let first = write(&run_store, 1, &a, None).await;
+        let bases = bases_of(&a, &first);
+        let second = write(&run_store, 2, &b, Some(&bases)).await;
         let b_ref = second.tensors[0].chunks[0].clone();
         let a_hash = first.tensors[0].chunks[0].hash;
         assert_eq!(b_ref.bases, vec![a_hash], "step 2 is a delta on step 1");
-        let third = run_store
-            .write_shard(shard(3, &c), None, &())
-            .await
-            .unwrap();
+        let third = write(&run_store, 3, &c, None).await;
         let c_hash = third.tensors[0].chunks[0].hash;
 
         // Storage now holds b as a delta on c, which this writer's index does not know.
@@ -966,10 +915,7 @@ mod tests {
             .await
             .unwrap();
 
-        let fourth = run_store
-            .write_shard(shard(4, &b), Some(&bases), &())
-            .await
-            .unwrap();
+        let fourth = write(&run_store, 4, &b, Some(&bases)).await;
         let b_now = &fourth.tensors[0].chunks[0];
         assert_eq!(b_now.hash, b_ref.hash);
         assert!(b_now.bases.is_empty(), "{b_now:?}");
@@ -993,23 +939,13 @@ mod tests {
         let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
         let run_store = open(objects.clone(), None).await;
         let (a, b) = (floats(1, 0), floats(1, 64));
-        let first = run_store
-            .write_shard(shard(1, &a), None, &())
-            .await
-            .unwrap();
-        let mut bases = DeltaBases::default();
-        bases.insert("w".into(), a.clone(), first.tensors[0].chunks.clone());
-        let second = run_store
-            .write_shard(shard(2, &b), Some(&bases), &())
-            .await
-            .unwrap();
+        let first = write(&run_store, 1, &a, None).await;
+        let bases = bases_of(&a, &first);
+        let second = write(&run_store, 2, &b, Some(&bases)).await;
         let b_ref = second.tensors[0].chunks[0].clone();
         assert!(!b_ref.bases.is_empty());
         // Without delta bases, a writer of b still lists the stored chain.
-        let again = run_store
-            .write_shard(shard(3, &b), None, &())
-            .await
-            .unwrap();
+        let again = write(&run_store, 3, &b, None).await;
         assert_eq!(again.tensors[0].chunks[0], b_ref);
         assert_eq!(again.uploaded_bytes, 0);
         // a is gone: b's chain is broken, and the next write of b stores it whole.
@@ -1020,10 +956,7 @@ mod tests {
             ))
             .await
             .unwrap();
-        let fourth = run_store
-            .write_shard(shard(4, &b), Some(&bases), &())
-            .await
-            .unwrap();
+        let fourth = write(&run_store, 4, &b, Some(&bases)).await;
         assert!(fourth.tensors[0].chunks[0].bases.is_empty());
         run_store.commit(StepKey::new(4, 0), 1).await.unwrap();
         let checkpoint = run_store.open_checkpoint(StepKey::new(4, 0)).await.unwrap();
@@ -1038,16 +971,9 @@ mod tests {
         let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
         let run_store = open(objects, None).await;
         let (a, b, stale) = (floats(1, 0), floats(1, 64), floats(1, 32));
-        let first = run_store
-            .write_shard(shard(1, &a), None, &())
-            .await
-            .unwrap();
-        let mut bases = DeltaBases::default();
-        bases.insert("w".into(), stale, first.tensors[0].chunks.clone());
-        let second = run_store
-            .write_shard(shard(2, &b), Some(&bases), &())
-            .await
-            .unwrap();
+        let first = write(&run_store, 1, &a, None).await;
+        let bases = bases_of(&stale, &first);
+        let second = write(&run_store, 2, &b, Some(&bases)).await;
         assert!(second.tensors[0].chunks[0].bases.is_empty());
         run_store.commit(StepKey::new(2, 0), 1).await.unwrap();
         let checkpoint = run_store.open_checkpoint(StepKey::new(2, 0)).await.unwrap();
@@ -1062,16 +988,9 @@ mod tests {
         let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
         let run_store = open(objects.clone(), None).await;
         let (a, b) = (floats(1, 0), floats(1, 64));
-        let first = run_store
-            .write_shard(shard(1, &a), None, &())
-            .await
-            .unwrap();
-        let mut bases = DeltaBases::default();
-        bases.insert("w".into(), a.clone(), first.tensors[0].chunks.clone());
-        let second = run_store
-            .write_shard(shard(2, &b), Some(&bases), &())
-            .await
-            .unwrap();
+        let first = write(&run_store, 1, &a, None).await;
+        let bases = bases_of(&a, &first);
+        let second = write(&run_store, 2, &b, Some(&bases)).await;
         let b_ref = second.tensors[0].chunks[0].clone();
         let a_hash = first.tensors[0].chunks[0].hash;
         let b_path = layout::chunk(run_store.id(), &b_ref.hash);
@@ -1129,10 +1048,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(matches!(error, StoreError::BadRequest { .. }), "{error}");
-        run_store
-            .write_shard(shard(crate::ids::STEP_MAX, &data), None, &())
-            .await
-            .unwrap();
+        write(&run_store, crate::ids::STEP_MAX, &data, None).await;
         run_store
             .commit(StepKey::new(crate::ids::STEP_MAX, 0), 1)
             .await
