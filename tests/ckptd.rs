@@ -422,6 +422,7 @@ fn a_daemon_killed_at_any_moment_and_restarted_leaves_the_run_bit_for_bit_the_sa
 #[test]
 fn a_slow_restore_holds_up_neither_the_node_nor_its_other_ranks() {
     use lazarus_shared::format::{DType, DimRange};
+    use lazarus_shared::store::RegionKind;
     use lazarus_shared::wire::{SlotTensor, Tier};
     use lazarus_trainer::snapshot::Ckptd;
     let dir = test_dir();
@@ -455,6 +456,7 @@ fn a_slow_restore_holds_up_neither_the_node_nor_its_other_ranks() {
         }],
         offset: 0,
         bytes: 4 * elements,
+        kind: RegionKind::Stored,
     }];
     let socket = cluster.nodes[1].socket.clone();
     let connect = |rank: u32| {

@@ -1,6 +1,7 @@
-//! The trainer over MPI (a real `mpiexec` from MPICH): N data-parallel ranks with the ZeRO-1
-//! sharded optimizer train the same model as one process on the same global batch, a layout
-//! repeats bit for bit, and a checkpoint taken with one layout resumes in another.
+//! The trainer over MPI (a real `mpiexec` from MPICH): ranks in data, expert and tensor
+//! parallel layouts with the ZeRO-1 sharded optimizer train the same model as one process on
+//! the same global batch, a layout repeats bit for bit, and a checkpoint taken with one layout
+//! resumes in another.
 
 use std::path::Path;
 use std::process::Command;
@@ -16,6 +17,23 @@ fn args(dir: &Path, run: &str, steps: u64, micro_batch: usize) -> Vec<String> {
 
 /// [`args`] with `parallel.ep`.
 fn args_ep(dir: &Path, run: &str, steps: u64, micro_batch: usize, ep: usize) -> Vec<String> {
+    args_layout(
+        dir,
+        run,
+        steps,
+        micro_batch,
+        &[&format!("parallel.ep={ep}")],
+    )
+}
+
+/// [`args`] with the `parallel` settings `layout` (e.g. `parallel.tp=2`).
+fn args_layout(
+    dir: &Path,
+    run: &str,
+    steps: u64,
+    micro_batch: usize,
+    layout: &[&str],
+) -> Vec<String> {
     TrainerArgs::small(dir)
         .run(run)
         .set("train.micro_batch", micro_batch)
@@ -27,7 +45,7 @@ fn args_ep(dir: &Path, run: &str, steps: u64, micro_batch: usize, ep: usize) -> 
             "train.lr=0.02",
             "train.val_every=1000",
         ])
-        .set("parallel.ep", ep)
+        .sets(layout.iter().copied())
         .set("checkpoint.every", 5)
         .store(&format!("file://{}", dir.join("store").display()))
         .build()
@@ -127,13 +145,55 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
         "DP4 x EP2 vs one process",
     );
 
-    run(2, &args(&dir, "dp2-again", 10, 2));
-    let again = losses(&dir, "dp2-again");
+    // Tensor parallel: 2 ranks split the heads, the vocabulary and the experts; then with
+    // data and expert parallel beside it.
+    let tp2 = ["parallel.tp=2"];
+    let said = run(2, &args_layout(&dir, "tp2", 10, 4, &tp2));
+    assert!(said.contains("layout: tp 2 x pp 1 x dp 1 (ep 1)"), "{said}");
+    let tp2_losses = losses(&dir, "tp2");
+    assert_close(&single, &tp2_losses, "TP2 vs one process");
+    let said = run(
+        4,
+        &args_layout(
+            &dir,
+            "tp2-dp2-ep2",
+            10,
+            2,
+            &["parallel.tp=2", "parallel.ep=2"],
+        ),
+    );
+    // Rank r is tensor-parallel rank r % 2 of data-parallel rank r / 2, and holds what the
+    // layout predicts.
+    let rows = layout_rows(&said);
+    assert_eq!(rows.len(), 4, "{said}");
+    for (rank, row) in rows.iter().enumerate() {
+        assert_eq!(
+            row[..5],
+            [rank, rank % 2, 0, rank / 2, rank / 2].map(|n| n.to_string()),
+            "{said}"
+        );
+        for (held, predicted) in [(6, 7), (8, 9), (10, 11)] {
+            assert_eq!(format!("({})", row[held]), row[predicted], "{said}");
+        }
+    }
+    assert_close(
+        &single,
+        &losses(&dir, "tp2-dp2-ep2"),
+        "TP2 x DP2 x EP2 vs one process",
+    );
+
     let bits = |l: &[(u64, f64)]| l.iter().map(|(s, v)| (*s, v.to_bits())).collect::<Vec<_>>();
+    run(2, &args(&dir, "dp2-again", 10, 2));
     assert_eq!(
-        bits(&again),
+        bits(&losses(&dir, "dp2-again")),
         bits(&dp2),
         "the same layout repeats bit for bit"
+    );
+    run(2, &args_layout(&dir, "tp2-again", 10, 4, &tp2));
+    assert_eq!(
+        bits(&losses(&dir, "tp2-again")),
+        bits(&tp2_losses),
+        "TP2 repeats bit for bit"
     );
 
     // Every rank's shard is stored and verifies; rank 0 committed step 10 for 2 ranks.
@@ -158,10 +218,11 @@ fn a_layout_that_does_not_fit_exits_2_with_the_reason() {
             "parallel.ep 2 must divide the data-parallel size 3",
         ),
         (
-            2,
-            "parallel.tp=2",
-            "tensor and pipeline parallel are not built yet",
+            3,
+            "parallel.tp=3",
+            "parallel.tp 3 must divide model.heads 2",
         ),
+        (2, "parallel.pp=2", "pipeline parallel is not built yet"),
     ] {
         let output = Command::new("mpiexec")
             .args(["-n", &ranks.to_string()])
@@ -196,10 +257,36 @@ fn a_checkpoint_resumes_in_another_layout() {
     assert!(said.contains("resumed from step 5"), "{said}");
     assert_close(&straight, &losses(&dir, "dp1-to-2"), "DP1 then DP2");
 
+    // Tensor parallel with data and expert parallel to step 5, then one process; and one
+    // process to step 5, then TP2.
+    let tp2_dp2_ep2 = ["parallel.tp=2", "parallel.ep=2"];
+    run(
+        4,
+        &args_layout(&dir, "tp2-dp2-ep2-to-1", 5, 2, &tp2_dp2_ep2),
+    );
+    let said = run(1, &args(&dir, "tp2-dp2-ep2-to-1", 10, 4));
+    assert!(said.contains("resumed from step 5"), "{said}");
+    assert_close(
+        &straight,
+        &losses(&dir, "tp2-dp2-ep2-to-1"),
+        "TP2 x DP2 x EP2 then one process",
+    );
+    run(1, &args(&dir, "dp1-to-tp2", 5, 4));
+    let said = run(
+        2,
+        &args_layout(&dir, "dp1-to-tp2", 10, 4, &["parallel.tp=2"]),
+    );
+    assert!(said.contains("resumed from step 5"), "{said}");
+    assert_close(
+        &straight,
+        &losses(&dir, "dp1-to-tp2"),
+        "one process then TP2",
+    );
+
     // The sharded step-5 checkpoint of DP2 x EP2 is complete: every parameter has its weight
-    // and both moments, each covers its whole flattened range, and reading it in another
-    // layout's slices (three regions, as a DP3 resume would) gives the same bytes, hash for
-    // hash, as reading it whole.
+    // and both moments, each covers its whole range, and reading it in another layout's
+    // slices (three regions along the first dimension, as a DP3 resume of a flat tensor or
+    // a TP3 split of rows would) gives the same bytes, hash for hash, as reading it whole.
     let runtime = tokio::runtime::Runtime::new().unwrap();
     let url = format!("file://{}", dir.join("store").display());
     runtime.block_on(async {
@@ -221,14 +308,19 @@ fn a_checkpoint_resumes_in_another_layout() {
         assert_eq!(names.len(), 3 * weights.len(), "{names:?}");
         for name in &names {
             let whole = checkpoint.read_tensor(name, &()).await.unwrap();
-            let len = (whole.len() / 4) as u64;
+            let shape = checkpoint.tensor_info(name).unwrap().global_shape.clone();
+            let rows = shape[0];
             let mut pieces = Vec::new();
             for part in 0..3u64 {
-                let (start, end) = (len * part / 3, len * (part + 1) / 3);
-                let region = [DimRange {
+                let (start, end) = (rows * part / 3, rows * (part + 1) / 3);
+                let mut region = vec![DimRange {
                     start,
                     len: end - start,
                 }];
+                region.extend(shape[1..].iter().map(|len| DimRange {
+                    start: 0,
+                    len: *len,
+                }));
                 pieces.extend(checkpoint.read_region(name, &region, &()).await.unwrap());
             }
             assert_eq!(
@@ -263,7 +355,7 @@ fn a_checkpoint_resumes_in_another_layout() {
     };
     let reference = read_all("straight");
     assert!(reference.len() > 30);
-    for other in ["dp2-to-1", "dp1-to-2"] {
+    for other in ["dp2-to-1", "dp1-to-2", "tp2-dp2-ep2-to-1", "dp1-to-tp2"] {
         let tensors = read_all(other);
         assert_eq!(
             tensors.iter().map(|t| &t.0).collect::<Vec<_>>(),

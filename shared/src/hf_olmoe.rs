@@ -1,7 +1,8 @@
 //! The trainer's checkpoint layout, mapped onto Hugging Face transformers' OLMoE layout.
 //!
 //! The trainer stores, per step, its model configuration as the blob [`MODEL_BLOB`] and each
-//! parameter under its own name, matrices `[in, out]`, experts stacked per layer. The HF
+//! parameter under its own name, with its model shape: projections `[in, out]`, the embedding
+//! and the LM head `[vocab, d_model]`, experts stacked per layer. The HF
 //! layout (`OlmoeForCausalLM`, as `save_pretrained` writes it) wants matrices `[out, in]` and
 //! one tensor per expert and projection. This module is the single place that knows both.
 
@@ -121,8 +122,19 @@ impl ModelSpec {
             );
         }
         out.push(("final_norm".to_string(), vec![h]));
-        out.push(("lm_head".to_string(), vec![h, v]));
+        out.push(("lm_head".to_string(), vec![v, h]));
         out
+    }
+
+    /// A parameter's bytes as this trainer stores them, from a step stored with
+    /// `stored_shape`: trainers before tensor parallelism stored every parameter flattened,
+    /// and the LM head as `[d_model, vocab]`; it is transposed to `[vocab, d_model]`.
+    pub fn current_layout(&self, name: &str, stored_shape: &[u64], data: Vec<u8>) -> Vec<u8> {
+        if name == "lm_head" && stored_shape.len() == 1 {
+            transpose(&data, self.d_model, self.vocab_size)
+        } else {
+            data
+        }
     }
 
     /// The HF tensors for one trainer parameter (little-endian f32 bytes of `shape`):
@@ -158,7 +170,7 @@ impl ModelSpec {
         let out = match name {
             "embed" => as_is("model.embed_tokens.weight".into()),
             "final_norm" => as_is("model.norm.weight".into()),
-            "lm_head" => transposed("lm_head.weight".into()),
+            "lm_head" => as_is("lm_head.weight".into()),
             _ => {
                 let Some((layer, part)) = name
                     .strip_prefix("layers.")
@@ -243,6 +255,20 @@ mod tests {
     }
 
     #[test]
+    fn an_older_flattened_lm_head_is_read_as_vocab_rows() {
+        let spec = spec();
+        let (h, v) = (spec.d_model, spec.vocab_size);
+        // [d_model, vocab], flattened: element (i, j) is i * vocab + j.
+        let old: Vec<f32> = (0..h * v).map(|i| i as f32).collect();
+        let now = spec.current_layout("lm_head", &[(h * v) as u64], floats(&old));
+        // [vocab, d_model]: row 1 is column 1 of the old layout.
+        let column: Vec<f32> = (0..h).map(|i| (i * v + 1) as f32).collect();
+        assert_eq!(&now[4 * h..8 * h], &floats(&column)[..]);
+        let kept = spec.current_layout("lm_head", &[v as u64, h as u64], floats(&old));
+        assert_eq!(kept, floats(&old), "this version's layout is kept");
+    }
+
+    #[test]
     fn matrices_are_transposed_and_experts_split() {
         let spec = spec();
         // router [4, 2] -> gate [2, 4]
@@ -285,7 +311,7 @@ mod tests {
             .unwrap()
             .is_empty());
         assert!(matches!(
-            spec.to_hf("lm_head", &[10, 4], &[0u8; 160]),
+            spec.to_hf("lm_head", &[4, 10], &[0u8; 160]),
             Err(HfError::Shape { .. })
         ));
     }

@@ -84,7 +84,7 @@ fn time_loss(config: &Config, repeats: usize) -> f64 {
     )
     .expect("var");
     let weight = candle_core::Var::from_tensor(
-        &Tensor::randn(0f32, 0.02, (hidden, vocab), &Device::Cpu).expect("w"),
+        &Tensor::randn(0f32, 0.02, (vocab, hidden), &Device::Cpu).expect("w"),
     )
     .expect("var");
     let targets: Vec<u32> = (0..rows).map(|i| (i * 7919 % vocab) as u32).collect();

@@ -165,6 +165,11 @@ impl World {
         self.layout.coords(self.rank).ep
     }
 
+    /// This rank's coordinates in the layout.
+    pub fn coords(&self) -> crate::layout::Coords {
+        self.layout.coords(self.rank)
+    }
+
     /// `(my index, size)` within a group.
     pub fn position(&self, group: Group) -> (usize, usize) {
         match group.dim() {
@@ -292,6 +297,23 @@ impl World {
     pub fn sum_f64(&self, group: Group, values: &[f64]) -> Vec<f64> {
         let gathered = self.all_gather_f64(group, values);
         let mut sum = vec![0f64; values.len()];
+        for contribution in gathered.chunks(values.len().max(1)) {
+            for (total, value) in sum.iter_mut().zip(contribution) {
+                *total += value;
+            }
+        }
+        sum
+    }
+
+    /// The element-wise sum of every rank's `values` (all the same length), added in rank
+    /// order: every rank of the group gets the same bits.
+    pub fn sum_f32(&self, group: Group, values: &[f32]) -> Vec<f32> {
+        let Some(comm) = self.comm(group) else {
+            return values.to_vec();
+        };
+        let mut gathered = vec![0f32; values.len() * comm.size() as usize];
+        waiting(|| comm.all_gather_into(values, &mut gathered[..]));
+        let mut sum = vec![0f32; values.len()];
         for contribution in gathered.chunks(values.len().max(1)) {
             for (total, value) in sum.iter_mut().zip(contribution) {
                 *total += value;

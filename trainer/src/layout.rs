@@ -169,12 +169,12 @@ impl Layout {
         }
     }
 
-    /// This layout if this trainer can run it: data and expert parallel today. Tensor and
-    /// pipeline parallel are refused with the reason until they are built.
+    /// This layout if this trainer can run it: tensor, data and expert parallel today.
+    /// Pipeline parallel is refused with the reason until it is built.
     pub fn built(self) -> Result<Self, ConfigError> {
-        if self.tp > 1 || self.pp > 1 {
+        if self.pp > 1 {
             return Err(ConfigError::Invalid(format!(
-                "{}: tensor and pipeline parallel are not built yet; this trainer runs data and expert parallel (parallel.tp = parallel.pp = 1)",
+                "{}: pipeline parallel is not built yet; this trainer runs tensor, data and expert parallel (parallel.pp = 1)",
                 self.describe()
             )));
         }

@@ -17,4 +17,5 @@ pub mod norm;
 pub mod optim;
 pub mod snapshot;
 pub mod steplog;
+pub mod tensor_parallel;
 pub mod train;

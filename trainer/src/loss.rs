@@ -1,12 +1,23 @@
-//! Fused LM head + cross-entropy: `loss[i] = logsumexp(x[i] W) - (x[i] W)[target[i]]`.
+//! Fused LM head + cross-entropy: `loss[i] = logsumexp(x[i] W^T) - (x[i] W^T)[target[i]]`,
+//! with `W` stored `[vocab, hidden]`, a row per token as the embedding (and Hugging Face's
+//! `lm_head.weight`), so that a vocabulary split is a split of rows.
 //!
 //! The full `[tokens, vocab]` logits are never materialised: the forward pass computes them
 //! `CHUNK_ROWS` rows at a time and keeps only per-row losses, and the backward pass recomputes
 //! each chunk, turns it into `softmax - one_hot` in place, and accumulates the gradients of
 //! `x` and `W` from it. Peak extra memory is one chunk of logits, not several logits-sized
 //! buffers (a 2048-token batch at vocabulary 50304 is 412 MB per buffer).
+//!
+//! Under tensor parallelism the op is vocabulary-parallel ([`LinearCrossEntropy::split`]):
+//! each rank holds `W`'s columns for its share of the vocabulary and computes only those
+//! logits. Per chunk of rows, the ranks exchange each row's log-sum-exp over their share and
+//! the target's logit (from the rank that holds it), and combine them in rank order: the
+//! whole logits never exist on one rank. The gradient of `x` is each rank's part, summed by
+//! the tensor-parallel `Enter` before the op.
 
 use std::sync::{Arc, Mutex};
+
+use crate::dist::{Group, World};
 
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
@@ -20,7 +31,7 @@ use crate::kernels::{matmul, with_scratch, MatRef, SoftmaxRow};
 const CHUNK_ROWS: usize = 2048;
 
 /// The op; apply it as `x.apply_op3(&weight, &targets, op)`, with `x: [N, H]`,
-/// `weight: [H, V]` (both f32 or both f64, contiguous) and `targets: [N]` (u32). Returns
+/// `weight: [V, H]` (one row per token, as the embedding; both f32 or both f64, contiguous) and `targets: [N]` (u32). Returns
 /// per-row losses `[N]`. Use a fresh op per application: the forward pass leaves state in it
 /// for the backward pass.
 ///
@@ -34,6 +45,16 @@ pub struct LinearCrossEntropy {
     log_sum_exp: Arc<Mutex<Vec<f64>>>,
     /// Gradients of `sum(loss)` with respect to `x` and `weight`, from a training forward pass.
     unit_gradients: Arc<Mutex<Option<(Tensor, Tensor)>>>,
+    /// The vocabulary share of this rank, when the vocabulary is split.
+    split: Option<VocabSplit>,
+}
+
+/// This rank's share of a vocabulary split over a tensor-parallel group.
+#[derive(Clone, Debug)]
+struct VocabSplit {
+    world: Arc<World>,
+    /// The first token of this rank's share.
+    start: usize,
 }
 
 impl LinearCrossEntropy {
@@ -44,6 +65,50 @@ impl LinearCrossEntropy {
             ..Self::default()
         }
     }
+
+    /// This op over a vocabulary split over `world`'s tensor-parallel group, of which this
+    /// rank's weight holds the columns from token `start` on.
+    pub fn split(self, world: Arc<World>, start: usize) -> Self {
+        Self {
+            split: Some(VocabSplit { world, start }),
+            ..self
+        }
+    }
+}
+
+impl VocabSplit {
+    /// The whole vocabulary's size, for a share of `vocab`.
+    fn whole(&self, vocab: usize) -> usize {
+        vocab * self.world.layout.tp
+    }
+
+    /// `target`'s column in this rank's share, if the rank holds it.
+    fn local(&self, target: u32, vocab: usize) -> Option<usize> {
+        (target as usize)
+            .checked_sub(self.start)
+            .filter(|column| *column < vocab)
+    }
+
+    /// Each row's log-sum-exp over the whole vocabulary and its target's logit, from every
+    /// rank's over its share (`-inf` and 0 where a rank has nothing), combined in rank order.
+    fn combine(&self, log_sum_exp: &[f64], target: &[f64]) -> (Vec<f64>, Vec<f64>) {
+        let rows = log_sum_exp.len();
+        let mine: Vec<f64> = log_sum_exp.iter().chain(target).copied().collect();
+        let gathered = self.world.all_gather_f64(Group::Tensor, &mine);
+        let ranks: Vec<&[f64]> = gathered.chunks(2 * rows.max(1)).collect();
+        let mut whole = vec![0f64; rows];
+        let mut picked = vec![0f64; rows];
+        for row in 0..rows {
+            let max = ranks
+                .iter()
+                .map(|r| r[row])
+                .fold(f64::NEG_INFINITY, f64::max);
+            let sum: f64 = ranks.iter().map(|r| (r[row] - max).exp()).sum();
+            whole[row] = max + sum.ln();
+            picked[row] = ranks.iter().map(|r| r[rows + row]).sum();
+        }
+        (whole, picked)
+    }
 }
 
 /// This op's name, in its errors.
@@ -53,14 +118,14 @@ fn error(message: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(format!("{OP}: {}", message.into()))
 }
 
-/// `[N, H]`, `[H, V]`, `[N]` or an error naming what is wrong.
+/// `[N, H]`, `[V, H]`, `[N]` or an error naming what is wrong.
 fn dimensions(x: &Layout, weight: &Layout, targets: &Layout) -> Result<(usize, usize, usize)> {
     let (rows, hidden) = x.shape().dims2()?;
-    let (weight_hidden, vocab) = weight.shape().dims2()?;
+    let (vocab, weight_hidden) = weight.shape().dims2()?;
     let target_rows = targets.shape().dims1()?;
     if weight_hidden != hidden || target_rows != rows {
         return Err(error(format!(
-            "shapes {:?}, {:?}, {:?} do not fit [N, H], [H, V], [N]",
+            "shapes {:?}, {:?}, {:?} do not fit [N, H], [V, H], [N]",
             x.shape(),
             weight.shape(),
             targets.shape()
@@ -81,11 +146,18 @@ fn check_targets(targets: &[u32], vocab: usize) -> Result<()> {
 /// Gradients with respect to `x` and `weight`.
 type Gradients<T> = (Vec<T>, Vec<T>);
 
-/// Turns a row of logits into `scale * (softmax - one_hot(target))`, in place.
-fn logits_to_gradient<T: SoftmaxRow>(row: &mut [T], log_sum_exp: f64, target: u32, scale: f64) {
+/// Turns a row of logits into `scale * (softmax - one_hot(target))`, in place; `target` is
+/// the target's column, if this row holds it.
+fn logits_to_gradient<T: SoftmaxRow>(
+    row: &mut [T],
+    log_sum_exp: f64,
+    target: Option<usize>,
+    scale: f64,
+) {
     T::scaled_exp(row, log_sum_exp, scale);
-    let target = target as usize;
-    row[target] = T::from_f64(row[target].to_f64() - scale);
+    if let Some(target) = target {
+        row[target] = T::from_f64(row[target].to_f64() - scale);
+    }
 }
 
 /// Per-row losses; fills `log_sum_exp` with each row's log-sum-exp. With `gradients`, also
@@ -95,6 +167,7 @@ fn forward<T: SoftmaxRow>(
     weight: &[T],
     targets: &[u32],
     (rows, hidden, vocab): (usize, usize, usize),
+    split: Option<&VocabSplit>,
     log_sum_exp: &mut Vec<f64>,
     gradients: bool,
 ) -> (Vec<f64>, Option<Gradients<T>>) {
@@ -103,7 +176,8 @@ fn forward<T: SoftmaxRow>(
     log_sum_exp.resize(rows, 0.0);
     let mut grads =
         gradients.then(|| (vec![T::ZERO; rows * hidden], vec![T::ZERO; hidden * vocab]));
-    let weight = MatRef::row_major(weight, hidden, vocab);
+    // `[H, V]`, the transpose of the stored rows.
+    let weight = MatRef::row_major(weight, vocab, hidden).t();
     with_scratch(CHUNK_ROWS.min(rows) * vocab, |logits: &mut [T]| {
         for first in (0..rows).step_by(CHUNK_ROWS) {
             let count = CHUNK_ROWS.min(rows - first);
@@ -111,18 +185,30 @@ fn forward<T: SoftmaxRow>(
                 MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
             let chunk = &mut logits[..count * vocab];
             matmul(chunk, x_chunk, weight, false);
-            chunk
-                .par_chunks_mut(vocab)
-                .zip(log_sum_exp[first..first + count].par_iter_mut())
-                .zip(losses[first..first + count].par_iter_mut())
-                .zip(targets[first..first + count].par_iter())
-                .for_each(|(((row, lse), loss), target)| {
-                    *lse = T::log_sum_exp(row);
-                    *loss = *lse - row[*target as usize].to_f64();
-                    if gradients {
-                        logits_to_gradient(row, *lse, *target, 1.0);
-                    }
-                });
+            let rows = first..first + count;
+            match split {
+                None => chunk
+                    .par_chunks_mut(vocab)
+                    .zip(log_sum_exp[rows.clone()].par_iter_mut())
+                    .zip(losses[rows.clone()].par_iter_mut())
+                    .zip(targets[rows].par_iter())
+                    .for_each(|(((row, lse), loss), target)| {
+                        *lse = T::log_sum_exp(row);
+                        *loss = *lse - row[*target as usize].to_f64();
+                        if gradients {
+                            logits_to_gradient(row, *lse, Some(*target as usize), 1.0);
+                        }
+                    }),
+                Some(split) => split_rows(
+                    chunk,
+                    vocab,
+                    split,
+                    &targets[rows.clone()],
+                    &mut log_sum_exp[rows.clone()],
+                    &mut losses[rows],
+                    gradients,
+                ),
+            }
             if let Some((grad_x, grad_weight)) = &mut grads {
                 let dlogits = MatRef::row_major(&*chunk, count, vocab);
                 matmul(
@@ -131,11 +217,53 @@ fn forward<T: SoftmaxRow>(
                     weight.t(),
                     false,
                 );
-                matmul(grad_weight, x_chunk.t(), dlogits, first > 0);
+                matmul(grad_weight, dlogits.t(), x_chunk, first > 0);
             }
         }
     });
     (losses, grads)
+}
+
+/// One chunk's rows of a vocabulary split: the whole rows' log-sum-exp and losses from every
+/// rank's share, and with `gradients` each row turned into its gradient in place.
+fn split_rows<T: SoftmaxRow>(
+    chunk: &mut [T],
+    vocab: usize,
+    split: &VocabSplit,
+    targets: &[u32],
+    log_sum_exp: &mut [f64],
+    losses: &mut [f64],
+    gradients: bool,
+) {
+    let (local, target): (Vec<f64>, Vec<f64>) = chunk
+        .par_chunks(vocab)
+        .zip(targets.par_iter())
+        .map(|(row, target)| {
+            let picked = split
+                .local(*target, vocab)
+                .map_or(0.0, |column| row[column].to_f64());
+            (T::log_sum_exp(row), picked)
+        })
+        .unzip();
+    let (whole, picked) = split.combine(&local, &target);
+    for (((lse, loss), w), p) in log_sum_exp
+        .iter_mut()
+        .zip(losses.iter_mut())
+        .zip(&whole)
+        .zip(&picked)
+    {
+        *lse = *w;
+        *loss = w - p;
+    }
+    if gradients {
+        chunk
+            .par_chunks_mut(vocab)
+            .zip(whole.par_iter())
+            .zip(targets.par_iter())
+            .for_each(|((row, lse), target)| {
+                logits_to_gradient(row, *lse, split.local(*target, vocab), 1.0);
+            });
+    }
 }
 
 /// Gradients of `sum(upstream[i] * loss[i])` with respect to `x` and `weight`.
@@ -144,12 +272,14 @@ fn backward<T: SoftmaxRow>(
     weight: &[T],
     targets: &[u32],
     (rows, hidden, vocab): (usize, usize, usize),
+    split: Option<&VocabSplit>,
     saved_log_sum_exp: &[f64],
     upstream: &[f64],
 ) -> Gradients<T> {
     let mut grad_x = vec![T::ZERO; rows * hidden];
     let mut grad_weight = vec![T::ZERO; hidden * vocab];
-    let weight = MatRef::row_major(weight, hidden, vocab);
+    // `[H, V]`, the transpose of the stored rows.
+    let weight = MatRef::row_major(weight, vocab, hidden).t();
     with_scratch(CHUNK_ROWS.min(rows) * vocab, |logits: &mut [T]| {
         for first in (0..rows).step_by(CHUNK_ROWS) {
             let count = CHUNK_ROWS.min(rows - first);
@@ -163,11 +293,17 @@ fn backward<T: SoftmaxRow>(
                 .enumerate()
                 .for_each(|(offset, row)| {
                     let index = first + offset;
+                    // A split row's log-sum-exp is the whole row's: always saved by the
+                    // forward pass (the op checks).
                     let lse = saved_log_sum_exp
                         .get(index)
                         .copied()
                         .unwrap_or_else(|| T::log_sum_exp(row));
-                    logits_to_gradient(row, lse, targets[index], upstream[index]);
+                    let target = match split {
+                        None => Some(targets[index] as usize),
+                        Some(split) => split.local(targets[index], vocab),
+                    };
+                    logits_to_gradient(row, lse, target, upstream[index]);
                 });
             let dlogits = MatRef::row_major(&*chunk, count, vocab);
             matmul(
@@ -176,7 +312,7 @@ fn backward<T: SoftmaxRow>(
                 weight.t(),
                 false,
             );
-            matmul(&mut grad_weight, x_chunk.t(), dlogits, first > 0);
+            matmul(&mut grad_weight, dlogits.t(), x_chunk, first > 0);
         }
     });
     (grad_x, grad_weight)
@@ -218,7 +354,7 @@ fn gradient_tensors<T: candle_core::WithDType>(
 ) -> Result<(Tensor, Tensor)> {
     Ok((
         Tensor::from_vec(grad_x, (rows, hidden), device)?,
-        Tensor::from_vec(grad_weight, (hidden, vocab), device)?,
+        Tensor::from_vec(grad_weight, (vocab, hidden), device)?,
     ))
 }
 
@@ -242,19 +378,20 @@ impl CustomOp3 for LinearCrossEntropy {
             .lock()
             .map_err(|_| error("a previous pass panicked"))?;
         let (values, targets) = inputs((s1, l1), (s2, l2), (s3, l3))?;
-        check_targets(targets, dims.2)?;
+        let split = self.split.as_ref();
+        check_targets(targets, split.map_or(dims.2, |split| split.whole(dims.2)))?;
         let training = self.gradients_in_forward;
         let device = Device::Cpu;
         let (losses, grads) = match values {
             Inputs::F32(x, w) => {
-                let (losses, grads) = forward(x, w, targets, dims, &mut saved, training);
+                let (losses, grads) = forward(x, w, targets, dims, split, &mut saved, training);
                 (
                     losses,
                     grads.map(|(gx, gw)| gradient_tensors(gx, gw, dims, &device)),
                 )
             }
             Inputs::F64(x, w) => {
-                let (losses, grads) = forward(x, w, targets, dims, &mut saved, training);
+                let (losses, grads) = forward(x, w, targets, dims, split, &mut saved, training);
                 (
                     losses,
                     grads.map(|(gx, gw)| gradient_tensors(gx, gw, dims, &device)),
@@ -310,13 +447,19 @@ impl CustomOp3 for LinearCrossEntropy {
             (cpu(OP, &ws)?, weight.layout()),
             (cpu(OP, &ts)?, targets.layout()),
         )?;
+        let split = self.split.as_ref();
+        if split.is_some() && saved.len() != dims.0 {
+            return Err(error(
+                "a vocabulary-parallel backward pass needs its forward pass's log-sum-exp",
+            ));
+        }
         let (grad_x, grad_weight) = match values {
             Inputs::F32(x, w) => {
-                let (gx, gw) = backward(x, w, target_values, dims, &saved, &upstream);
+                let (gx, gw) = backward(x, w, target_values, dims, split, &saved, &upstream);
                 gradient_tensors(gx, gw, dims, &Device::Cpu)?
             }
             Inputs::F64(x, w) => {
-                let (gx, gw) = backward(x, w, target_values, dims, &saved, &upstream);
+                let (gx, gw) = backward(x, w, target_values, dims, split, &saved, &upstream);
                 gradient_tensors(gx, gw, dims, &Device::Cpu)?
             }
         };
@@ -340,11 +483,11 @@ mod tests {
         };
         let x = Var::from_vec(values(rows * hidden, 1), (rows, hidden), &Device::Cpu).unwrap();
         let weight =
-            Var::from_vec(values(hidden * vocab, 2), (hidden, vocab), &Device::Cpu).unwrap();
+            Var::from_vec(values(hidden * vocab, 2), (vocab, hidden), &Device::Cpu).unwrap();
         let targets: Vec<u32> = (0..rows).map(|i| (i * 13 % vocab) as u32).collect();
         let target_tensor = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
 
-        let logits = x.matmul(&weight).unwrap();
+        let logits = x.matmul(&weight.t().unwrap()).unwrap();
         let lse = crate::model::log_sum_exp(&logits).unwrap();
         let picked = logits
             .gather(&target_tensor.unsqueeze(1).unwrap(), 1)
@@ -424,7 +567,7 @@ mod tests {
         };
         let x64 = Tensor::from_vec(values(rows * hidden, 1), (rows, hidden), &Device::Cpu).unwrap();
         let w64 =
-            Tensor::from_vec(values(hidden * vocab, 2), (hidden, vocab), &Device::Cpu).unwrap();
+            Tensor::from_vec(values(hidden * vocab, 2), (vocab, hidden), &Device::Cpu).unwrap();
         let targets: Vec<u32> = (0..rows).map(|i| (i * 13 % vocab) as u32).collect();
         let targets = Tensor::new(targets.as_slice(), &Device::Cpu).unwrap();
         let (x32, w32) = (
@@ -452,7 +595,7 @@ mod tests {
     #[test]
     fn a_target_outside_the_vocabulary_is_an_error() {
         let x = Tensor::zeros((2, 4), DType::F32, &Device::Cpu).unwrap();
-        let w = Tensor::zeros((4, 10), DType::F32, &Device::Cpu).unwrap();
+        let w = Tensor::zeros((10, 4), DType::F32, &Device::Cpu).unwrap();
         let targets = Tensor::new(&[1u32, 10], &Device::Cpu).unwrap();
         let error = x
             .apply_op3(&w, &targets, LinearCrossEntropy::default())

@@ -1,21 +1,31 @@
 //! RMSNorm over the last dimension as one op with its own backward (candle-nn's fused
 //! RMSNorm has none). `y = x / sqrt(mean(x^2) + eps) * weight`, rows in parallel, each row's
-//! arithmetic in f64. The weight gradient is summed over fixed blocks of rows in a fixed
+//! arithmetic in f64; a row may be split over a tensor-parallel group. The weight gradient is summed over fixed blocks of rows in a fixed
 //! order, so it does not depend on the thread count.
+
+use std::sync::Arc;
 
 use candle_core::{CpuStorage, CustomOp2, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::custom_op::{contiguous, cpu};
+use crate::dist::{Group, World};
 use crate::kernels::SoftmaxRow;
 
 /// Rows per partial sum of the weight gradient.
 const BLOCK_ROWS: usize = 64;
 
-/// The op: `x.apply_op2(&weight, RmsNorm { eps })` with `x: [..., H]` and `weight: [H]`.
-#[derive(Clone, Copy, Debug)]
+/// The op: `x.apply_op2(&weight, RmsNorm::new(eps))` with `x: [..., H]` and `weight: [H]`.
+///
+/// [`RmsNorm::split`] normalises rows split over a tensor-parallel group (QK-norm over heads
+/// split by tensor parallel): each rank holds `H` of the row's `H * tp` values, and the sums
+/// over a row (of squares forward, of `upstream * weight * x` backward) are summed over the
+/// group in rank order, so every rank normalises by the whole row, as one process does.
+#[derive(Clone, Debug)]
 pub struct RmsNorm {
     pub eps: f64,
+    /// The group a row is split over, if it is.
+    split: Option<Arc<World>>,
 }
 
 /// This op's name, in its errors.
@@ -25,19 +35,63 @@ fn error(message: impl Into<String>) -> candle_core::Error {
     candle_core::Error::Msg(format!("{OP}: {}", message.into()))
 }
 
-/// `1 / sqrt(mean(row^2) + eps)`.
-fn inverse_rms<T: SoftmaxRow>(row: &[T], eps: f64) -> f64 {
-    let mean = row.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>() / row.len() as f64;
+/// `1 / sqrt(sum_sq / width + eps)`.
+fn inverse_rms(sum_sq: f64, width: usize, eps: f64) -> f64 {
+    let mean = sum_sq / width as f64;
     1.0 / (mean + eps).sqrt()
 }
 
+fn sum_sq<T: SoftmaxRow>(row: &[T]) -> f64 {
+    row.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>()
+}
+
 impl RmsNorm {
+    /// Normalises each row over its own values.
+    pub fn new(eps: f64) -> Self {
+        Self { eps, split: None }
+    }
+
+    /// Normalises rows split over `world`'s tensor-parallel group.
+    pub fn split(eps: f64, world: Arc<World>) -> Self {
+        Self {
+            eps,
+            split: Some(world),
+        }
+    }
+
+    /// The whole row's width, for a local width of `hidden`.
+    fn width(&self, hidden: usize) -> usize {
+        hidden * self.split.as_ref().map_or(1, |world| world.layout.tp)
+    }
+
+    /// Per-row values summed over the group (each rank's in rank order); as they are when the
+    /// row is not split.
+    fn over_rows(&self, values: Vec<f64>, per_row: usize) -> Vec<f64> {
+        match &self.split {
+            None => values,
+            Some(world) => {
+                let gathered = world.all_gather_f64(Group::Tensor, &values);
+                let mut sum = vec![0f64; values.len()];
+                for contribution in gathered.chunks(values.len().max(per_row)) {
+                    for (total, value) in sum.iter_mut().zip(contribution) {
+                        *total += value;
+                    }
+                }
+                sum
+            }
+        }
+    }
+
     fn forward<T: SoftmaxRow>(&self, x: &[T], weight: &[T]) -> Vec<T> {
+        let hidden = weight.len();
+        let sums = self.over_rows(x.par_chunks(hidden).map(sum_sq).collect(), 1);
+        let width = self.width(hidden);
         let mut out = vec![T::ZERO; x.len()];
-        out.par_chunks_mut(weight.len())
-            .zip(x.par_chunks(weight.len()))
-            .for_each(|(out, row)| {
-                let r = inverse_rms(row, self.eps);
+        out.par_chunks_mut(hidden)
+            .zip(x.par_chunks(hidden))
+            .zip(sums.par_iter())
+            .for_each(|((out, row), sum)| {
+                let r = inverse_rms(*sum, width, self.eps);
                 for ((o, v), w) in out.iter_mut().zip(row).zip(weight) {
                     *o = T::from_f64(v.to_f64() * r * w.to_f64());
                 }
@@ -48,26 +102,41 @@ impl RmsNorm {
     /// Gradients of `x` and `weight` given the upstream gradient.
     fn backward<T: SoftmaxRow>(&self, x: &[T], weight: &[T], upstream: &[T]) -> (Vec<T>, Vec<T>) {
         let hidden = weight.len();
+        let width = self.width(hidden);
+        // Per row: its sum of squares and the dot of upstream * weight with x.
+        let mut per_row: Vec<f64> = x
+            .par_chunks(hidden)
+            .zip(upstream.par_chunks(hidden))
+            .flat_map_iter(|(row, up)| {
+                let dot = row
+                    .iter()
+                    .zip(up)
+                    .zip(weight)
+                    .map(|((v, u), w)| u.to_f64() * w.to_f64() * v.to_f64())
+                    .sum::<f64>();
+                [sum_sq(row), dot]
+            })
+            .collect();
+        per_row = self.over_rows(per_row, 2);
         let mut grad_x = vec![T::ZERO; x.len()];
         let partials: Vec<Vec<f64>> = grad_x
             .par_chunks_mut(hidden * BLOCK_ROWS)
             .zip(x.par_chunks(hidden * BLOCK_ROWS))
             .zip(upstream.par_chunks(hidden * BLOCK_ROWS))
-            .map(|((grad_block, x_block), up_block)| {
+            .zip(per_row.par_chunks(2 * BLOCK_ROWS))
+            .map(|(((grad_block, x_block), up_block), sums)| {
                 let mut grad_weight = vec![0f64; hidden];
-                for ((grad_row, row), up) in grad_block
+                for (((grad_row, row), up), sums) in grad_block
                     .chunks_mut(hidden)
                     .zip(x_block.chunks(hidden))
                     .zip(up_block.chunks(hidden))
+                    .zip(sums.chunks(2))
                 {
-                    let r = inverse_rms(row, self.eps);
-                    let mut dot = 0f64;
-                    for (((g, v), u), w) in grad_weight.iter_mut().zip(row).zip(up).zip(weight) {
-                        let (v, u) = (v.to_f64(), u.to_f64());
-                        *g += u * v * r;
-                        dot += u * w.to_f64() * v;
+                    let r = inverse_rms(sums[0], width, self.eps);
+                    for ((g, v), u) in grad_weight.iter_mut().zip(row).zip(up) {
+                        *g += u.to_f64() * v.to_f64() * r;
                     }
-                    let correction = r * r * r * dot / hidden as f64;
+                    let correction = r * r * r * sums[1] / width as f64;
                     for (((g, v), u), w) in grad_row.iter_mut().zip(row).zip(up).zip(weight) {
                         *g = T::from_f64(r * u.to_f64() * w.to_f64() - v.to_f64() * correction);
                     }

@@ -35,10 +35,26 @@ pub struct Placement {
     pub len: usize,
     pub shape: Vec<usize>,
     pub weight_decay: f64,
-    /// Elements of the whole tensor over all ranks (more than `len` for split experts).
-    pub global_len: usize,
-    /// Where this rank's part starts in the flattened whole tensor.
-    pub global_offset: usize,
+    /// The whole tensor's shape over all ranks (larger than `shape` where it is split).
+    pub global_shape: Vec<usize>,
+    /// Where this rank's block starts in the whole tensor, per dimension.
+    pub global_start: Vec<usize>,
+    /// Every rank of the tensor-parallel group holds the same values: only the group's
+    /// first rank stores them and counts them in the gradient norm.
+    pub replicated_over_tp: bool,
+}
+
+impl Placement {
+    /// Elements of one row: one index of the first dimension, all of the others.
+    fn row_len(&self) -> usize {
+        self.shape[1..].iter().product()
+    }
+
+    /// Whether this rank counts the parameter in the global gradient norm (each element of
+    /// the model is counted once over the world).
+    fn counted(&self, tp_rank: usize) -> bool {
+        !self.replicated_over_tp || tp_rank == 0
+    }
 }
 
 /// One sharded range of the flat buffer: its group, the split, and where this rank's state
@@ -131,10 +147,12 @@ fn is_expert(name: &str) -> bool {
 }
 
 impl AdamW {
-    /// State for `model`'s current weights. Norm weights get `norm_weight_decay`, everything
-    /// else `weight_decay`.
+    /// State for `model`'s current weights (this rank's part of each parameter, as
+    /// [`Model::place`] says). Norm weights get `norm_weight_decay`, everything else
+    /// `weight_decay`.
     pub fn new(model: &Model, config: &TrainConfig, world: Arc<World>) -> Result<Self> {
         let parameters = model.parameters();
+        let place = model.place;
         let mut placements = Vec::new();
         let mut flat = Vec::new();
         // Dense parameters first, then this rank's experts: two contiguous ranges.
@@ -149,23 +167,23 @@ impl AdamW {
                 } else {
                     config.weight_decay
                 };
-                let (global_len, global_offset) = if experts {
-                    (
-                        values.len() * world.layout.ep,
-                        values.len() * world.ep_rank(),
-                    )
-                } else {
-                    (values.len(), 0)
-                };
+                let shape = var.dims().to_vec();
+                let mut global_shape = shape.clone();
+                let mut global_start = vec![0; shape.len()];
+                if let Some(split) = place.split(name) {
+                    global_shape[split.dim] *= split.parts;
+                    global_start[split.dim] = split.index * shape[split.dim];
+                }
                 placements.push(Placement {
                     name: name.clone(),
                     index,
                     offset: flat.len(),
                     len: values.len(),
-                    shape: var.dims().to_vec(),
+                    shape,
                     weight_decay,
-                    global_len,
-                    global_offset,
+                    global_shape,
+                    global_start,
+                    replicated_over_tp: place.replicated_over_tp(name),
                 });
                 flat.extend(values);
             }
@@ -184,7 +202,7 @@ impl AdamW {
             let (me, size) = world.position(group);
             let bounds: Vec<usize> = even_bounds(range.len(), size)
                 .into_iter()
-                .map(|b| range.start + b)
+                .map(|b| at_a_row(&placements, range.start + b))
                 .collect();
             let mine = bounds[me]..bounds[me + 1];
             let base = state.len();
@@ -279,25 +297,25 @@ impl AdamW {
                 self.world.reduce_scatter(s.group, &flat[range], &relative)
             })
             .collect();
-        // Fixed-size blocks summed in order, then ranks in order: the same norm whatever the
-        // thread count.
-        let local_sq: f64 = shard_grads
+        // Fixed-size blocks summed in order, then pieces and ranks in order: the same norm
+        // whatever the thread count. Each element of the model counts once over the world:
+        // a tensor-parallel group's replicated parameters on its first rank only.
+        let tp_rank = self.world.coords().tp;
+        let local_sq: f64 = self
+            .shards
             .iter()
-            .map(|g| {
-                g.par_chunks(BLOCK)
-                    .map(|block| {
-                        block
-                            .iter()
-                            .map(|g| f64::from(*g) * f64::from(*g))
-                            .sum::<f64>()
+            .zip(&shard_grads)
+            .map(|(shard, grads)| {
+                self.pieces(shard)
+                    .filter(|(placement, _)| placement.counted(tp_rank))
+                    .map(|(_, range)| {
+                        sum_of_squares(
+                            &grads[range.start - shard.mine.start..range.end - shard.mine.start],
+                        )
                     })
-                    .collect::<Vec<f64>>()
-                    .iter()
                     .sum::<f64>()
             })
             .sum();
-        // Every element is owned by one rank of the world while tp = pp = 1; tensor parallel
-        // will have to count the tensors its ranks replicate once.
         let grad_norm = self.world.sum_f64(Group::World, &[local_sq])[0].sqrt();
         let scale = if grad_norm > self.grad_clip {
             self.grad_clip / (grad_norm + 1e-6)
@@ -411,6 +429,37 @@ impl AdamW {
         }
         Ok(())
     }
+}
+
+/// `bound` (a flat offset splitting the state between two ranks) moved to the nearest row of
+/// the parameter it falls in, so that each rank's part of a parameter is whole rows: one
+/// rectangle of the global tensor, which is what a shard manifest stores of each tensor. A
+/// rank's share moves by less than one row from the even split.
+fn at_a_row(placements: &[Placement], bound: usize) -> usize {
+    let Some(placement) = placements
+        .iter()
+        .find(|p| p.offset < bound && bound < p.offset + p.len)
+    else {
+        return bound;
+    };
+    let row = placement.row_len().max(1);
+    let within = bound - placement.offset;
+    placement.offset + (within + row / 2) / row * row
+}
+
+/// The sum of squares of `values`, over fixed-size blocks summed in order.
+fn sum_of_squares(values: &[f32]) -> f64 {
+    values
+        .par_chunks(BLOCK)
+        .map(|block| {
+            block
+                .iter()
+                .map(|g| f64::from(*g) * f64::from(*g))
+                .sum::<f64>()
+        })
+        .collect::<Vec<f64>>()
+        .iter()
+        .sum::<f64>()
 }
 
 /// Three disjoint ranges of one buffer, in increasing order, borrowed mutably together.

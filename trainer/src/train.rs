@@ -17,10 +17,11 @@ use std::time::Instant;
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use candle_core::{DType, Tensor};
-use lazarus_shared::format::{DType as StoredDType, DimRange};
+use lazarus_shared::format::DType as StoredDType;
 use lazarus_shared::hf_olmoe;
 use lazarus_shared::store::{
-    ByteSource, DeltaBases, OpenMode, RestoreChoice, RunStore, SourcedShard, Store, StoreOptions,
+    row_major_runs, ByteSource, DeltaBases, OpenMode, RegionKind, RestoreChoice, RunStore,
+    SourcedShard, Store, StoreOptions,
 };
 use lazarus_shared::{RunId, StepKey, StoreError};
 use serde::{Deserialize, Serialize};
@@ -90,29 +91,50 @@ fn bytes_to_floats(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// This rank's layout: for each parameter its weight and both moments, each stored flattened
-/// as a 1-D global tensor of which this rank writes the slice its optimizer shard holds, as
-/// byte ranges of the state memory (what a `ckptd` slot holds a copy of); and the state's
-/// size. Any layout can read any other layout's slices back by region.
-fn slot_layout(optim: &AdamW) -> (Vec<SlotTensor>, u64) {
+/// This rank's layout: for each parameter its weight and both moments, each stored as one
+/// global tensor of the model's shape, of which this rank holds the block of its tensor- or
+/// expert-parallel split and writes the run of it that its optimizer shard holds (as
+/// rectangles of the global tensor, [`row_major_runs`]), as byte ranges of the state memory
+/// (what a `ckptd` slot holds a copy of); and the state's size. A tensor-parallel group's
+/// replicated parameters are stored by its first rank and only read by the others. Any layout
+/// can read any other layout's regions back.
+fn slot_layout(optim: &AdamW, tp_rank: usize) -> (Vec<SlotTensor>, u64) {
+    let as_u64 = |values: &[usize]| values.iter().map(|v| *v as u64).collect::<Vec<u64>>();
     let mut tensors = Vec::new();
     for shard in &optim.shards {
         for (placement, range) in optim.pieces(shard) {
-            let local = range.start - shard.mine.start..range.end - shard.mine.start;
-            let slice = vec![DimRange {
-                start: (placement.global_offset + range.start - placement.offset) as u64,
-                len: range.len() as u64,
-            }];
-            for part in Part::ALL {
-                let elements = shard.range(part, local.clone());
-                tensors.push(SlotTensor {
-                    name: format!("{}{}", placement.name, part.suffix()),
-                    dtype: StoredDType::F32,
-                    global_shape: vec![placement.global_len as u64],
-                    slice: slice.clone(),
-                    offset: 4 * elements.start as u64,
-                    bytes: 4 * elements.len() as u64,
-                });
+            let kind = if placement.replicated_over_tp && tp_rank != 0 {
+                RegionKind::Read
+            } else {
+                RegionKind::Stored
+            };
+            let run =
+                (range.start - placement.offset) as u64..(range.end - placement.offset) as u64;
+            let global_shape = as_u64(&placement.global_shape);
+            let rectangles = row_major_runs(
+                &as_u64(&placement.shape),
+                &as_u64(&placement.global_start),
+                run,
+            );
+            // A shard manifest holds one slice of each tensor: the optimizer's shards are cut
+            // at whole rows of each parameter.
+            assert_eq!(rectangles.len(), 1, "{}: {rectangles:?}", placement.name);
+            for (slice, elements) in rectangles {
+                // The rectangle's elements, relative to the start of the shard's part.
+                let first = placement.offset + elements.start as usize - shard.mine.start;
+                let local = first..first + (elements.end - elements.start) as usize;
+                for part in Part::ALL {
+                    let elements = shard.range(part, local.clone());
+                    tensors.push(SlotTensor {
+                        name: format!("{}{}", placement.name, part.suffix()),
+                        dtype: StoredDType::F32,
+                        global_shape: global_shape.clone(),
+                        slice: slice.clone(),
+                        offset: 4 * elements.start as u64,
+                        bytes: 4 * elements.len() as u64,
+                        kind,
+                    });
+                }
             }
         }
     }
@@ -195,7 +217,7 @@ impl Session {
     fn checkpoint(&mut self) -> Result<u64> {
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
         let key = StepKey::new(self.state.step, timeline);
-        let (layout, _) = slot_layout(&self.optim);
+        let (layout, _) = slot_layout(&self.optim, self.world.coords().tp);
         let state: Arc<dyn ByteSource> = Arc::new(floats_to_bytes(self.optim.memory.current()));
         let blobs = if self.world.rank == 0 {
             Session::blobs_of(&self.state, &self.config)?
@@ -242,7 +264,7 @@ impl Session {
                 .block_on(checkpoint.read_blob(0, "trainer.json"))?,
         )
         .context("trainer.json in the checkpoint")?;
-        let (layout, _) = slot_layout(&self.optim);
+        let (layout, _) = slot_layout(&self.optim, self.world.coords().tp);
         let state_floats = self.optim.memory.current_mut(&HeldSlots::default());
         let read = self
             .runtime
@@ -273,7 +295,7 @@ impl Session {
         run: &RunId,
         restore: bool,
     ) -> Result<Option<(u64, lazarus_shared::wire::Tier)>> {
-        let (tensors, slot_bytes) = slot_layout(&self.optim);
+        let (tensors, slot_bytes) = slot_layout(&self.optim, self.world.coords().tp);
         let mut ckptd = Ckptd::connect(
             socket,
             run.clone(),
@@ -778,13 +800,11 @@ pub fn train(
         run_id,
         run,
     } = open_run(config, &world, log)?;
-    let mut model = Model::new(&config.model, config.run.seed, DType::F32)?;
-    if world.size > 1 {
-        model.world = Some(world.clone());
-    }
-    if layout.ep > 1 {
-        model.keep_local_experts(layout.ep, world.ep_rank())?;
-    }
+    let model = if world.size > 1 {
+        Model::part_of(&config.model, config.run.seed, DType::F32, world.clone())?
+    } else {
+        Model::new(&config.model, config.run.seed, DType::F32)?
+    };
     let optim = AdamW::new(&model, &config.train, world.clone())?;
     let parameters = optim.len;
     let optimizer_bytes = optim.state_bytes();
@@ -892,9 +912,13 @@ pub fn train(
         } else {
             (false, std::time::Duration::ZERO)
         };
-        let local_loss = forward.loss.to_scalar::<f32>()? as f64;
-        // Over the world while tp = pp = 1 (it is then the data-parallel group); with tensor
-        // or pipeline parallel the loss is the last stage's, summed over its data group.
+        // Each data-parallel rank's part of the loss, summed over the world: a tensor-parallel
+        // group's ranks all hold the same loss, and its first rank speaks for it.
+        let local_loss = if world.coords().tp == 0 {
+            forward.loss.to_scalar::<f32>()? as f64
+        } else {
+            0.0
+        };
         let (loss, any_busy) = if world.size > 1 {
             let sums = world.sum_f64(Group::World, &[local_loss, f64::from(u8::from(busy_here))]);
             (sums[0], sums[1] > 0.0)

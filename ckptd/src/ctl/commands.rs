@@ -1007,7 +1007,7 @@ async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: b
         let info = checkpoint.tensor_info(name).ok_or_else(|| {
             anyhow::anyhow!("tensor {name} of the model is missing from the checkpoint")
         })?;
-        // The trainer stores parameters flattened; the model configuration gives the shape.
+        // Older trainers stored parameters flattened; the model configuration gives the shape.
         let elements = |s: &[u64]| s.iter().product::<u64>();
         if info.dtype != DType::F32 || elements(&info.global_shape) != elements(shape) {
             bail!(
@@ -1016,7 +1016,11 @@ async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: b
                 info.global_shape
             );
         }
-        let data = checkpoint.read_tensor(name, &bar).await?;
+        let data = spec.current_layout(
+            name,
+            &info.global_shape,
+            checkpoint.read_tensor(name, &bar).await?,
+        );
         for (hf_name, hf_shape, hf_data) in spec.to_hf(name, shape, &data)? {
             tensors.push((hf_name, DType::F32, hf_shape, hf_data));
         }

@@ -44,7 +44,7 @@ pub use gc::{GcPolicy, GcReport};
 pub use index::{ChunkIndex, ChunkInfo, IndexStats};
 pub use lock::LockGuard;
 pub use reader::{Checkpoint, TensorInfo};
-pub use regions::{Region, RestoreChoice};
+pub use regions::{row_major_runs, Region, RegionKind, RestoreChoice};
 pub use verify::{Problem, VerifyOptions, VerifyReport};
 pub use writer::{
     ByteSource, DeltaBases, ShardInput, SourceRange, SourcedShard, SourcedTensor, TensorData,

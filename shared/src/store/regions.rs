@@ -9,7 +9,15 @@
 //! the shard from the layout over the rank's flat state ([`SourcedShard::from_regions`],
 //! with [`DeltaBases::of_regions`] for delta encoding). A new kind of parallelism adds
 //! regions, not callers.
+//!
+//! A region is [`RegionKind::Stored`] when this rank writes it, or [`RegionKind::Read`] when
+//! the rank needs it but another rank stores the same values (a tensor-parallel group holds
+//! its norms and router whole on every rank; only its first rank stores them), so that
+//! nothing replicated is stored twice. [`row_major_runs`] cuts a rank's contiguous piece of a
+//! tensor block (a ZeRO shard of a tensor-parallel split) into the hyper-rectangles of the
+//! global tensor that a region names.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -31,11 +39,118 @@ pub struct Region {
     pub slice: Vec<DimRange>,
     pub offset: u64,
     pub bytes: u64,
+    /// Whether this rank stores the region or only reads it.
+    #[serde(default)]
+    pub kind: RegionKind,
+}
+
+/// Whether a rank writes a region into its checkpoint shard or only reads it back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RegionKind {
+    /// Written by this rank, and read back by it.
+    #[default]
+    Stored,
+    /// Read back by this rank; another rank stores the same values.
+    Read,
+}
+
+/// The hyper-rectangles that the elements `run` (row-major positions inside a block of
+/// `block_shape`, placed at `block_start` of the global tensor) cover, in order, each with
+/// the sub-range of `run` it holds. Each rectangle's own row-major order is that sub-range's
+/// order, so its bytes are one contiguous run of the rank's flat state. A run inside one
+/// row stays one rectangle; a run over whole rows is one; anything else is cut at most twice
+/// per dimension.
+pub fn row_major_runs(
+    block_shape: &[u64],
+    block_start: &[u64],
+    run: Range<u64>,
+) -> Vec<(Vec<DimRange>, Range<u64>)> {
+    assert_eq!(
+        block_shape.len(),
+        block_start.len(),
+        "one start per dimension"
+    );
+    assert!(
+        run.end <= block_shape.iter().product::<u64>(),
+        "the run lies inside the block"
+    );
+    let mut out = Vec::new();
+    cut(block_shape, run.start, run.end, &mut Vec::new(), &mut out);
+    let mut next = run.start;
+    out.into_iter()
+        .map(|local| {
+            let elements: u64 = local.iter().map(|r| r.len).product();
+            let slice = local
+                .iter()
+                .zip(block_start)
+                .map(|(r, start)| DimRange {
+                    start: r.start + start,
+                    len: r.len,
+                })
+                .collect();
+            next += elements;
+            (slice, next - elements..next)
+        })
+        .collect()
+}
+
+/// Appends to `out` the rectangles of `[from, to)` in a row-major block of `shape`, each
+/// prefixed by `outer` (the single rows of the enclosing dimensions).
+fn cut(shape: &[u64], from: u64, to: u64, outer: &mut Vec<DimRange>, out: &mut Vec<Vec<DimRange>>) {
+    if from >= to {
+        return;
+    }
+    let Some((rows, rest)) = shape.split_first() else {
+        out.push(outer.clone());
+        return;
+    };
+    let inner: u64 = rest.iter().product();
+    let (first_row, first_at) = (from / inner, from % inner);
+    let (last_row, last_at) = (to / inner, to % inner);
+    if first_row == last_row {
+        in_row(rest, first_row, first_at..last_at, outer, out);
+        return;
+    }
+    let mut row = first_row;
+    if first_at != 0 {
+        in_row(rest, first_row, first_at..inner, outer, out);
+        row += 1;
+    }
+    debug_assert!(*rows >= last_row);
+    if last_row > row {
+        let mut rectangle = outer.clone();
+        rectangle.push(DimRange {
+            start: row,
+            len: last_row - row,
+        });
+        rectangle.extend(rest.iter().map(|len| DimRange {
+            start: 0,
+            len: *len,
+        }));
+        out.push(rectangle);
+    }
+    if last_at != 0 {
+        in_row(rest, last_row, 0..last_at, outer, out);
+    }
+}
+
+/// [`cut`] of the elements `within` one `row` whose remaining dimensions are `rest`.
+fn in_row(
+    rest: &[u64],
+    row: u64,
+    within: Range<u64>,
+    outer: &mut Vec<DimRange>,
+    out: &mut Vec<Vec<DimRange>>,
+) {
+    outer.push(DimRange { start: row, len: 1 });
+    cut(rest, within.start, within.end, outer, out);
+    outer.pop();
 }
 
 impl Checkpoint {
-    /// Reads every region of `layout` from this checkpoint and hands each to `put` with its
-    /// bytes (exactly `region.bytes` of them), in layout order. Fails on a tensor the
+    /// Reads every region of `layout` (stored or read-only) from this checkpoint and hands
+    /// each to `put` with its bytes (exactly `region.bytes` of them), in layout order. Fails on a tensor the
     /// checkpoint lacks or stores with another shape.
     pub async fn read_regions<E>(
         &self,
@@ -100,6 +215,7 @@ impl SourcedShard {
             world_size,
             tensors: layout
                 .iter()
+                .filter(|region| region.kind == RegionKind::Stored)
                 .map(|region| SourcedTensor {
                     name: region.name.clone(),
                     dtype: region.dtype,
@@ -126,18 +242,22 @@ impl Region {
 
 impl DeltaBases {
     /// The delta bases for the next write of `layout`: the previous write's flat state
-    /// (`source`) and, per region in layout order, the chunks the store recorded for it
-    /// (`ShardManifest::tensors`). `None` when the lists do not match the layout.
+    /// (`source`) and, per stored region in layout order, the chunks the store recorded for
+    /// it (`ShardManifest::tensors`). `None` when the lists do not match the layout.
     pub fn of_regions(
         layout: &[Region],
         source: &Arc<dyn ByteSource>,
         chunks: Vec<Vec<ChunkRef>>,
     ) -> Option<Self> {
-        if chunks.len() != layout.len() {
+        let stored: Vec<&Region> = layout
+            .iter()
+            .filter(|region| region.kind == RegionKind::Stored)
+            .collect();
+        if chunks.len() != stored.len() {
             return None;
         }
         let mut bases = Self::default();
-        for (region, chunks) in layout.iter().zip(chunks) {
+        for (region, chunks) in stored.into_iter().zip(chunks) {
             bases.insert(region.name.clone(), region.range(source), chunks);
         }
         Some(bases)
@@ -190,7 +310,52 @@ impl RestoreChoice {
 
 #[cfg(test)]
 mod tests {
-    use super::RestoreChoice;
+    use super::{row_major_runs, RestoreChoice};
+    use crate::format::DimRange;
+
+    /// Every element of a block, and where each rectangle puts it in the global tensor.
+    fn covered(shape: &[u64], start: &[u64], run: std::ops::Range<u64>) -> Vec<Vec<u64>> {
+        let mut out = Vec::new();
+        for (slice, elements) in row_major_runs(shape, start, run.clone()) {
+            let mut index: Vec<u64> = slice.iter().map(|r| r.start).collect();
+            for _ in elements {
+                out.push(index.clone());
+                // Row-major increment inside the rectangle.
+                for dim in (0..index.len()).rev() {
+                    index[dim] += 1;
+                    if index[dim] < slice[dim].start + slice[dim].len {
+                        break;
+                    }
+                    index[dim] = slice[dim].start;
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn row_major_runs_cover_a_run_in_order_with_few_rectangles() {
+        let (shape, start) = ([3u64, 4, 5], [6u64, 0, 10]);
+        let total: u64 = shape.iter().product();
+        for from in 0..total {
+            for to in from..=total {
+                let got = covered(&shape, &start, from..to);
+                let want: Vec<Vec<u64>> = (from..to)
+                    .map(|i| vec![start[0] + i / 20, start[1] + i / 5 % 4, start[2] + i % 5])
+                    .collect();
+                assert_eq!(got, want, "{from}..{to}");
+                assert!(row_major_runs(&shape, &start, from..to).len() <= 5);
+            }
+        }
+        // Whole rows of a column split: one rectangle.
+        assert_eq!(
+            row_major_runs(&[4, 2], &[0, 2], 2..8),
+            vec![(
+                vec![DimRange { start: 1, len: 3 }, DimRange { start: 2, len: 2 }],
+                2..8
+            )]
+        );
+    }
 
     #[test]
     fn memory_serves_unless_a_durable_step_is_newer() {
