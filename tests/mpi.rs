@@ -108,6 +108,25 @@ fn layout_rows(said: &str) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// Rank 0's layout table has a row for each of `ranks` ranks, with the coordinates
+/// `[tp, pp, dp, ep]` that `coords` gives for it, and every rank holds what the layout
+/// predicts (to the table's 0.1 MB).
+fn assert_layout_table(said: &str, ranks: usize, coords: impl Fn(usize) -> [usize; 4]) {
+    let rows = layout_rows(said);
+    assert_eq!(rows.len(), ranks, "{said}");
+    for (rank, row) in rows.iter().enumerate() {
+        let [tp, pp, dp, ep] = coords(rank);
+        assert_eq!(
+            row[..5],
+            [rank, tp, pp, dp, ep].map(|n| n.to_string()),
+            "{said}"
+        );
+        for (held, predicted) in [(6, 7), (8, 9), (10, 11)] {
+            assert_eq!(format!("({})", row[held]), row[predicted], "{said}");
+        }
+    }
+}
+
 #[test]
 fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     let (_guard, dir) = prepared();
@@ -126,19 +145,8 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     let said = run(4, &args_ep(&dir, "dp4-ep2", 10, 1, 2));
     assert!(said.contains("expert parallel 2"), "{said}");
     // Rank 0's layout table: rank r is data-parallel rank r at place r % 2 of its expert
-    // group, and holds what the layout predicts.
-    let rows = layout_rows(&said);
-    assert_eq!(rows.len(), 4, "{said}");
-    for (rank, row) in rows.iter().enumerate() {
-        assert_eq!(
-            row[..5],
-            [rank, 0, 0, rank, rank % 2].map(|n| n.to_string()),
-            "{said}"
-        );
-        for (held, predicted) in [(6, 7), (8, 9), (10, 11)] {
-            assert_eq!(format!("({})", row[held]), row[predicted], "{said}");
-        }
-    }
+    // group.
+    assert_layout_table(&said, 4, |rank| [0, 0, rank, rank % 2]);
     assert_close(
         &single,
         &losses(&dir, "dp4-ep2"),
@@ -162,20 +170,8 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
             &["parallel.tp=2", "parallel.ep=2"],
         ),
     );
-    // Rank r is tensor-parallel rank r % 2 of data-parallel rank r / 2, and holds what the
-    // layout predicts.
-    let rows = layout_rows(&said);
-    assert_eq!(rows.len(), 4, "{said}");
-    for (rank, row) in rows.iter().enumerate() {
-        assert_eq!(
-            row[..5],
-            [rank, rank % 2, 0, rank / 2, rank / 2].map(|n| n.to_string()),
-            "{said}"
-        );
-        for (held, predicted) in [(6, 7), (8, 9), (10, 11)] {
-            assert_eq!(format!("({})", row[held]), row[predicted], "{said}");
-        }
-    }
+    // Rank r is tensor-parallel rank r % 2 of data-parallel rank r / 2.
+    assert_layout_table(&said, 4, |rank| [rank % 2, 0, rank / 2, rank / 2]);
     assert_close(
         &single,
         &losses(&dir, "tp2-dp2-ep2"),
