@@ -66,25 +66,16 @@ impl RmsNorm {
 
     /// Per-row values summed over the group (each rank's in rank order); as they are when the
     /// row is not split.
-    fn over_rows(&self, values: Vec<f64>, per_row: usize) -> Vec<f64> {
+    fn over_rows(&self, values: Vec<f64>) -> Vec<f64> {
         match &self.split {
             None => values,
-            Some(world) => {
-                let gathered = world.all_gather_f64(Group::Tensor, &values);
-                let mut sum = vec![0f64; values.len()];
-                for contribution in gathered.chunks(values.len().max(per_row)) {
-                    for (total, value) in sum.iter_mut().zip(contribution) {
-                        *total += value;
-                    }
-                }
-                sum
-            }
+            Some(world) => world.sum_f64(Group::Tensor, &values),
         }
     }
 
     fn forward<T: SoftmaxRow>(&self, x: &[T], weight: &[T]) -> Vec<T> {
         let hidden = weight.len();
-        let sums = self.over_rows(x.par_chunks(hidden).map(sum_sq).collect(), 1);
+        let sums = self.over_rows(x.par_chunks(hidden).map(sum_sq).collect());
         let width = self.width(hidden);
         let mut out = vec![T::ZERO; x.len()];
         out.par_chunks_mut(hidden)
@@ -117,7 +108,7 @@ impl RmsNorm {
                 [sum_sq(row), dot]
             })
             .collect();
-        per_row = self.over_rows(per_row, 2);
+        per_row = self.over_rows(per_row);
         let mut grad_x = vec![T::ZERO; x.len()];
         let partials: Vec<Vec<f64>> = grad_x
             .par_chunks_mut(hidden * BLOCK_ROWS)
