@@ -184,3 +184,46 @@ pub fn kinds(timeline: &[serde_json::Value]) -> Vec<String> {
         .map(|e| e["kind"].as_str().unwrap_or_default().to_string())
         .collect()
 }
+
+/// The ranks a rank fault names as the first to die: one ("rank 1 (pid ...) died; ...") or
+/// several that died too close together to tell apart ("ranks 0 (pid ...), 1 (pid ...) died
+/// within 3 ms of each other; ..."). Empty for any other fault.
+pub fn first_dead(fault: &serde_json::Value) -> Vec<u64> {
+    let detail = fault["detail"].as_str().unwrap_or_default();
+    let Some((named, _)) = detail.split_once(" died") else {
+        return Vec::new();
+    };
+    let Some(named) = named
+        .strip_prefix("ranks ")
+        .or_else(|| named.strip_prefix("rank "))
+    else {
+        return Vec::new();
+    };
+    named
+        .split(", ")
+        .filter_map(|one| one.split_once(' ')?.0.parse().ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::first_dead;
+
+    #[test]
+    fn first_dead_reads_one_rank_or_several_named_together() {
+        let fault = |detail: &str| serde_json::json!({ "kind": "fault", "detail": detail });
+        assert_eq!(
+            first_dead(&fault(
+                "rank 1 (pid 7 on n2) died; declared 9 ms after it exited; ranks 0 went down after it"
+            )),
+            vec![1]
+        );
+        assert_eq!(
+            first_dead(&fault(
+                "ranks 0 (pid 6 on n1), 1 (pid 7 on n2) died within 3 ms of each other; declared 9 ms after the first exited"
+            )),
+            vec![0, 1]
+        );
+        assert!(first_dead(&fault("node n2 lost: its daemon disconnected")).is_empty());
+    }
+}

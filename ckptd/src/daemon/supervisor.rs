@@ -695,25 +695,53 @@ async fn rank_died(leader: &Leader, mut downs: Vec<super::leader::RankDown>) -> 
             break;
         }
     }
-    downs.sort_by_key(|d| d.unix_us);
-    let first = &downs[0];
-    let others: Vec<String> = downs[1..].iter().map(|d| d.rank.to_string()).collect();
     Outcome::Fault {
         kind: "fault",
-        detail: format!(
-            "rank {} (pid {} on {}) died; declared {} ms after it exited{}",
-            first.rank,
-            first.pid,
-            first.node,
-            lazarus_shared::store::now_unix_us().saturating_sub(first.unix_us) / 1000,
-            if others.is_empty() {
-                String::new()
-            } else {
-                format!("; ranks {} went down after it", others.join(","))
-            }
-        ),
+        detail: death_detail(downs, lazarus_shared::store::now_unix_us()),
         lost_node: None,
     }
+}
+
+/// Deaths this close together are one moment as far as the kernel shows them. A rank's peers
+/// can see it die (a failed read of its memory, a closed connection) before its last thread
+/// has exited and its exit becomes visible, and a peer that aborts at once can be gone first
+/// by a few milliseconds. Naming one of them the cause would be a guess.
+const TOGETHER_US: u64 = 20_000;
+
+/// The fault's words for a set of deaths (`now_us` is when it is declared): the first death
+/// by its node's clock, or every death within `TOGETHER_US` of it, then the later ones.
+fn death_detail(mut downs: Vec<super::leader::RankDown>, now_us: u64) -> String {
+    downs.sort_by_key(|d| d.unix_us);
+    let first_us = downs[0].unix_us;
+    let together = downs
+        .iter()
+        .take_while(|d| d.unix_us - first_us <= TOGETHER_US)
+        .count();
+    let (first, later) = downs.split_at(together);
+    let declared_ms = now_us.saturating_sub(first_us) / 1000;
+    let named = |d: &super::leader::RankDown| format!("{} (pid {} on {})", d.rank, d.pid, d.node);
+    let mut detail = if let [only] = first {
+        format!(
+            "rank {} died; declared {declared_ms} ms after it exited",
+            named(only)
+        )
+    } else {
+        let names: Vec<String> = first.iter().map(named).collect();
+        format!(
+            "ranks {} died within {} ms of each other; declared {declared_ms} ms after the first exited",
+            names.join(", "),
+            (first[first.len() - 1].unix_us - first_us) / 1000
+        )
+    };
+    if !later.is_empty() {
+        let ranks: Vec<String> = later.iter().map(|d| d.rank.to_string()).collect();
+        detail.push_str(&format!(
+            "; ranks {} went down after {}",
+            ranks.join(","),
+            if first.len() == 1 { "it" } else { "them" }
+        ));
+    }
+    detail
 }
 
 /// Stops the whole world: every daemon kills its ranks, the launcher's process group is
@@ -810,7 +838,42 @@ async fn drain(plan: &Supervision, node: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::socket_template;
+    use super::{death_detail, socket_template};
+    use crate::daemon::leader::RankDown;
+
+    fn down(rank: u32, node: &str, unix_us: u64) -> RankDown {
+        RankDown {
+            rank,
+            node: node.to_string(),
+            pid: 100 + rank,
+            unix_us,
+        }
+    }
+
+    #[test]
+    fn the_first_death_is_named_and_deaths_close_to_it_are_named_with_it() {
+        let alone = vec![down(0, "n1", 1_050_000), down(1, "n2", 1_000_000)];
+        assert_eq!(
+            death_detail(alone, 1_200_000),
+            "rank 1 (pid 101 on n2) died; declared 200 ms after it exited; ranks 0 went down after it"
+        );
+        // A peer that saw rank 1 go and aborted at once exited 3 ms before rank 1's exit
+        // became visible: neither is named the cause.
+        let together = vec![
+            down(1, "n2", 1_003_000),
+            down(0, "n1", 1_000_000),
+            down(2, "n3", 1_100_000),
+        ];
+        assert_eq!(
+            death_detail(together, 1_150_000),
+            "ranks 0 (pid 100 on n1), 1 (pid 101 on n2) died within 3 ms of each other; \
+             declared 150 ms after the first exited; ranks 2 went down after them"
+        );
+        assert_eq!(
+            death_detail(vec![down(3, "n1", 5_000)], 4_000),
+            "rank 3 (pid 103 on n1) died; declared 0 ms after it exited"
+        );
+    }
 
     #[test]
     fn the_socket_template_replaces_the_node_in_the_file_name_only() {
