@@ -419,6 +419,66 @@ impl World {
     }
 }
 
+/// What travels between pipeline stages: a micro-batch's activations forward, their
+/// gradients back. Each kind keeps its order between two stages (MPI does not overtake).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Flow {
+    Activations = 1,
+    Gradients = 2,
+}
+
+/// The other end of a pipeline message: stage `stage` (its place in the pipeline group).
+#[derive(Clone, Copy, Debug)]
+pub struct Peer {
+    pub stage: usize,
+    pub flow: Flow,
+}
+
+/// Time this rank spent waiting on the stages next to it.
+static PIPELINE_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Seconds this rank has spent in pipeline sends and receives since the process started.
+pub fn pipeline_wait_seconds() -> f64 {
+    PIPELINE_NANOS.load(Ordering::Relaxed) as f64 / 1e9
+}
+
+impl World {
+    /// Sends `send` to one stage of this rank's pipeline and receives `len` floats from one,
+    /// together (MPI_Sendrecv, so two stages that send to each other at once do not wait on
+    /// each other), or either alone. Returns what was received.
+    pub fn pipe(&self, send: Option<(Peer, &[f32])>, receive: Option<(Peer, usize)>) -> Vec<f32> {
+        let comm = self
+            .comm(Group::Pipeline)
+            .expect("pipeline messages need an MPI world");
+        let started = std::time::Instant::now();
+        let mut received = vec![0f32; receive.map_or(0, |(_, len)| len)];
+        match (send, receive) {
+            (Some((to, data)), Some((from, _))) => {
+                mpi::point_to_point::send_receive_into_with_tags(
+                    data,
+                    &comm.process_at_rank(to.stage as i32),
+                    to.flow as i32,
+                    &mut received[..],
+                    &comm.process_at_rank(from.stage as i32),
+                    from.flow as i32,
+                );
+            }
+            (Some((to, data)), None) => comm
+                .process_at_rank(to.stage as i32)
+                .send_with_tag(data, to.flow as i32),
+            (None, Some((from, _))) => {
+                comm.process_at_rank(from.stage as i32)
+                    .receive_into_with_tag(&mut received[..], from.flow as i32);
+            }
+            (None, None) => {}
+        }
+        let nanos = started.elapsed().as_nanos() as u64;
+        PIPELINE_NANOS.fetch_add(nanos, Ordering::Relaxed);
+        COMMUNICATION_NANOS.fetch_add(nanos, Ordering::Relaxed);
+        received
+    }
+}
+
 /// Rows of `width` floats that travel between the ranks of an expert-parallel group: out in
 /// the forward pass ([`Dispatch`]) and back in the backward pass, or the reverse
 /// ([`Combine`]). `send_rows[i]` rows go to rank `i`; `recv_rows[i]` come from it.

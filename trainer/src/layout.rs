@@ -169,12 +169,12 @@ impl Layout {
         }
     }
 
-    /// This layout if this trainer can run it: tensor, data and expert parallel today.
-    /// Pipeline parallel is refused with the reason until it is built.
+    /// This layout if this trainer can run it: every layout but the interleaved schedule,
+    /// which is refused with the reason.
     pub fn built(self) -> Result<Self, ConfigError> {
-        if self.pp > 1 {
+        if self.schedule == Schedule::Interleaved {
             return Err(ConfigError::Invalid(format!(
-                "{}: pipeline parallel is not built yet; this trainer runs tensor, data and expert parallel (parallel.pp = 1)",
+                "{}: the interleaved pipeline schedule is not built yet; use parallel.schedule = \"1f1b\"",
                 self.describe()
             )));
         }

@@ -15,6 +15,7 @@ pub mod loss;
 pub mod model;
 pub mod norm;
 pub mod optim;
+pub mod pipeline;
 pub mod snapshot;
 pub mod steplog;
 pub mod tensor_parallel;

@@ -2,7 +2,8 @@
 //! over the full projected q and k) and a dropless MoE feed-forward (softmax router over all
 //! experts, top-k without renormalising the kept weights, SwiGLU experts stacked per layer),
 //! a final norm and an untied LM head. One expert with top-1 is the dense variant.
-//! The model may be split over a tensor-parallel group (see [`Place::split`]).
+//! The model may be split over a tensor-parallel group (see [`Place::split`]) and into
+//! pipeline stages (see [`Place::layers`], [`Model::stage_forward`]).
 //!
 //! Only ops that have a backward are used: candle-nn's fused RMSNorm, softmax and rope have
 //! none and would silently cut the gradient. RMSNorm ([`crate::norm`]), attention with RoPE
@@ -11,6 +12,7 @@
 //! Matrices are stored `[in, out]` so a projection is `x.matmul(w)`; the embedding and the LM
 //! head are `[vocab, d_model]`, a row per token.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::{DType, Device, Result, Tensor, Var, D};
@@ -58,20 +60,27 @@ pub struct Model {
     pub world: Option<Arc<World>>,
     /// Which part of each parameter this rank holds.
     pub place: Place,
-    pub embed: Var,
+    /// The first stage's token embedding.
+    pub embed: Option<Var>,
+    /// This stage's layers, from layer `first_layer` of the model.
     pub layers: Vec<Layer>,
-    pub final_norm: Var,
-    pub lm_head: Var,
+    pub first_layer: usize,
+    /// The last stage's final norm and LM head.
+    pub final_norm: Option<Var>,
+    pub lm_head: Option<Var>,
 }
 
 /// Which part of the model a rank holds: its place in the tensor-parallel group (`tp_rank`
-/// of `tp`) and in the expert-parallel group (`ep_rank` of `ep`).
+/// of `tp`), in the expert-parallel group (`ep_rank` of `ep`) and in the pipeline (stage
+/// `stage` of `pp`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Place {
     pub tp: usize,
     pub tp_rank: usize,
     pub ep: usize,
     pub ep_rank: usize,
+    pub pp: usize,
+    pub stage: usize,
 }
 
 /// How a parameter is cut over the ranks: along dimension `dim` into `parts` equal blocks, of
@@ -90,7 +99,25 @@ impl Place {
         tp_rank: 0,
         ep: 1,
         ep_rank: 0,
+        pp: 1,
+        stage: 0,
     };
+
+    /// The first pipeline stage embeds the tokens.
+    pub fn first_stage(&self) -> bool {
+        self.stage == 0
+    }
+
+    /// The last pipeline stage holds the final norm and the LM head and computes the loss.
+    pub fn last_stage(&self) -> bool {
+        self.stage + 1 == self.pp
+    }
+
+    /// The layers this rank's stage runs, of a model of `layers`: an equal run each.
+    pub fn layers(&self, layers: usize) -> Range<usize> {
+        let per_stage = layers / self.pp;
+        self.stage * per_stage..(self.stage + 1) * per_stage
+    }
 
     /// How the parameter `name` is cut, or `None` for a parameter every rank of a
     /// tensor-parallel group holds whole (norms before a split part, the router).
@@ -124,19 +151,23 @@ impl Place {
     }
 }
 
-/// What one forward pass reports besides the loss to differentiate.
+/// What one forward pass (of a stage, or of the whole model) reports besides the loss to
+/// differentiate.
 #[derive(Debug)]
 pub struct Forward {
-    /// cross-entropy + aux_coef * load-balancing + z_coef * router z-loss.
+    /// cross-entropy + aux_coef * load-balancing + z_coef * router z-loss (of this stage's
+    /// layers; the cross-entropy on the last stage only).
     pub loss: Tensor,
     pub cross_entropy: f64,
     pub load_balancing: f64,
     pub router_z: f64,
-    /// Tokens routed to each expert, per layer (top-k assignments).
+    /// Tokens routed to each expert, per layer of this stage (top-k assignments).
     pub expert_load: Vec<Vec<u64>>,
+    /// A stage before the last: its output, for the next stage.
+    pub hidden: Option<Tensor>,
 }
 
-/// What the blocks return: the final-normed hidden states and each layer's router figures.
+/// What a stage's blocks return: their output and each layer's router figures.
 struct Body {
     hidden: Tensor,
     load_balancing: Vec<Tensor>,
@@ -227,6 +258,8 @@ impl Model {
             tp_rank: at.tp,
             ep: world.layout.ep,
             ep_rank: at.ep,
+            pp: world.layout.pp,
+            stage: at.pp,
         };
         let mut model = Self::part(config, seed, dtype, place)?;
         model.world = Some(world);
@@ -234,7 +267,8 @@ impl Model {
     }
 
     /// The part `place` of a freshly initialised model: each parameter is made whole from its
-    /// own seed, then cut, so that every layout starts from the same weights.
+    /// own seed, then cut, so that every layout starts from the same weights. Parameters of
+    /// other stages are not made (their seeds are skipped).
     fn part(config: &ModelConfig, seed: u64, dtype: DType, place: Place) -> Result<Self> {
         let device = Device::Cpu;
         let (h, f, e, v) = (
@@ -244,8 +278,13 @@ impl Model {
             config.vocab_size,
         );
         let mut next_seed = seed.wrapping_mul(1_000_003);
-        let mut make = |name: &str, shape: &[usize], init: Option<f64>| {
+        let stage = place.layers(config.layers);
+        // `held`: whether this stage holds the parameter; an empty stand-in where not.
+        let mut make = |name: &str, shape: &[usize], init: Option<f64>, held: bool| {
             next_seed = next_seed.wrapping_add(1);
+            if !held {
+                return Var::zeros(0, dtype, &device);
+            }
             let whole = parameter(shape, init, next_seed, dtype, &device)?;
             match place.split(name) {
                 Some(split) if split.parts > 1 => {
@@ -256,10 +295,13 @@ impl Model {
                 _ => Ok(whole),
             }
         };
-        let embed = make("embed", &[v, h], Some(INIT_STD))?;
-        let mut layers = Vec::with_capacity(config.layers);
-        for _ in 0..config.layers {
-            layers.push(Layer {
+        let (first, last) = (place.first_stage(), place.last_stage());
+        let embed = make("embed", &[v, h], Some(INIT_STD), first)?;
+        let mut layers = Vec::with_capacity(stage.len());
+        for index in 0..config.layers {
+            let held = stage.contains(&index);
+            let mut make = |name: &str, shape: &[usize], init| make(name, shape, init, held);
+            let layer = Layer {
                 attn_norm: make("attn_norm", &[h], None)?,
                 wq: make("wq", &[h, h], Some(INIT_STD))?,
                 wk: make("wk", &[h, h], Some(INIT_STD))?,
@@ -272,27 +314,36 @@ impl Model {
                 expert_gate: make("expert_gate", &[e, h, f], Some(INIT_STD))?,
                 expert_up: make("expert_up", &[e, h, f], Some(INIT_STD))?,
                 expert_down: make("expert_down", &[e, f, h], Some(INIT_STD))?,
-            });
+            };
+            if held {
+                layers.push(layer);
+            }
         }
-        let final_norm = make("final_norm", &[h], None)?;
-        let lm_head = make("lm_head", &[v, h], Some(INIT_STD))?;
+        let final_norm = make("final_norm", &[h], None, last)?;
+        let lm_head = make("lm_head", &[v, h], Some(INIT_STD), last)?;
         Ok(Self {
             config: config.clone(),
             device,
             dtype,
             world: None,
             place,
-            embed,
+            embed: first.then_some(embed),
             layers,
-            final_norm,
-            lm_head,
+            first_layer: stage.start,
+            final_norm: last.then_some(final_norm),
+            lm_head: last.then_some(lm_head),
         })
     }
 
-    /// Every parameter with its name, in a fixed order (optimizer and checkpoint layout).
+    /// Every parameter this rank holds with its name (layers by their index in the whole
+    /// model), in a fixed order (optimizer and checkpoint layout).
     pub fn parameters(&self) -> Vec<(String, &Var)> {
-        let mut named = vec![("embed".to_string(), &self.embed)];
-        for (index, layer) in self.layers.iter().enumerate() {
+        let mut named: Vec<(String, &Var)> = self
+            .embed
+            .iter()
+            .map(|embed| ("embed".to_string(), embed))
+            .collect();
+        for (index, layer) in (self.first_layer..).zip(&self.layers) {
             let parts = [
                 ("attn_norm", &layer.attn_norm),
                 ("wq", &layer.wq),
@@ -313,24 +364,39 @@ impl Model {
                     .map(|(name, var)| (format!("layers.{index}.{name}"), var)),
             );
         }
-        named.push(("final_norm".to_string(), &self.final_norm));
-        named.push(("lm_head".to_string(), &self.lm_head));
+        named.extend(
+            (self.final_norm.iter().map(|v| ("final_norm", v)))
+                .chain(self.lm_head.iter().map(|v| ("lm_head", v)))
+                .map(|(name, var)| (name.to_string(), var)),
+        );
         named
     }
 
-    /// The training forward pass over `batch` sequences of `seq_len + 1` tokens (inputs and
-    /// shifted targets). The LM head's gradients are computed here already (see
-    /// [`LinearCrossEntropy::training`]), so call `backward` on the returned loss.
+    /// The training forward pass of a whole model over `batch` sequences of `seq_len + 1`
+    /// tokens (inputs and shifted targets). The LM head's gradients are computed here already
+    /// (see [`LinearCrossEntropy::training`]), so call `backward` on the returned loss.
     pub fn forward(&self, tokens: &[u32], batch: usize) -> Result<Forward> {
-        self.run(tokens, batch, true)
+        self.stage_forward(tokens, batch, None, true)
     }
 
     /// The loss alone, for validation: no gradient work.
     pub fn evaluate(&self, tokens: &[u32], batch: usize) -> Result<Forward> {
-        self.run(tokens, batch, false)
+        self.stage_forward(tokens, batch, None, false)
     }
 
-    fn run(&self, tokens: &[u32], batch: usize, training: bool) -> Result<Forward> {
+    /// This rank's pipeline stage over `batch` sequences of `seq_len + 1` tokens: the first
+    /// stage embeds the inputs, the others take `hidden` (`[batch * seq, d_model]`) from the
+    /// stage before; the stage's layers run; the last stage applies the final norm, the LM
+    /// head and the loss, the others return their output in [`Forward::hidden`]. The loss is
+    /// this stage's part: the cross-entropy on the last stage, and on every stage its layers'
+    /// share of the router losses. Over one stage, the whole model's loss.
+    pub fn stage_forward(
+        &self,
+        tokens: &[u32],
+        batch: usize,
+        hidden: Option<&Tensor>,
+        training: bool,
+    ) -> Result<Forward> {
         let c = &self.config;
         let seq = tokens.len() / batch - 1;
         assert_eq!(
@@ -338,22 +404,50 @@ impl Model {
             batch * (seq + 1),
             "tokens must hold batch x (seq + 1)"
         );
-        let inputs: Vec<u32> = tokens
-            .chunks(seq + 1)
-            .flat_map(|row| row[..seq].to_vec())
-            .collect();
-        let targets: Vec<u32> = tokens
-            .chunks(seq + 1)
-            .flat_map(|row| row[1..].to_vec())
-            .collect();
-        let tokens_n = batch * seq;
-        let targets = Tensor::from_vec(targets, tokens_n, &self.device)?;
+        let x = match (&self.embed, hidden) {
+            (Some(_), None) => {
+                let inputs: Vec<u32> = tokens
+                    .chunks(seq + 1)
+                    .flat_map(|row| row[..seq].to_vec())
+                    .collect();
+                self.embed_tokens(&inputs)?
+            }
+            (None, Some(hidden)) => hidden.clone(),
+            _ => candle_core::bail!(
+                "stage {} of {}: the first stage embeds tokens, the others take the previous stage's output",
+                self.place.stage,
+                self.place.pp
+            ),
+        };
         let Body {
             hidden: x,
             load_balancing,
             router_z,
             expert_load,
-        } = self.body(&inputs, batch, seq)?;
+        } = self.body(x, batch, seq)?;
+        let layers = c.layers as f64;
+        let load_balancing = (Tensor::stack(&load_balancing, 0)?.sum_all()? / layers)?;
+        let router_z = (Tensor::stack(&router_z, 0)?.sum_all()? / layers)?;
+        let router_losses = |loss: Tensor| -> Result<Tensor> {
+            (loss + (&load_balancing * c.router_aux_coef)?)? + (&router_z * c.router_z_coef)?
+        };
+        let scalar = |t: &Tensor| -> Result<f64> { t.to_dtype(DType::F64)?.to_scalar::<f64>() };
+        let (Some(final_norm), Some(lm_head)) = (&self.final_norm, &self.lm_head) else {
+            return Ok(Forward {
+                loss: router_losses(load_balancing.zeros_like()?)?,
+                cross_entropy: 0.0,
+                load_balancing: scalar(&load_balancing)?,
+                router_z: scalar(&router_z)?,
+                expert_load,
+                hidden: Some(x),
+            });
+        };
+        let x = rms_norm(&x, final_norm, c.norm_eps)?;
+        let targets: Vec<u32> = tokens
+            .chunks(seq + 1)
+            .flat_map(|row| row[1..].to_vec())
+            .collect();
+        let targets = Tensor::from_vec(targets, batch * seq, &self.device)?;
         // Fused head + loss: the [tokens, vocab] logits never exist whole.
         let mut head = if training {
             LinearCrossEntropy::training()
@@ -366,20 +460,15 @@ impl Model {
         }
         let cross_entropy = self
             .enter(&x)?
-            .apply_op3(&self.lm_head, &targets, head)?
+            .apply_op3(lm_head, &targets, head)?
             .mean_all()?;
-        let layers = self.layers.len() as f64;
-        let load_balancing = (Tensor::stack(&load_balancing, 0)?.sum_all()? / layers)?;
-        let router_z = (Tensor::stack(&router_z, 0)?.sum_all()? / layers)?;
-        let loss = ((&cross_entropy + (&load_balancing * c.router_aux_coef)?)?
-            + (&router_z * c.router_z_coef)?)?;
-        let scalar = |t: &Tensor| -> Result<f64> { t.to_dtype(DType::F64)?.to_scalar::<f64>() };
         Ok(Forward {
             cross_entropy: scalar(&cross_entropy)?,
             load_balancing: scalar(&load_balancing)?,
             router_z: scalar(&router_z)?,
-            loss,
+            loss: router_losses(cross_entropy)?,
             expert_load,
+            hidden: None,
         })
     }
 
@@ -388,22 +477,25 @@ impl Model {
     pub fn logits(&self, tokens: &[u32], batch: usize) -> Result<Tensor> {
         let seq = tokens.len() / batch;
         assert_eq!(tokens.len(), batch * seq, "tokens must hold batch x seq");
+        let (Some(_), Some(final_norm), Some(lm_head)) =
+            (&self.embed, &self.final_norm, &self.lm_head)
+        else {
+            candle_core::bail!("logits: this rank holds one pipeline stage only");
+        };
         if self.place.tp > 1 {
             candle_core::bail!("logits: this rank holds a share of the vocabulary only");
         }
-        self.body(tokens, batch, seq)?
-            .hidden
-            .matmul(&self.lm_head.t()?)
+        let x = self.body(self.embed_tokens(tokens)?, batch, seq)?.hidden;
+        rms_norm(&x, final_norm, self.config.norm_eps)?.matmul(&lm_head.t()?)
     }
 
-    /// Embedding, blocks and the final norm over `batch * seq` input tokens.
-    fn body(&self, inputs: &[u32], batch: usize, seq: usize) -> Result<Body> {
+    /// This stage's blocks over the hidden states of `batch * seq` tokens.
+    fn body(&self, mut x: Tensor, batch: usize, seq: usize) -> Result<Body> {
         let c = &self.config;
         let (h, heads) = (c.d_model, c.heads);
         let head_dim = h / heads;
         // This rank's heads: all of them, or its tensor-parallel share.
         let local_heads = heads / self.place.tp;
-        let mut x = self.embed_tokens(inputs)?;
         let mut load_balancing = Vec::new();
         let mut router_z = Vec::new();
         let mut expert_load = Vec::new();
@@ -436,7 +528,7 @@ impl Model {
             expert_load.push(moe.load);
         }
         Ok(Body {
-            hidden: rms_norm(&x, &self.final_norm, c.norm_eps)?,
+            hidden: x,
             load_balancing,
             router_z,
             expert_load,
@@ -467,12 +559,13 @@ impl Model {
     /// The input tokens' embeddings. Vocabulary-parallel: each rank looks up the tokens of
     /// its share (zeros for the others) and the group sums them, which is exact.
     fn embed_tokens(&self, inputs: &[u32]) -> Result<Tensor> {
+        let Some(embed) = &self.embed else {
+            candle_core::bail!("only the first pipeline stage holds the embedding");
+        };
         if self.tensor_group().is_none() {
-            return self
-                .embed
-                .index_select(&Tensor::new(inputs, &self.device)?, 0);
+            return embed.index_select(&Tensor::new(inputs, &self.device)?, 0);
         }
-        let share = self.embed.dim(0)?;
+        let share = embed.dim(0)?;
         let start = (self.place.tp_rank * share) as u32;
         let mine = |token: &u32| token.checked_sub(start).filter(|t| (*t as usize) < share);
         let rows: Vec<u32> = inputs.iter().map(|t| mine(t).unwrap_or(0)).collect();
@@ -481,8 +574,7 @@ impl Model {
             .map(|t| f32::from(u8::from(mine(t).is_some())))
             .collect();
         let keep = Tensor::from_vec(keep, (inputs.len(), 1), &self.device)?.to_dtype(self.dtype)?;
-        let looked_up = self
-            .embed
+        let looked_up = embed
             .index_select(&Tensor::new(rows.as_slice(), &self.device)?, 0)?
             .broadcast_mul(&keep)?;
         self.leave(&looked_up)

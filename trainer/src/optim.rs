@@ -116,8 +116,10 @@ pub struct AdamW {
     /// Updates applied so far (the bias-correction step).
     pub step: u64,
     world: Arc<World>,
-    /// The flat gradient of the last update, kept to reuse its memory.
+    /// The flat gradient of the coming update (the sum of `accumulated` micro-batches'), or
+    /// of the last one, kept to reuse its memory.
     grads: Vec<f32>,
+    accumulated: usize,
     beta1: f64,
     beta2: f64,
     eps: f64,
@@ -223,6 +225,7 @@ impl AdamW {
             step: 0,
             world,
             grads: Vec::new(),
+            accumulated: 0,
             beta1: config.beta1,
             beta2: config.beta2,
             eps: config.eps,
@@ -270,8 +273,7 @@ impl AdamW {
         self.memory.current().len()
     }
 
-    /// Clips the gradients to `grad_clip` by global norm, applies one AdamW update at `lr`, and
-    /// writes the new weights into the model.
+    /// One update from `grads`: [`AdamW::accumulate`], then [`AdamW::apply`].
     pub fn update(
         &mut self,
         model: &Model,
@@ -279,15 +281,47 @@ impl AdamW {
         lr: f64,
         held: &HeldSlots,
     ) -> Result<UpdateStats> {
+        self.accumulate(model, grads)?;
+        self.apply(model, lr, held)
+    }
+
+    /// Adds one micro-batch's `grads` to the gradient of the coming update. Micro-batches
+    /// are added in the order of the calls, so the sum is the same bits for a given layout.
+    pub fn accumulate(&mut self, model: &Model, grads: &GradStore) -> Result<()> {
         let parameters = model.parameters();
-        let mut flat = std::mem::take(&mut self.grads);
-        flat.clear();
+        let first = self.accumulated == 0;
+        if first {
+            self.grads.clear();
+        }
         for placement in &self.placements {
-            match grads.get(parameters[placement.index].1) {
-                Some(grad) => flat.extend(grad.flatten_all()?.to_vec1::<f32>()?),
-                None => flat.extend(std::iter::repeat_n(0.0, placement.len)),
+            let grad = match grads.get(parameters[placement.index].1) {
+                Some(grad) => grad.flatten_all()?.to_vec1::<f32>()?,
+                None => vec![0.0; placement.len],
+            };
+            if first {
+                self.grads.extend(grad);
+            } else {
+                let sum = &mut self.grads[placement.offset..placement.offset + placement.len];
+                for (total, g) in sum.iter_mut().zip(grad) {
+                    *total += g;
+                }
             }
         }
+        self.accumulated += 1;
+        Ok(())
+    }
+
+    /// The gradient accumulated for the coming update, flat, in placement order.
+    pub fn gradient(&self) -> &[f32] {
+        &self.grads
+    }
+
+    /// Clips the accumulated gradient to `grad_clip` by global norm, applies one AdamW update
+    /// at `lr`, and writes the new weights into the model.
+    pub fn apply(&mut self, model: &Model, lr: f64, held: &HeldSlots) -> Result<UpdateStats> {
+        assert!(self.accumulated > 0, "an update without a gradient");
+        self.accumulated = 0;
+        let flat = std::mem::take(&mut self.grads);
         let shard_grads: Vec<Vec<f32>> = self
             .shards
             .iter()
@@ -521,7 +555,7 @@ mod tests {
             optim.part(&optim.shards[0], Part::Params, 0..placement.offset + 1)[placement.offset];
         let g = f64::from(
             grads
-                .get(&model.lm_head)
+                .get(model.lm_head.as_ref().unwrap())
                 .unwrap()
                 .flatten_all()
                 .unwrap()
@@ -540,7 +574,14 @@ mod tests {
             (f64::from(after) - expected).abs() < 1e-6,
             "{after} vs {expected}"
         );
-        let in_model: Vec<f32> = model.lm_head.flatten_all().unwrap().to_vec1().unwrap();
+        let in_model: Vec<f32> = model
+            .lm_head
+            .as_ref()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap();
         assert_eq!(in_model[0], after, "the model holds the master weight");
     }
 }

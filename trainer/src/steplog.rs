@@ -10,8 +10,8 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::config::Config;
-use crate::model::Forward;
 use crate::optim::UpdateStats;
+use crate::pipeline::StepFigures;
 
 /// One line of `metrics.jsonl`.
 #[derive(Clone, Debug, Serialize)]
@@ -127,7 +127,7 @@ impl StepLog {
         &mut self,
         step: u64,
         loss: f64,
-        forward: &Forward,
+        forward: &StepFigures,
         update: &UpdateStats,
         lr: f64,
         val_loss: Option<f64>,

@@ -31,6 +31,7 @@ use crate::data::{Dataset, Sampler};
 use crate::dist::{Group, World};
 use crate::model::Model;
 use crate::optim::{learning_rate, AdamW, Part};
+use crate::pipeline::StepFigures;
 use crate::snapshot::{Ckptd, HeldSlots, StateMemory};
 use crate::steplog::{Phase, StepLog};
 use lazarus_shared::wire::SlotTensor;
@@ -188,6 +189,9 @@ struct Session {
     saver: Saver,
     /// Seconds the training loop stood still for each checkpoint or snapshot.
     stalls: Vec<f64>,
+    /// Seconds of the pipeline steps so far, and of them waiting on neighbouring stages.
+    pipeline_seconds: f64,
+    pipeline_wait: f64,
 }
 
 impl Session {
@@ -377,41 +381,22 @@ impl Session {
         ckptd.restore(None, durable)
     }
 
-    /// The step's forward and backward pass over this rank's `tokens`; adds their seconds to
-    /// the step log's forward and backward times. Each rank's losses are its means over N, so the
-    /// gradients, summed over ranks, are those of the mean over the global batch; so are the
-    /// reported losses (summed here).
+    /// The step's forward and backward passes over this rank's `tokens` (`batch` samples),
+    /// through the pipeline's micro-batches; the gradients wait in the optimizer. Adds their
+    /// seconds to the step log's forward and backward times.
     fn gradients(
-        &self,
+        &mut self,
         tokens: &[u32],
         batch: usize,
         step_log: &mut StepLog,
-    ) -> Result<(crate::model::Forward, candle_core::backprop::GradStore)> {
-        let world = &self.world;
-        let timer = Instant::now();
-        let mut forward = self.model.forward(tokens, batch)?;
-        // The batch's loss is the mean over the data-parallel ranks' samples.
-        let dp = world.layout.dp;
-        if dp > 1 {
-            forward.loss = (forward.loss * (1.0 / dp as f64))?;
-            let local = [
-                forward.cross_entropy,
-                forward.load_balancing,
-                forward.router_z,
-            ]
-            .map(|v| v / dp as f64);
-            let global = world.sum_f64(Group::Data, &local);
-            (
-                forward.cross_entropy,
-                forward.load_balancing,
-                forward.router_z,
-            ) = (global[0], global[1], global[2]);
-        }
-        step_log.time(Phase::Forward, timer.elapsed().as_secs_f64());
-        let timer = Instant::now();
-        let grads = forward.loss.backward()?;
-        step_log.time(Phase::Backward, timer.elapsed().as_secs_f64());
-        Ok((forward, grads))
+    ) -> Result<StepFigures> {
+        let figures =
+            crate::pipeline::train_step(&self.model, &self.world, &mut self.optim, tokens, batch)?;
+        step_log.time(Phase::Forward, figures.forward_seconds);
+        step_log.time(Phase::Backward, figures.backward_seconds);
+        self.pipeline_wait += figures.pipeline_wait_seconds;
+        self.pipeline_seconds += figures.seconds;
+        Ok(figures)
     }
 
     /// Asks `ckptd` which slots it holds before an update writes one. Once a step, so it
@@ -588,10 +573,8 @@ impl Session {
                     sampler.sample(&dataset.val, (batch * c.train.micro_batch + i) as u64)
                 })
                 .collect();
-            total += self
-                .model
-                .evaluate(&tokens, c.train.micro_batch)?
-                .cross_entropy;
+            total +=
+                crate::pipeline::evaluate(&self.model, &self.world, &tokens, c.train.micro_batch)?;
         }
         Ok(Some(total / c.train.val_batches as f64))
     }
@@ -823,6 +806,8 @@ pub fn train(
         },
         saver: Saver::Store { bases: None },
         stalls: Vec::new(),
+        pipeline_seconds: 0.0,
+        pipeline_wait: 0.0,
     };
     let mut restored_tier = None;
     let resumed_from = match config.checkpoint.ckptd_socket() {
@@ -891,17 +876,23 @@ pub fn train(
         }
         let step = session.state.step + 1;
         // This rank's part of the global batch: the same global sample order for any N.
+        // Micro-batch j of the global batch is its j-th run of samples, split over the
+        // data-parallel ranks: the same micro-batches (and router statistics) for any dp.
         let data_rank = layout.coords(world.rank).dp;
-        let first_sample = session.state.samples_seen + (data_rank * batch) as u64;
-        let tokens: Vec<u32> = (0..batch)
-            .flat_map(|i| sampler.sample(&dataset.train, first_sample + i as u64))
+        let per_micro = batch / layout.micro_batches;
+        let tokens: Vec<u32> = (0..layout.micro_batches)
+            .flat_map(|j| {
+                let first = (j * layout.dp + data_rank) * per_micro;
+                (first..first + per_micro).map(|i| session.state.samples_seen + i as u64)
+            })
+            .flat_map(|sample| sampler.sample(&dataset.train, sample))
             .collect();
-        let (forward, grads) = session.gradients(&tokens, batch, &mut step_log)?;
+        let figures = session.gradients(&tokens, batch, &mut step_log)?;
         session.heartbeat();
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
         let held = session.saver.held();
-        let update = session.optim.update(&session.model, &grads, lr, held)?;
+        let update = session.optim.apply(&session.model, lr, held)?;
         step_log.time(Phase::Optimizer, timer.elapsed().as_secs_f64());
         step_log.stepped();
         // A checkpoint is due: ask the saver whether it is free now, and agree on it across
@@ -912,18 +903,41 @@ pub fn train(
         } else {
             (false, std::time::Duration::ZERO)
         };
-        // Each data-parallel rank's part of the loss, summed over the world: a tensor-parallel
-        // group's ranks all hold the same loss, and its first rank speaks for it.
-        let local_loss = if world.coords().tp == 0 {
-            forward.loss.to_scalar::<f32>()? as f64
+        // Each data-parallel rank's and pipeline stage's part of the loss, summed over the
+        // world: a tensor-parallel group's ranks all hold the same figures, and its first rank
+        // speaks for it.
+        let speaks = if world.coords().tp == 0 { 1.0 } else { 0.0 };
+        let local = [
+            figures.loss * speaks,
+            figures.cross_entropy * speaks,
+            figures.load_balancing * speaks,
+            figures.router_z * speaks,
+            f64::from(u8::from(busy_here)),
+        ];
+        let sums = if world.size > 1 {
+            world.sum_f64(Group::World, &local)
         } else {
-            0.0
+            local.to_vec()
         };
-        let (loss, any_busy) = if world.size > 1 {
-            let sums = world.sum_f64(Group::World, &[local_loss, f64::from(u8::from(busy_here))]);
-            (sums[0], sums[1] > 0.0)
-        } else {
-            (local_loss, busy_here)
+        let (loss, any_busy) = (sums[0], sums[4] > 0.0);
+        let mut expert_load = figures.expert_load;
+        if layout.pp > 1 {
+            // Every stage's layers, for the step log.
+            let experts = config.model.experts;
+            let mut all = vec![0u64; config.model.layers * experts];
+            let first = session.model.first_layer;
+            for (layer, load) in expert_load.iter().enumerate() {
+                all[(first + layer) * experts..][..experts].copy_from_slice(load);
+            }
+            let all = world.sum_u64(Group::Pipeline, &all);
+            expert_load = all.chunks(experts).map(<[u64]>::to_vec).collect();
+        }
+        let forward = StepFigures {
+            cross_entropy: sums[1],
+            load_balancing: sums[2],
+            router_z: sums[3],
+            expert_load,
+            ..StepFigures::default()
         };
         session.state = TrainerState {
             step,
@@ -943,6 +957,34 @@ pub fn train(
         if checkpoint_due && session.save(step == config.train.steps, any_busy, poll_time)? {
             last_checkpoint = Some(step);
         }
+    }
+    if layout.pp > 1 {
+        // Each rank's share of its pipeline steps spent waiting on the stages next to it.
+        let idle = world.all_gather_f64(
+            Group::World,
+            &[session.pipeline_wait / session.pipeline_seconds.max(1e-9)],
+        );
+        let by_stage: Vec<String> = (0..layout.pp)
+            .map(|stage| {
+                let shares: Vec<f64> = (0..world.size)
+                    .filter(|rank| layout.coords(*rank).pp == stage)
+                    .map(|rank| idle[rank])
+                    .collect();
+                format!(
+                    "{:.0}%",
+                    100.0 * shares.iter().sum::<f64>() / shares.len() as f64
+                )
+            })
+            .collect();
+        writeln!(
+            log,
+            "pipeline bubble: {:.1}% of each step waiting on other stages (mean over ranks; stages {}), 1F1B predicts {:.1}% for pp {} and {} micro-batches",
+            100.0 * idle.iter().sum::<f64>() / idle.len() as f64,
+            by_stage.join(" "),
+            100.0 * layout.bubble_fraction(),
+            layout.pp,
+            layout.micro_batches
+        )?;
     }
     if layout.ep > 1 {
         let (bytes, seconds) = crate::dist::exchange_totals();
