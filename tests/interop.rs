@@ -1,6 +1,7 @@
-//! `ckptctl export --format hf-olmoe`: the exported files have Hugging Face OLMoE's names,
-//! shapes and (transposed) values, and transformers' `OlmoeForCausalLM` computes the same
-//! logits as the trainer, within 1e-4, for the same tokens.
+//! `ckptctl export --format hf-olmoe` of a checkpoint written under TP2 x PP2: the exported
+//! files have Hugging Face OLMoE's names, shapes and (transposed) values, and transformers'
+//! `OlmoeForCausalLM` computes the same logits as the trainer, within 1e-4, for the same
+//! tokens.
 //!
 //! The logits comparison needs Python with torch and transformers (several GB, which the test
 //! command does not install), so it is an ignored test that fails where they are missing.
@@ -35,8 +36,8 @@ fn floats(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
-/// A small model trained and exported as HF OLMoE, and the trainer's own view of its last
-/// step.
+/// A small model trained under `mpiexec -n 4` as TP2 x PP2 (each rank holds half of one
+/// stage's layers) and exported as HF OLMoE, and the trainer's own view of its last step.
 struct Exported {
     dir: TestDir,
     out: std::path::PathBuf,
@@ -75,11 +76,21 @@ fn trained_and_exported() -> Exported {
             "train.lr=0.01",
             "train.val_every=1000",
             "checkpoint.every=6",
+            "train.threads=1",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            "parallel.micro_batches=2",
         ])
         .store(&store)
         .data(&data)
         .build();
-    run_ok(Command::new(bin("trainer")).args(&args));
+    let said = run_ok(
+        Command::new("mpiexec")
+            .args(["-n", "4"])
+            .arg(bin("trainer"))
+            .args(&args),
+    );
+    assert!(said.contains("layout: tp 2 x pp 2 x dp 1"), "{said}");
 
     let out = dir.path().join("hf");
     let ctl = Ctl::new(store.clone(), &dir.path().join("index"));
