@@ -257,6 +257,78 @@ fn lost_ranks_and_a_lost_node_restore_from_t0_and_t1_bit_for_bit() {
     ctl.expect(0, &["verify", "lossy", "--all", "--read-data"]);
 }
 
+/// Pipeline parallel under the daemons, one stage per node: a killed rank's world restores
+/// from the nodes' memory (T0) and continues bit for bit; relaunched in another layout (data
+/// parallel over the same micro-batches), the daemons' memory no longer fits the ranks and
+/// they restore from storage (T2), continuing within float rounding.
+#[test]
+fn a_pipeline_world_restores_from_t0_and_in_another_layout_from_storage() {
+    let (_guard, dir) = prepared();
+    let pp2 = [
+        "parallel.pp=2",
+        "parallel.micro_batches=2",
+        "train.micro_batch=4",
+    ];
+    let dp2 = ["parallel.micro_batches=2", "train.micro_batch=2"];
+    let reference_store = format!("file://{}", dir.join("reference").display());
+    let reference = small_args(&dir, "reference", &reference_store, 30, "wait")
+        .sets(pp2)
+        .set("checkpoint.every", 1000)
+        .build();
+    let output = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(&reference)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let expected = losses(&dir, "reference");
+
+    let store = format!("file://{}", dir.join("store").display());
+    let settings = Settings {
+        durable_every_steps: 4,
+        ..Settings::default()
+    };
+    let cluster = Cluster::start(&dir, "staged", &store, 2, &settings, Vec::new());
+    let args = |steps: u64, layout: &[&str]| {
+        small_args(&dir, "staged", &store, steps, "skip")
+            .sets(layout.iter().copied())
+            .build()
+    };
+    kill_rank_at(&cluster, &args(100_000, &pp2), 9);
+    let said = cluster.train(&args(20, &pp2));
+    let first = resumed_step(&said, "t0");
+    println!("PP2: killed at step 9; resumed from step {first} (T0)");
+    let got = losses(&dir, "staged");
+    for step in first + 1..=20 {
+        assert_eq!(
+            got[&step], expected[&step],
+            "step {step} after the T0 restore"
+        );
+    }
+
+    // Step 20 is in the nodes' memory, but the new layout's ranks hold other regions: the
+    // world restores the newest durable step (20, or 16 while 20 was still uploading).
+    let said = cluster.train(&args(30, &dp2));
+    let second = resumed_step(&said, "t2");
+    println!("DP2: resumed from step {second} (T2)");
+    assert!((16..=20).contains(&second), "{said}");
+    let got = losses(&dir, "staged");
+    for step in second + 1..=30 {
+        let (a, b): (f64, f64) = (
+            got[&step].parse().unwrap(),
+            expected[&step].parse().unwrap(),
+        );
+        assert!(
+            (a - b).abs() <= 1e-5 * b.abs(),
+            "step {step} in DP2 after PP2: {a} vs {b}"
+        );
+    }
+    let ctl = Ctl::new(store, &dir.join("index"));
+    ctl.wait_for_latest("staged", 28);
+    ctl.expect(0, &["verify", "staged", "--all", "--read-data"]);
+}
+
 #[test]
 fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
     let (_guard, dir) = prepared();
