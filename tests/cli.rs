@@ -242,6 +242,18 @@ fn rollback_hides_steps_and_list_shows_it() {
     );
     // The hidden step is still there and still verifies.
     ctl.expect(0, &["verify", "r", "20-t0", "--read-data"]);
+    // A reader that stops early (`ckptctl show r 20 | head -1`) ends ckptctl quietly.
+    let mut child = ctl
+        .command(&["show", "r", "20"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    drop(child.stdout.take());
+    let output = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{:?}: {stderr}", output.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]

@@ -252,6 +252,22 @@ fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
     assert_layout_table(&said, 4, |rank| [rank % 2, rank / 2, 0, 0]);
     let tp2_pp2_losses = losses(&dir, "tp2-pp2");
     assert_close(&single_m4, &tp2_pp2_losses, "TP2 x PP2 vs one process");
+    // `ckptctl show` names the layout that wrote a step and each rank's place in it.
+    let ctl = lazarus_tests::Ctl::new(
+        format!("file://{}", dir.join("store").display()),
+        &dir.join("index"),
+    );
+    let shown = ctl.expect(0, &["show", "tp2-pp2", "10"]);
+    assert!(
+        shown.contains("written by the layout tp 2 x pp 2 x dp 1 (ep 1), 4 micro-batches, 1f1b"),
+        "{shown}"
+    );
+    let shown = ctl.json(&["show", "tp2-pp2", "10"]);
+    assert_eq!(
+        shown["layout"]["ranks"],
+        serde_json::json!([[0, 0, 0, 0], [1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 0, 0]]),
+        "{shown}"
+    );
 
     // Data and expert parallel inside each stage, 2 micro-batches of one sample per rank:
     // rank r is data-parallel rank (and expert place) r % 2 of stage r / 2.

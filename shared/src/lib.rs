@@ -11,6 +11,7 @@ pub mod format;
 pub mod hash;
 pub mod hf_olmoe;
 pub mod ids;
+pub mod progress;
 pub mod safetensors_io;
 pub mod store;
 pub mod wire;

@@ -253,6 +253,24 @@ impl Layout {
         idle / ((self.micro_batches * self.virtual_stages) as f64 + idle)
     }
 
+    /// The layout as a checkpoint records it (`trainer.json`).
+    pub fn written(&self) -> lazarus_shared::progress::WrittenLayout {
+        lazarus_shared::progress::WrittenLayout {
+            describe: self.describe(),
+            tp: self.tp,
+            pp: self.pp,
+            dp: self.dp,
+            ep: self.ep,
+            micro_batches: self.micro_batches,
+            ranks: (0..self.ranks())
+                .map(|rank| {
+                    let at = self.coords(rank);
+                    [at.tp, at.pp, at.dp, at.ep]
+                })
+                .collect(),
+        }
+    }
+
     /// One line: `tp 2 x pp 2 x dp 2 (ep 2), 4 micro-batches, 1f1b`.
     pub fn describe(&self) -> String {
         let schedule = match self.schedule {

@@ -24,7 +24,9 @@ use lazarus_shared::store::{
     SourcedShard, Store, StoreOptions,
 };
 use lazarus_shared::{RunId, StepKey, StoreError};
-use serde::{Deserialize, Serialize};
+// The progress stored with every checkpoint (`trainer.json`), with the layout that wrote it.
+use lazarus_shared::progress::{TrainerProgress as TrainerState, TRAINER_BLOB};
+use serde::Serialize;
 
 use crate::config::Config;
 use crate::data::{Dataset, Sampler};
@@ -40,14 +42,6 @@ use lazarus_shared::wire::SlotTensor;
 #[derive(Debug, thiserror::Error)]
 #[error("{0}")]
 pub struct RefusedRun(pub String);
-
-/// Progress state stored with every checkpoint.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-struct TrainerState {
-    step: u64,
-    samples_seen: u64,
-    optimizer_step: u64,
-}
 
 /// What a finished (or stopped) run reports.
 #[derive(Clone, Debug, Serialize)]
@@ -265,7 +259,7 @@ impl Session {
         let state: TrainerState = serde_json::from_slice(
             &self
                 .runtime
-                .block_on(checkpoint.read_blob(0, "trainer.json"))?,
+                .block_on(checkpoint.read_blob(0, TRAINER_BLOB))?,
         )
         .context("trainer.json in the checkpoint")?;
         let (layout, _) = slot_layout(&self.optim, self.world.coords().tp);
@@ -287,7 +281,10 @@ impl Session {
         self.optim.write_to(&self.model)?;
         // Delta bases only where this rank wrote the same slices before.
         self.saver = Saver::Store { bases: None };
-        self.state = state;
+        self.state = TrainerState {
+            layout: self.state.layout.take(),
+            ..state
+        };
         Ok(Some(latest.step))
     }
 
@@ -325,7 +322,7 @@ impl Session {
                 let trainer = restored
                     .blobs
                     .iter()
-                    .find(|(name, _)| name == "trainer.json")
+                    .find(|(name, _)| name == TRAINER_BLOB)
                     .ok_or_else(|| {
                         anyhow::anyhow!("ckptd served step {} without trainer.json", restored.step)
                     })?;
@@ -340,7 +337,10 @@ impl Session {
                 }
                 self.optim.step = state.optimizer_step;
                 self.optim.write_to(&self.model)?;
-                self.state = state;
+                self.state = TrainerState {
+                    layout: self.state.layout.take(),
+                    ..state
+                };
                 Some((restored.step, restored.tier))
             }
             None => None,
@@ -535,10 +535,7 @@ impl Session {
 
     fn blobs_of(state: &TrainerState, config: &Config) -> Result<Vec<(String, Bytes)>> {
         Ok(vec![
-            (
-                "trainer.json".into(),
-                Bytes::from(serde_json::to_vec(state)?),
-            ),
+            (TRAINER_BLOB.into(), Bytes::from(serde_json::to_vec(state)?)),
             (
                 hf_olmoe::MODEL_BLOB.into(),
                 Bytes::from(serde_json::to_vec(&config.model)?),
@@ -803,6 +800,7 @@ pub fn train(
             step: 0,
             samples_seen: 0,
             optimizer_step: 0,
+            layout: Some(layout.written()),
         },
         saver: Saver::Store { bases: None },
         stalls: Vec::new(),
@@ -939,11 +937,9 @@ pub fn train(
             expert_load,
             ..StepFigures::default()
         };
-        session.state = TrainerState {
-            step,
-            samples_seen: session.state.samples_seen + (batch * layout.dp) as u64,
-            optimizer_step: session.optim.step,
-        };
+        session.state.step = step;
+        session.state.samples_seen += (batch * layout.dp) as u64;
+        session.state.optimizer_step = session.optim.step;
         losses.push((step, loss));
         if !loss.is_finite() {
             bail!("the loss became {loss} at step {step}; lower train.lr or check the data");
@@ -957,6 +953,19 @@ pub fn train(
         if checkpoint_due && session.save(step == config.train.steps, any_busy, poll_time)? {
             last_checkpoint = Some(step);
         }
+    }
+    if world.size > 1 {
+        let peaks = world.all_gather_f64(Group::World, &[peak_resident_bytes().unwrap_or(0.0)]);
+        let peaks: Vec<String> = peaks
+            .iter()
+            .enumerate()
+            .map(|(rank, bytes)| format!("rank {rank} {:.0} MB", bytes / 1e6))
+            .collect();
+        writeln!(
+            log,
+            "peak resident memory per rank (weights, state, activations, runtime): {}",
+            peaks.join(", ")
+        )?;
     }
     if layout.pp > 1 {
         // Each rank's share of its pipeline steps spent waiting on the stages next to it.
@@ -1011,6 +1020,14 @@ pub fn train(
         optimizer_bytes,
         stopped_by_signal,
     })
+}
+
+/// This process's peak resident memory so far (Linux's `VmHWM`), in bytes.
+fn peak_resident_bytes() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
 }
 
 /// The best of several timed `size`x`size` f32 matmuls, after a warm-up, in GFLOP/s.

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use lazarus_shared::format::{DType, DimRange};
 use lazarus_shared::hf_olmoe;
+use lazarus_shared::progress::{TrainerProgress, WrittenLayout, TRAINER_BLOB};
 use lazarus_shared::safetensors_io::{self, HEADER_BLOB_PREFIX};
 use lazarus_shared::store::{
     Checkpoint, DeltaBases, GcPolicy, OpenMode, RunStore, ShardInput, StepState, Store, TensorData,
@@ -122,7 +123,7 @@ async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::P
         output::json(&status);
         return Ok(());
     }
-    println!("leader: {}", status.leader);
+    say!("leader: {}", status.leader);
     if let Some(s) = &status.supervision {
         let list = |nodes: &[String]| {
             if nodes.is_empty() {
@@ -131,7 +132,7 @@ async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::P
                 nodes.join(",")
             }
         };
-        println!(
+        say!(
             "supervising (launch generation {}): active {}, spares {}, drained {}",
             s.generation,
             list(&s.active),
@@ -162,7 +163,7 @@ async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::P
         .collect();
     output::table(&["NODE", "ADDRESS", "SEEN", "RANKS", "T0 STEPS"], &rows);
     for run in &status.runs {
-        println!(
+        say!(
             "run {}: world size {}, memory-committed step {}, durable step {}",
             run.run,
             run.world_size,
@@ -200,7 +201,7 @@ async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::P
                 )
             })
             .collect();
-        println!(
+        say!(
             "stragglers: {}",
             if stragglers.is_empty() {
                 "none".to_string()
@@ -324,7 +325,7 @@ async fn list(cli: &Cli, run: &str) -> Result<()> {
         &rows,
     );
     for rollback in &catalog.rollbacks {
-        println!(
+        say!(
             "rollback #{}: to step {} by {} at {}: {}",
             rollback.seq,
             rollback.to,
@@ -335,7 +336,7 @@ async fn list(cli: &Cli, run: &str) -> Result<()> {
     }
     for step in &catalog.steps {
         if let StepState::Damaged { reason } = &step.state {
-            println!("step {} is damaged: {reason}", step.step);
+            say!("step {} is damaged: {reason}", step.step);
         }
     }
     Ok(())
@@ -351,46 +352,74 @@ fn slice_text(slice: &[DimRange]) -> String {
 
 async fn show(cli: &Cli, run: &str, step: &str) -> Result<()> {
     let checkpoint = open_step(cli, run, step).await?;
+    let layout = written_layout(&checkpoint).await;
     if cli.json {
         #[derive(Serialize)]
         struct Show<'a> {
             commit: &'a lazarus_shared::format::CommitRecord,
             manifests: &'a [lazarus_shared::format::ShardManifest],
+            /// The trainer layout that wrote the step, when it recorded one.
+            layout: Option<&'a WrittenLayout>,
         }
         output::json(&Show {
             commit: &checkpoint.commit,
             manifests: &checkpoint.manifests,
+            layout: layout.as_ref(),
         });
         return Ok(());
     }
     let commit = &checkpoint.commit;
-    println!(
+    say!(
         "run {} step {}  world size {}  committed {}",
         commit.run,
         commit.step,
         commit.world_size,
         output::time(Some(commit.created_unix_ms))
     );
+    match &layout {
+        Some(layout) => say!("written by the layout {}", layout.describe),
+        None => say!("written by an unrecorded layout (a trainer before layouts were recorded, or an import)"),
+    }
+    let place = |rank: u32| -> Vec<String> {
+        let at = layout
+            .as_ref()
+            .and_then(|l| l.ranks.get(rank as usize))
+            .map(|at| at.map(|n| n.to_string()));
+        at.map_or_else(|| vec!["-".to_string(); 4], |at| at.to_vec())
+    };
     let ranks: Vec<Vec<String>> = commit
         .shards
         .iter()
         .zip(&checkpoint.manifests)
         .map(|(shard, manifest)| {
-            vec![
-                shard.rank.to_string(),
+            let mut row = vec![shard.rank.to_string()];
+            row.extend(place(shard.rank));
+            row.extend([
                 manifest.tensors.len().to_string(),
                 manifest.blobs.len().to_string(),
                 output::bytes(shard.raw_bytes),
                 output::bytes(shard.uploaded_bytes),
                 shard.manifest_blake3.short(),
-            ]
+            ]);
+            row
         })
         .collect();
     output::table(
-        &["RANK", "TENSORS", "BLOBS", "RAW", "NEW STORED", "MANIFEST"],
+        &[
+            "RANK",
+            "TP",
+            "PP",
+            "DP",
+            "EP",
+            "TENSORS",
+            "BLOBS",
+            "RAW",
+            "NEW STORED",
+            "MANIFEST",
+        ],
         &ranks,
     );
-    println!();
+    say!();
     let mut rows = Vec::new();
     for tensor in checkpoint.tensors() {
         let mut holders = Vec::new();
@@ -422,7 +451,7 @@ async fn show(cli: &Cli, run: &str, step: &str) -> Result<()> {
     );
     for manifest in &checkpoint.manifests {
         for blob in &manifest.blobs {
-            println!(
+            say!(
                 "blob rank {}: {} ({})",
                 manifest.rank,
                 blob.name,
@@ -431,6 +460,20 @@ async fn show(cli: &Cli, run: &str, step: &str) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The trainer layout that wrote `checkpoint`, from rank 0's `trainer.json`, when it has one
+/// that records it.
+async fn written_layout(checkpoint: &Checkpoint) -> Option<WrittenLayout> {
+    let manifest = checkpoint.manifests.first()?;
+    manifest.blob(TRAINER_BLOB)?;
+    let bytes = checkpoint
+        .read_blob(manifest.rank, TRAINER_BLOB)
+        .await
+        .ok()?;
+    serde_json::from_slice::<TrainerProgress>(&bytes)
+        .ok()?
+        .layout
 }
 
 async fn verify(
@@ -471,7 +514,7 @@ async fn verify(
                     orphan.step,
                     orphan.step.object_name()
                 );
-                println!("{message}");
+                say!("{message}");
                 return Err(IntegrityProblems(message).into());
             }
             Err(error) => return Err(error.into()),
@@ -499,10 +542,10 @@ async fn verify(
             if let Some(chunk) = &problem.chunk {
                 place += &format!(" chunk={chunk}");
             }
-            println!("BAD {place}: {}", problem.error);
+            say!("BAD {place}: {}", problem.error);
         }
         let seconds = started.elapsed().as_secs_f64();
-        println!(
+        say!(
             "verified {} step(s), {} manifest(s), {} chunk(s){} in {seconds:.1}s: {}",
             report.steps.len(),
             report.manifests_checked,
@@ -693,7 +736,7 @@ async fn diff(cli: &Cli, run: &str, a: &str, b: &str) -> Result<()> {
         &rows,
     );
     let changed = diffs.iter().filter(|d| d.status != "same").count();
-    println!(
+    say!(
         "{changed} of {} tensors differ between {} and {}",
         diffs.len(),
         left.step(),
@@ -761,7 +804,7 @@ async fn import(
             }
             .into());
         }
-        println!("run {run_id} step {key} is already committed with this content; nothing to do");
+        say!("run {run_id} step {key} is already committed with this content; nothing to do");
         return Ok(());
     }
     let bases = if delta {
@@ -787,7 +830,7 @@ async fn import(
             &serde_json::json!({ "run": run_id, "step": key, "raw_bytes": manifest.raw_bytes(), "uploaded_bytes": manifest.uploaded_bytes, "seconds": seconds, "commit": commit }),
         );
     } else {
-        println!(
+        say!(
             "imported {} tensor(s), {} as run {run_id} step {key} in {seconds:.1}s: {} new in storage ({} of raw)",
             manifest.tensors.len(),
             output::bytes(manifest.raw_bytes()),
@@ -972,7 +1015,7 @@ async fn export(
         output::json(&serde_json::json!({ "step": checkpoint.step(), "files": written }));
     } else {
         for path in &written {
-            println!("wrote {}", path.display());
+            say!("wrote {}", path.display());
         }
     }
     Ok(())
@@ -1038,7 +1081,7 @@ async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: b
         output::json(&serde_json::json!({ "step": checkpoint.step(), "files": written }));
     } else {
         for path in &written {
-            println!("wrote {}", path.display());
+            say!("wrote {}", path.display());
         }
     }
     Ok(())
@@ -1071,7 +1114,7 @@ async fn restore(cli: &Cli, run: &str, step: &str, out: &Path, bars: bool) -> Re
             &serde_json::json!({ "run": checkpoint.run().id(), "step": checkpoint.step(), "store": url }),
         );
     } else {
-        println!(
+        say!(
             "restored run {} step {} ({}) into {url} in {:.1}s; check it with: ckptctl --store {url} verify {} {} --read-data",
             checkpoint.run().id(),
             checkpoint.step(),
@@ -1101,7 +1144,7 @@ async fn rollback(cli: &Cli, run: &str, to: &str, reason: &str) -> Result<()> {
     if cli.json {
         output::json(&record);
     } else {
-        println!("rolled back run {} to step {} (rollback #{}); later steps are hidden, not deleted; new steps go to timeline {}", run.id(), record.to, record.seq, record.seq);
+        say!("rolled back run {} to step {} (rollback #{}); later steps are hidden, not deleted; new steps go to timeline {}", run.id(), record.to, record.seq, record.seq);
     }
     Ok(())
 }
@@ -1124,14 +1167,14 @@ async fn gc(cli: &Cli, run: &str, policy: &GcPolicy, bars: bool) -> Result<()> {
         "deleted"
     };
     let steps: Vec<String> = report.deleted_steps.iter().map(|s| s.to_string()).collect();
-    println!(
+    say!(
         "kept {} step(s); {verb} {} step(s) [{}] and {} abandoned incomplete step(s)",
         report.kept_steps.len(),
         steps.len(),
         steps.join(", "),
         report.deleted_incomplete.len()
     );
-    println!(
+    say!(
         "kept {} chunk(s); {verb} {} unreferenced chunk(s) ({}); left {} unreferenced chunk(s) younger than the grace period",
         report.kept_chunks,
         report.deleted_chunks,
@@ -1139,7 +1182,7 @@ async fn gc(cli: &Cli, run: &str, policy: &GcPolicy, bars: bool) -> Result<()> {
         report.young_chunks
     );
     if report.deleted_staging_files > 0 {
-        println!(
+        say!(
             "{verb} {} staging file(s) left by killed writers",
             report.deleted_staging_files
         );
@@ -1167,9 +1210,11 @@ async fn index(cli: &Cli, action: &IndexAction, bars: bool) -> Result<()> {
     if cli.json {
         output::json(&stats);
     } else {
-        println!(
+        say!(
             "index: {} chunk(s), {} manifest(s), {} reference(s)",
-            stats.chunks, stats.manifests, stats.references
+            stats.chunks,
+            stats.manifests,
+            stats.references
         );
     }
     Ok(())

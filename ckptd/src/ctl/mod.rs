@@ -3,6 +3,18 @@
 //! Exit codes: 0 ok, 1 failure (storage unreachable, IO), 2 usage or bad input, 3 an
 //! integrity problem was found (`verify` found damage, or a read refused damaged data).
 
+/// `println!` for ckptctl's output: when the reader of stdout has gone (`ckptctl list |
+/// head`), the program ends quietly with success instead of panicking; any other write
+/// error ends it with exit 1.
+macro_rules! say {
+    () => {
+        $crate::ctl::output::say_line(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::ctl::output::say_line(format_args!($($arg)*))
+    };
+}
+
 mod commands;
 pub mod output;
 

@@ -107,7 +107,7 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
             .zip(&widths)
             .map(|(cell, width)| format!("{cell:<width$}"))
             .collect();
-        println!("{}", padded.join("  ").trim_end());
+        say!("{}", padded.join("  ").trim_end());
     };
     line(header.iter().map(|h| h.to_string()).collect());
     for row in rows {
@@ -116,8 +116,26 @@ pub fn table(header: &[&str], rows: &[Vec<String>]) {
 }
 
 pub fn json(value: &impl serde::Serialize) {
-    println!(
+    say!(
         "{}",
         serde_json::to_string_pretty(value).expect("output types serialise")
     );
+}
+
+/// Writes one line of output (see `say!`).
+pub fn say_line(line: std::fmt::Arguments) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let written = out
+        .write_fmt(line)
+        .and_then(|()| out.write_all(b"\n"))
+        .and_then(|()| out.flush());
+    match written {
+        Ok(()) => {}
+        Err(error) if error.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        Err(error) => {
+            eprintln!("ckptctl: error: writing the output: {error}");
+            std::process::exit(1);
+        }
+    }
 }

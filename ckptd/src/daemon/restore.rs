@@ -223,7 +223,10 @@ async fn read_from_store(
         })
         .await?;
     let mut blobs = Vec::new();
-    for name in ["trainer.json", lazarus_shared::hf_olmoe::MODEL_BLOB] {
+    for name in [
+        lazarus_shared::progress::TRAINER_BLOB,
+        lazarus_shared::hf_olmoe::MODEL_BLOB,
+    ] {
         if checkpoint.manifest(0)?.blob(name).is_some() {
             blobs.push((name.to_string(), checkpoint.read_blob(0, name).await?));
         }

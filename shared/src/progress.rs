@@ -1,0 +1,67 @@
+//! `trainer.json`: the progress a trainer checkpoint continues from, and the parallel layout
+//! that wrote it (which `ckptctl show` prints).
+
+use serde::{Deserialize, Serialize};
+
+/// The blob's name in a checkpoint.
+pub const TRAINER_BLOB: &str = "trainer.json";
+
+/// What a trainer checkpoint stores besides its tensors.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TrainerProgress {
+    /// The last step trained.
+    pub step: u64,
+    /// Training samples consumed (the data position).
+    pub samples_seen: u64,
+    /// Optimizer updates applied (AdamW's bias-correction step).
+    pub optimizer_step: u64,
+    /// The layout of the ranks that wrote the step; absent in checkpoints written before it
+    /// was recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<WrittenLayout>,
+}
+
+/// A parallel layout as a checkpoint records it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WrittenLayout {
+    /// One line, e.g. `tp 2 x pp 2 x dp 1 (ep 1), 2 micro-batches, 1f1b`.
+    pub describe: String,
+    pub tp: usize,
+    pub pp: usize,
+    pub dp: usize,
+    pub ep: usize,
+    pub micro_batches: usize,
+    /// Each rank's place, by rank: `[tp, pp, dp, ep]`.
+    pub ranks: Vec<[usize; 4]>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_checkpoint_from_before_the_layout_was_recorded_still_reads() {
+        let old: TrainerProgress =
+            serde_json::from_str(r#"{"step":200,"samples_seen":1600,"optimizer_step":200}"#)
+                .unwrap();
+        assert_eq!(old.layout, None);
+        assert_eq!(
+            serde_json::to_string(&old).unwrap(),
+            r#"{"step":200,"samples_seen":1600,"optimizer_step":200}"#
+        );
+        let new = TrainerProgress {
+            layout: Some(WrittenLayout {
+                describe: "tp 2 x pp 1 x dp 1 (ep 1), 1 micro-batch, 1f1b".into(),
+                tp: 2,
+                pp: 1,
+                dp: 1,
+                ep: 1,
+                micro_batches: 1,
+                ranks: vec![[0, 0, 0, 0], [1, 0, 0, 0]],
+            }),
+            ..old
+        };
+        let text = serde_json::to_string(&new).unwrap();
+        assert_eq!(serde_json::from_str::<TrainerProgress>(&text).unwrap(), new);
+    }
+}

@@ -1,0 +1,178 @@
+//! Parallel layouts benchmark (real mpiexec, 4 ranks of one thread each): prints figures with
+//! the baseline from the same run.
+//!
+//! 1. Tokens/s of the `tiny` preset in each tested layout on the same global batch of 8
+//!    sequences, next to plain data parallel (DP4).
+//! 2. The pipeline bubble: each stage's share of a step spent waiting on its neighbours, as
+//!    the trainer measures it, against the 1F1B formula, for 2, 4 and 8 micro-batches (PP4).
+//! 3. Per-rank memory: what each rank holds (weights, gradients, optimizer state) next to the
+//!    layout's prediction, from rank 0's table, and each rank's measured peak resident memory.
+//!
+//! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench layouts
+
+// A benchmark program: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used)]
+
+use std::path::Path;
+use std::process::Command;
+
+use lazarus_tests::train::TrainerArgs;
+use lazarus_tests::{bin, shared_data};
+
+const RANKS: usize = 4;
+const GLOBAL_BATCH: usize = 8;
+const STEPS: u64 = 6;
+const WARMUP: u64 = 2;
+
+/// A layout: its name, data-parallel size and `parallel` settings.
+struct Layout {
+    name: &'static str,
+    dp: usize,
+    sets: &'static [&'static str],
+}
+
+const LAYOUTS: [Layout; 6] = [
+    Layout {
+        name: "DP4",
+        dp: 4,
+        sets: &[],
+    },
+    Layout {
+        name: "TP2 x DP2",
+        dp: 2,
+        sets: &["parallel.tp=2"],
+    },
+    Layout {
+        name: "PP2 x DP2, 4 micro-batches",
+        dp: 2,
+        sets: &["parallel.pp=2", "parallel.micro_batches=4"],
+    },
+    Layout {
+        name: "TP2 x PP2, 4 micro-batches",
+        dp: 1,
+        sets: &["parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=4"],
+    },
+    Layout {
+        name: "DP2 x EP2 x PP2, 2 micro-batches",
+        dp: 2,
+        sets: &["parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2"],
+    },
+    Layout {
+        name: "TP2 x DP2 x EP2",
+        dp: 2,
+        sets: &["parallel.tp=2", "parallel.ep=2"],
+    },
+];
+
+/// Trains `steps` of `tiny` under `mpiexec -n 4`; returns the mean tokens/s after the warm-up
+/// steps and what the ranks printed.
+fn train(dir: &Path, run: &str, dp: usize, sets: &[&str]) -> (f64, String) {
+    let output = Command::new("mpiexec")
+        .args(["-n", &RANKS.to_string()])
+        .arg(bin("trainer"))
+        .args(
+            TrainerArgs::new("tiny")
+                .metrics(&dir.join("metrics"))
+                .run(run)
+                .steps(STEPS)
+                .set("train.micro_batch", GLOBAL_BATCH / dp)
+                .sets([
+                    "train.threads=1",
+                    "train.log_every=1",
+                    "train.val_every=1000",
+                    "checkpoint.every=1000",
+                ])
+                .sets(sets.iter().copied())
+                .store(&format!("file://{}", dir.join("store").display()))
+                .data(&dir.join("data"))
+                .build(),
+        )
+        .output()
+        .expect("mpiexec runs");
+    let text = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "{run}: {text}");
+    let metrics =
+        std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl")).unwrap();
+    let rates: Vec<f64> = metrics
+        .lines()
+        .filter_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            (value["step"].as_u64()? > WARMUP).then(|| value["tokens_per_second"].as_f64())?
+        })
+        .collect();
+    (rates.iter().sum::<f64>() / rates.len() as f64, text)
+}
+
+fn line_with<'a>(text: &'a str, needle: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or("(not printed)")
+}
+
+/// Rank 0's layout table, header included.
+fn layout_table(text: &str) -> Vec<&str> {
+    text.lines()
+        .skip_while(|line| !line.starts_with(" rank  tp"))
+        .take(RANKS + 1)
+        .collect()
+}
+
+fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    let prepared = Command::new(bin("trainer"))
+        .args(["prepare", "--input"])
+        .arg(shared_data("tinyshakespeare.txt"))
+        .arg("--out")
+        .arg(dir.path().join("data"))
+        .output()
+        .unwrap();
+    assert!(prepared.status.success());
+    println!(
+        "parallel layouts benchmark: preset tiny, {RANKS} ranks of 1 thread, global batch \
+         {GLOBAL_BATCH} x 256 tokens, {STEPS} steps, tokens/s averaged after {WARMUP}"
+    );
+    let mut texts = Vec::new();
+    let mut baseline = None;
+    for (index, layout) in LAYOUTS.iter().enumerate() {
+        let (rate, text) = train(
+            dir.path(),
+            &format!("layout-{index}"),
+            layout.dp,
+            layout.sets,
+        );
+        let base = *baseline.get_or_insert(rate);
+        println!(
+            "  {:<34} {rate:>7.0} tokens/s   {:.2}x DP4",
+            layout.name,
+            rate / base
+        );
+        texts.push(text);
+    }
+
+    println!("pipeline bubble, PP4 (one layer per stage; the last stage also runs the LM head):");
+    for micro_batches in [2, 4, 8] {
+        let (rate, text) = train(
+            dir.path(),
+            &format!("pp4-m{micro_batches}"),
+            1,
+            &[
+                "parallel.pp=4",
+                &format!("parallel.micro_batches={micro_batches}"),
+            ],
+        );
+        println!(
+            "  {micro_batches} micro-batches: {rate:>6.0} tokens/s; {}",
+            line_with(&text, "pipeline bubble:")
+        );
+    }
+
+    println!("memory per rank: held (prediction) from rank 0's table, then measured peaks:");
+    for (layout, text) in LAYOUTS.iter().zip(&texts) {
+        println!("  {}:", layout.name);
+        for line in layout_table(text) {
+            println!("    {line}");
+        }
+        println!("    {}", line_with(text, "peak resident memory"));
+    }
+}
