@@ -255,6 +255,104 @@ fn a_lost_node_is_replaced_by_a_hot_spare_that_restores_from_the_buddy() {
     println!("{}", ctl.expect(0, &["events", "spared"]));
 }
 
+/// Several ranks per node: 2 active nodes of 2 ranks, tensor parallel over each node's pair
+/// (ranks are numbered node by node, so a TP2 group is one node), and a spare. A killed rank's
+/// world restarts in place from the nodes' memory (T0); a lost node's two ranks both move to
+/// the spare and restore from the buddy's replicas (T1); the run equals an uninterrupted one
+/// bit for bit.
+#[test]
+fn two_ranks_per_node_restart_in_place_and_move_together_to_a_spare() {
+    let (_guard, dir) = prepared();
+    const STEPS: u64 = 120;
+    let layout = ["parallel.tp=2"];
+    let reference_store = format!("file://{}", dir.join("reference").display());
+    let reference = small_args(&dir, "reference", &reference_store)
+        .steps(STEPS)
+        .sets(layout)
+        .set("checkpoint.every", 100000)
+        .build();
+    let output = Command::new("mpiexec")
+        .args(["-n", "4"])
+        .arg(bin("trainer"))
+        .args(&reference)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let expected = losses(&dir, "reference");
+
+    let store = format!("file://{}", dir.join("store").display());
+    let args = small_args(&dir, "pairs", &store)
+        .steps(STEPS)
+        .sets(layout)
+        .build();
+    let flags = [
+        "--supervise",
+        "mpiexec",
+        "--active-nodes",
+        "2",
+        "--ranks-per-node",
+        "2",
+    ];
+    let (mut cluster, ctl) = supervised_with(&dir, "pairs", 3, &flags, &args, Vec::new());
+
+    // 1. Rank 1 (n1's second rank) is killed: the world restarts in place from T0.
+    let pid = rank_pid(&cluster, &ctl, 1, 30);
+    assert!(kill("KILL", pid));
+    wait_for_event(&ctl, "pairs", "first_step", 2, &cluster);
+    let timeline = events(&ctl, "pairs");
+    let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
+    assert!(
+        first_dead(fault).contains(&1),
+        "{fault}\n{timeline:#?}\n{}",
+        cluster.logs()
+    );
+
+    // 2. Node n2 dies with both its ranks: the spare n3 takes ranks 2 and 3.
+    let pids = [2, 3].map(|rank| rank_pid(&cluster, &ctl, rank, 70));
+    cluster.kill_node(1);
+    for pid in pids {
+        kill("KILL", pid);
+    }
+    wait_for_event(&ctl, "pairs", "completed", 1, &cluster);
+    let timeline = events(&ctl, "pairs");
+    println!("{}", ctl.expect(0, &["events", "pairs"]));
+    let lost = timeline
+        .iter()
+        .filter(|e| e["kind"] == "fault")
+        .nth(1)
+        .unwrap();
+    assert!(
+        lost["detail"].as_str().unwrap().contains("node n2 lost"),
+        "{lost}"
+    );
+    let relaunch = timeline
+        .iter()
+        .filter(|e| e["kind"] == "relaunch")
+        .nth(1)
+        .unwrap();
+    assert!(
+        relaunch["detail"].as_str().unwrap().contains("n1,n3"),
+        "{relaunch}"
+    );
+    // Both of n2's ranks came to the spare from the buddy's replicas; n1's two ranks
+    // restored from their own memory both times.
+    assert_eq!(
+        cluster.metric(2, "lazarus_ckptd_restores_total{tier=\"t1\"}"),
+        2.0,
+        "{}",
+        cluster.logs()
+    );
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_restores_total{tier=\"t0\"}"),
+        4.0,
+        "{}",
+        cluster.logs()
+    );
+    let got = losses(&dir, "pairs");
+    assert_eq!(got.len(), STEPS as usize);
+    assert_eq!(got, expected, "the run continues bit for bit");
+}
+
 /// A world that never gets going (here a rank stops itself before it reaches its daemon, as
 /// a rank stuck in MPI init would) is hung once `startup_timeout_seconds` has passed, not
 /// only once it has made steps; the relaunched world trains to the end. The hang timeout is
@@ -820,6 +918,11 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
         .env("LAZARUS_SOCKET_DIR", dir.join("sockets"))
         .env("LAZARUS_BIN", &bin_dir)
         .env("LAZARUS_CKPTD_CONFIG", dir.join("ckptd.toml"))
+        // The layout from the environment (the reference's: one rank per node, data parallel,
+        // one micro-batch), through the script's flags.
+        .env("LAZARUS_RANKS_PER_NODE", "1")
+        .env("LAZARUS_TP", "1")
+        .env("LAZARUS_MICRO_BATCHES", "1")
         .args(["--parsable", "--nodes=3", "--time=10"])
         .arg(format!("--output={}", dir.join("job.out").display()))
         .arg(&script)

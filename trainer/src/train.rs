@@ -744,6 +744,20 @@ fn write_layout_table(
             mb(predicted.optimizer),
         )?;
     }
+    // A tensor-parallel group's all-reduces run every layer: they belong inside a node.
+    for first in (0..processes.len()).step_by(layout.tp) {
+        let group = layout.group(first, crate::layout::Dim::Tensor);
+        let mut hosts: Vec<&str> = group.iter().map(|r| processes[*r].1.as_str()).collect();
+        hosts.sort_unstable();
+        hosts.dedup();
+        if hosts.len() > 1 {
+            writeln!(
+                log,
+                "warning: the tensor-parallel group of ranks {group:?} spans hosts {}; launch tp ranks per node together (ranks are numbered node by node)",
+                hosts.join(", ")
+            )?;
+        }
+    }
     Ok(())
 }
 

@@ -96,6 +96,10 @@ pub struct Cli {
     /// Nodes that train; the other connected nodes are hot spares.
     #[arg(long)]
     pub active_nodes: Option<usize>,
+    /// Ranks the supervisor launches on every active node (default 1). Ranks are numbered
+    /// node by node, so a tensor-parallel group of up to this many ranks stays in one node.
+    #[arg(long)]
+    pub ranks_per_node: Option<usize>,
     /// A node whose daemon has not been heard from for this long is lost.
     #[arg(long)]
     pub heartbeat_timeout_seconds: Option<f64>,
@@ -153,6 +157,7 @@ pub struct Supervision {
     pub trainer: PathBuf,
     pub trainer_args: Vec<String>,
     pub active_nodes: usize,
+    pub ranks_per_node: usize,
     pub heartbeat_timeout_seconds: f64,
     pub hang_timeout_seconds: f64,
     pub startup_timeout_seconds: f64,
@@ -189,6 +194,7 @@ struct File {
     #[serde(default)]
     trainer_args: Vec<String>,
     active_nodes: Option<usize>,
+    ranks_per_node: Option<usize>,
     heartbeat_timeout_seconds: Option<f64>,
     hang_timeout_seconds: Option<f64>,
     startup_timeout_seconds: Option<f64>,
@@ -388,6 +394,10 @@ impl Config {
                 if active_nodes == 0 {
                     return Err(ConfigError("active_nodes must be at least 1".into()));
                 }
+                let ranks_per_node = cli.ranks_per_node.or(file.ranks_per_node).unwrap_or(1);
+                if ranks_per_node == 0 {
+                    return Err(ConfigError("ranks_per_node must be at least 1".into()));
+                }
                 let min_active_nodes = cli.min_active_nodes.or(file.min_active_nodes).unwrap_or(1);
                 if min_active_nodes == 0 || min_active_nodes > active_nodes {
                     return Err(ConfigError(
@@ -402,6 +412,7 @@ impl Config {
                     trainer,
                     trainer_args,
                     active_nodes,
+                    ranks_per_node,
                     heartbeat_timeout_seconds: positive(
                         cli.heartbeat_timeout_seconds
                             .or(file.heartbeat_timeout_seconds),

@@ -410,7 +410,8 @@ fn alive(node: &NodeView, plan: &Supervision) -> bool {
     node.connected && node.seen_ago.as_secs_f64() < plan.heartbeat_timeout_seconds
 }
 
-/// Starts the world on `active`: one rank per node, pointed at its node's daemon.
+/// Starts the world on `active`: `ranks_per_node` ranks on each node, numbered node by node,
+/// pointed at their node's daemon.
 fn launch(
     daemon: &Daemon,
     plan: &Supervision,
@@ -432,7 +433,9 @@ fn launch(
                     command.arg(":");
                 }
                 command
-                    .args(["-n", "1", "-env", "LAZARUS_CKPTD_SOCKET"])
+                    .arg("-n")
+                    .arg(plan.ranks_per_node.to_string())
+                    .args(["-env", "LAZARUS_CKPTD_SOCKET"])
                     .arg(socket(name))
                     .arg(&plan.trainer)
                     .args(&plan.trainer_args);
@@ -449,8 +452,9 @@ fn launch(
             command
                 .arg(format!("--nodelist={}", active.join(",")))
                 .arg(format!("--nodes={}", active.len()))
-                .arg(format!("--ntasks={}", active.len()))
-                .args(["--ntasks-per-node=1", "--mpi=pmi2", "--kill-on-bad-exit=1"])
+                .arg(format!("--ntasks={}", active.len() * plan.ranks_per_node))
+                .arg(format!("--ntasks-per-node={}", plan.ranks_per_node))
+                .args(["--distribution=block", "--mpi=pmi2", "--kill-on-bad-exit=1"])
                 .arg(format!("--job-name=lazarus-{}", daemon.cfg.run))
                 .env("LAZARUS_CKPTD_SOCKET", template)
                 .arg(&plan.trainer)
