@@ -21,8 +21,8 @@ use lazarus_tests::{bin, shared_data};
 
 const RANKS: usize = 4;
 const GLOBAL_BATCH: usize = 8;
-const STEPS: u64 = 6;
-const WARMUP: u64 = 2;
+const STEPS: u64 = 4;
+const WARMUP: u64 = 1;
 
 /// A layout: its name, data-parallel size and `parallel` settings.
 struct Layout {
