@@ -187,9 +187,10 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     );
     // Rank r is tensor-parallel rank r % 2 of data-parallel rank r / 2.
     assert_layout_table(&said, 4, |rank| [rank % 2, 0, rank / 2, rank / 2]);
+    let tp2_dp2_ep2_losses = losses(&dir, "tp2-dp2-ep2");
     assert_close(
         &single,
-        &losses(&dir, "tp2-dp2-ep2"),
+        &tp2_dp2_ep2_losses,
         "TP2 x DP2 x EP2 vs one process",
     );
 
@@ -204,6 +205,21 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
         bits(&losses(&dir, "tp2-again")),
         bits(&tp2_losses),
         "TP2 repeats bit for bit"
+    );
+    run(
+        4,
+        &args_layout(
+            &dir,
+            "tp2-dp2-ep2-again",
+            10,
+            2,
+            &["parallel.tp=2", "parallel.ep=2"],
+        ),
+    );
+    assert_eq!(
+        bits(&losses(&dir, "tp2-dp2-ep2-again")),
+        bits(&tp2_dp2_ep2_losses),
+        "TP2 x DP2 x EP2 repeats bit for bit"
     );
 
     // Every rank's shard is stored and verifies; rank 0 committed step 10 for 2 ranks.
@@ -278,9 +294,10 @@ fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
     let dp2_ep2_pp2 = ["parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2"];
     let said = run(4, &args_layout(&dir, "dp2-ep2-pp2", 10, 2, &dp2_ep2_pp2));
     assert_layout_table(&said, 4, |rank| [0, rank / 2, rank % 2, rank % 2]);
+    let dp2_ep2_pp2_losses = losses(&dir, "dp2-ep2-pp2");
     assert_close(
         &losses(&dir, "single-m2"),
-        &losses(&dir, "dp2-ep2-pp2"),
+        &dp2_ep2_pp2_losses,
         "DP2 x EP2 x PP2 vs one process",
     );
 
@@ -295,6 +312,15 @@ fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
         bits(&losses(&dir, "tp2-pp2-again")),
         bits(&tp2_pp2_losses),
         "TP2 x PP2 repeats bit for bit"
+    );
+    run(
+        4,
+        &args_layout(&dir, "dp2-ep2-pp2-again", 10, 2, &dp2_ep2_pp2),
+    );
+    assert_eq!(
+        bits(&losses(&dir, "dp2-ep2-pp2-again")),
+        bits(&dp2_ep2_pp2_losses),
+        "DP2 x EP2 x PP2 repeats bit for bit"
     );
 }
 

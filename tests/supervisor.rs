@@ -255,13 +255,41 @@ fn a_lost_node_is_replaced_by_a_hot_spare_that_restores_from_the_buddy() {
     println!("{}", ctl.expect(0, &["events", "spared"]));
 }
 
-/// Several ranks per node: 2 active nodes of 2 ranks, tensor parallel over each node's pair
-/// (ranks are numbered node by node, so a TP2 group is one node), and a spare. A killed rank's
-/// world restarts in place from the nodes' memory (T0); a lost node's two ranks both move to
-/// the spare and restore from the buddy's replicas (T1); the run equals an uninterrupted one
-/// bit for bit.
+/// Several ranks per node under mpiexec (one MPMD block of two per node).
 #[test]
 fn two_ranks_per_node_restart_in_place_and_move_together_to_a_spare() {
+    two_ranks_per_node("mpiexec", Vec::new());
+}
+
+/// Several ranks per node under srun (`--ntasks-per-node=2`) on the local Slurm cluster.
+#[test]
+fn two_ranks_per_node_under_srun_restart_in_place_and_move_together_to_a_spare() {
+    let Some((conf, _exclusive)) = lazarus_tests::exclusive_slurm_cluster() else {
+        return;
+    };
+    // The leader drains the lost node n2 in Slurm: it serves the other tests again after.
+    struct Resume(std::path::PathBuf);
+    impl Drop for Resume {
+        fn drop(&mut self) {
+            let _ = Command::new("scontrol")
+                .env("SLURM_CONF", &self.0)
+                .args(["update", "nodename=n2", "state=resume"])
+                .status();
+        }
+    }
+    let _resume = Resume(conf.clone());
+    two_ranks_per_node(
+        "srun",
+        vec![("SLURM_CONF".to_string(), conf.display().to_string())],
+    );
+}
+
+/// Several ranks per node: 2 active nodes of 2 ranks, tensor parallel over each node's pair
+/// (ranks are numbered node by node, so a TP2 group is one node), and a spare, launched by
+/// `launcher`. A killed rank's world restarts in place from the nodes' memory (T0); a lost
+/// node's two ranks both move to the spare and restore from the buddy's replicas (T1); the
+/// run equals an uninterrupted one bit for bit.
+fn two_ranks_per_node(launcher: &str, envs: Vec<(String, String)>) {
     let (_guard, dir) = prepared();
     const STEPS: u64 = 120;
     let layout = ["parallel.tp=2"];
@@ -287,13 +315,13 @@ fn two_ranks_per_node_restart_in_place_and_move_together_to_a_spare() {
         .build();
     let flags = [
         "--supervise",
-        "mpiexec",
+        launcher,
         "--active-nodes",
         "2",
         "--ranks-per-node",
         "2",
     ];
-    let (mut cluster, ctl) = supervised_with(&dir, "pairs", 3, &flags, &args, Vec::new());
+    let (mut cluster, ctl) = supervised_with(&dir, "pairs", 3, &flags, &args, envs);
 
     // 1. Rank 1 (n1's second rank) is killed: the world restarts in place from T0.
     let pid = rank_pid(&cluster, &ctl, 1, 30);
