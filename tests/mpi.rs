@@ -85,6 +85,18 @@ fn losses(dir: &Path, run: &str) -> Vec<(u64, f64, f64)> {
         .collect()
 }
 
+/// (step, validation loss) from a run's metrics.jsonl, for the steps that validated.
+fn val_losses(dir: &Path, run: &str) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
+        .expect("metrics");
+    text.lines()
+        .filter_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            Some((value["step"].as_u64()?, value["val_loss"].as_f64()?))
+        })
+        .collect()
+}
+
 /// The same steps, with losses and gradient norms within 1e-5 relative.
 fn assert_close(a: &[(u64, f64, f64)], b: &[(u64, f64, f64)], what: &str) {
     assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
@@ -238,13 +250,18 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
 #[test]
 fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
     let (_guard, dir) = prepared();
-    let m4 = ["parallel.micro_batches=4"];
+    // Validation every 5 steps: through the pipeline's stages, forward only.
+    let m4 = ["parallel.micro_batches=4", "train.val_every=5"];
     run(1, &args_layout(&dir, "single-m4", 10, 4, &m4));
     let single_m4 = losses(&dir, "single-m4");
     assert!(single_m4[9].1 < single_m4[0].1, "the loss falls");
 
     // Two stages over 4 micro-batches: rank r is stage r.
-    let pp2 = ["parallel.pp=2", "parallel.micro_batches=4"];
+    let pp2 = [
+        "parallel.pp=2",
+        "parallel.micro_batches=4",
+        "train.val_every=5",
+    ];
     let said = run(2, &args_layout(&dir, "pp2", 10, 4, &pp2));
     assert!(
         said.contains("layout: tp 1 x pp 2 x dp 1 (ep 1), 4 micro-batches, 1f1b"),
@@ -261,6 +278,15 @@ fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
         &pp2_losses,
         "PP2 (4 micro-batches) vs one process",
     );
+    let (single_val, pp2_val) = (val_losses(&dir, "single-m4"), val_losses(&dir, "pp2"));
+    assert_eq!(single_val.len(), 2, "{single_val:?}");
+    assert_eq!(single_val.len(), pp2_val.len(), "{pp2_val:?}");
+    for ((step, a), (_, b)) in single_val.iter().zip(&pp2_val) {
+        assert!(
+            (a - b).abs() <= 1e-5 * a.abs(),
+            "validation at step {step}: {a} vs {b}"
+        );
+    }
 
     // Tensor parallel inside each stage: rank r is tensor-parallel rank r % 2 of stage r / 2.
     let tp2_pp2 = ["parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=4"];
