@@ -716,3 +716,61 @@ fn the_error_of_a_rank_that_ends_the_job_always_reaches_the_launcher() {
         );
     }
 }
+
+/// The activations a step holds for its backward passes, measured on the heap after each
+/// forward pass, are what the layout's formula predicts (`tiny`, where the layers' share
+/// outweighs the small buffers the formula leaves out): one process over 2 micro-batches, and
+/// both stages of PP2 over 4 (the first stage holds two micro-batches in flight).
+#[test]
+fn the_activations_a_step_holds_are_the_predicted_ones() {
+    let (_guard, dir) = prepared();
+    let measured = |ranks: usize, id: &str, layout: &[&str]| -> Vec<(f64, f64)> {
+        let args = TrainerArgs::new("tiny")
+            .metrics(&dir.join("metrics"))
+            .run(id)
+            .steps(3)
+            .sets([
+                "train.micro_batch=4",
+                "train.threads=1",
+                "train.val_every=1000",
+                "checkpoint.every=1000",
+            ])
+            .sets(layout.iter().copied())
+            .store(&format!("file://{}", dir.join("store").display()))
+            .data(&dir.join("data"))
+            .build();
+        let said = run(ranks, &args);
+        let line = said
+            .lines()
+            .find(|l| l.starts_with("peak activations"))
+            .unwrap_or_else(|| panic!("no activations line: {said}"));
+        // "...: rank 0 92.7 MB (92.1), rank 1 ..."
+        line.split("rank ")
+            .skip(1)
+            .map(|part| {
+                let words: Vec<&str> = part.split_whitespace().collect();
+                let held: f64 = words[1].parse().unwrap();
+                let predicted: f64 = words[3]
+                    .trim_matches(|c| c == '(' || c == ')' || c == ',')
+                    .parse()
+                    .unwrap();
+                (held, predicted)
+            })
+            .collect()
+    };
+    let single = measured(1, "activations-1", &["parallel.micro_batches=2"]);
+    let staged = measured(
+        2,
+        "activations-pp2",
+        &["parallel.pp=2", "parallel.micro_batches=4"],
+    );
+    assert_eq!(single.len(), 1, "{single:?}");
+    assert_eq!(staged.len(), 2, "{staged:?}");
+    assert!(staged[0].1 != staged[1].1, "{staged:?}");
+    for (held, predicted) in single.iter().chain(&staged) {
+        assert!(
+            (held - predicted).abs() <= 0.05 * predicted,
+            "measured {held} MB, predicted {predicted} MB: {single:?} {staged:?}"
+        );
+    }
+}

@@ -6,7 +6,8 @@
 //! 2. The pipeline bubble: each stage's share of a step spent waiting on its neighbours, as
 //!    the trainer measures it, against the 1F1B formula, for 2, 4 and 8 micro-batches (PP4).
 //! 3. Per-rank memory: what each rank holds (weights, gradients, optimizer state) next to the
-//!    layout's prediction, from rank 0's table, and each rank's measured peak resident memory.
+//!    layout's prediction, from rank 0's table; the peak activations measured on the heap
+//!    next to their prediction; and each rank's peak resident memory.
 //!
 //! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench layouts
 
@@ -173,6 +174,7 @@ fn main() {
         for line in layout_table(text) {
             println!("    {line}");
         }
+        println!("    {}", line_with(text, "peak activations"));
         println!("    {}", line_with(text, "peak resident memory"));
     }
 }

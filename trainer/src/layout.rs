@@ -334,6 +334,57 @@ impl RankBytes {
     }
 }
 
+/// The activations the rank at `at` holds at most for its backward passes, in bytes (fp32),
+/// with `micro_batch` samples per data-parallel rank and step: what the forward pass keeps
+/// per token of each of its layers, times its tokens, its layers and the micro-batches in
+/// flight at once (`min(pp - stage, micro_batches)` under 1F1B), plus the first stage's
+/// embedding, the last stage's head and every stage's received input. Expert rows assume
+/// balanced routing. Counted from what the ops keep (floats per token and layer, `t` = tp):
+///
+/// - attention: the input norm (d), Q, K, V and QK-norm outputs (5 d/t), the attention
+///   output (d/t) and its saved state (rotated q and k, 2 d/t, and the softmax rows, heads/t
+///   x seq), the output projection (d) and the residual sum (d);
+/// - MoE: the norm (d), router logits, softmax and z-loss pieces (6 E), the routed rows
+///   (k d/t), SwiGLU's output and its saved gate and up projections (3 k f/t), the down
+///   projection (k d/t), gate weights (k/t), weighted rows
+///   (k d/t), the scatter's zeros and result (2 d) and the residual sum (d); with expert
+///   parallel, the rows' trips to and from other ranks (4 k d/t);
+/// - with tp > 1, the copies entering and leaving each split part (4 d + E);
+/// - the last stage's fused head keeps its gradients from the forward pass: the hidden rows'
+///   (d per token) and the LM head's (vocab/t x d per micro-batch).
+pub fn predicted_activation_bytes(
+    model: &ModelConfig,
+    layout: &Layout,
+    at: Coords,
+    micro_batch: usize,
+) -> f64 {
+    let (d, e, f, k) = (
+        model.d_model as f64,
+        model.experts as f64,
+        model.expert_ffn as f64,
+        model.top_k as f64,
+    );
+    let t = layout.tp as f64;
+    let split = if layout.tp > 1 { 1.0 } else { 0.0 };
+    let expert_parallel = if layout.ep > 1 { 1.0 } else { 0.0 };
+    let heads = model.heads as f64;
+    let seq = model.seq_len as f64;
+    let attention = 3.0 * d + 8.0 * d / t + heads / t * seq;
+    let moe =
+        4.0 * d + 6.0 * e + k * d / t * (3.0 + 4.0 * expert_parallel) + 3.0 * k * f / t + k / t;
+    let per_token_layer = attention + moe + split * (4.0 * d + e);
+    let layers = (model.layers / layout.pp) as f64;
+    let tokens = (micro_batch / layout.micro_batches * model.seq_len) as f64;
+    let mut per_micro_batch = tokens * layers * per_token_layer;
+    // Every stage's input: the embedding's rows, or the activations received.
+    per_micro_batch += tokens * d * (1.0 + 2.0 * split);
+    if at.pp + 1 == layout.pp {
+        per_micro_batch += tokens * (2.0 * d + split * d + 3.0) + model.vocab_size as f64 / t * d;
+    }
+    let in_flight = (layout.pp - at.pp).min(layout.micro_batches) as f64;
+    4.0 * in_flight * per_micro_batch
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

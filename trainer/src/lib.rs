@@ -12,6 +12,7 @@ pub mod experts;
 pub mod kernels;
 pub mod layout;
 pub mod loss;
+pub mod memory;
 pub mod model;
 pub mod norm;
 pub mod optim;

@@ -42,6 +42,9 @@ pub struct StepFigures {
     /// Seconds waiting on (and talking to) the neighbouring stages, and the step's seconds.
     pub pipeline_wait_seconds: f64,
     pub seconds: f64,
+    /// The most heap the micro-batches in flight held (their activations, kept for the
+    /// backward pass), measured after each forward pass above the heap at the step's start.
+    pub activation_bytes: usize,
 }
 
 /// A micro-batch between its forward and its backward pass.
@@ -65,6 +68,8 @@ struct Step<'a> {
     scale: f64,
     shares: f64,
     figures: StepFigures,
+    /// The heap when the step started.
+    heap_at_start: usize,
 }
 
 impl Step<'_> {
@@ -108,6 +113,9 @@ impl Step<'_> {
             forward.loss = (forward.loss * self.scale)?;
         }
         f.forward_seconds += started.elapsed().as_secs_f64();
+        f.activation_bytes = f
+            .activation_bytes
+            .max(crate::memory::heap_bytes().saturating_sub(self.heap_at_start));
         Ok(InFlight { input, forward })
     }
 
@@ -189,6 +197,7 @@ pub fn train_step(
         scale: 1.0 / shares,
         shares,
         figures: StepFigures::default(),
+        heap_at_start: crate::memory::heap_bytes(),
     };
     let activations_in = (!first).then_some((
         Peer {

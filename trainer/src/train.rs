@@ -186,6 +186,10 @@ struct Session {
     /// Seconds of the pipeline steps so far, and of them waiting on neighbouring stages.
     pipeline_seconds: f64,
     pipeline_wait: f64,
+    /// The most activation bytes a step held, over the steps after this process's first
+    /// (whose buffers that live on, such as the kernels' scratch, would count as activations).
+    activation_bytes: Option<usize>,
+    steps_run: u64,
 }
 
 impl Session {
@@ -396,6 +400,11 @@ impl Session {
         step_log.time(Phase::Backward, figures.backward_seconds);
         self.pipeline_wait += figures.pipeline_wait_seconds;
         self.pipeline_seconds += figures.seconds;
+        self.steps_run += 1;
+        if self.steps_run > 1 {
+            let peak = self.activation_bytes.unwrap_or(0);
+            self.activation_bytes = Some(peak.max(figures.activation_bytes));
+        }
         Ok(figures)
     }
 
@@ -820,6 +829,8 @@ pub fn train(
         stalls: Vec::new(),
         pipeline_seconds: 0.0,
         pipeline_wait: 0.0,
+        activation_bytes: None,
+        steps_run: 0,
     };
     let mut restored_tier = None;
     let resumed_from = match config.checkpoint.ckptd_socket() {
@@ -967,6 +978,28 @@ pub fn train(
         if checkpoint_due && session.save(step == config.train.steps, any_busy, poll_time)? {
             last_checkpoint = Some(step);
         }
+    }
+    if let Some(bytes) = session.activation_bytes {
+        // Every rank takes part, so the gathers below stay collective.
+        let measured = world.all_gather_f64(Group::World, &[bytes as f64]);
+        let ranks: Vec<String> = measured
+            .iter()
+            .enumerate()
+            .map(|(rank, bytes)| {
+                let predicted = crate::layout::predicted_activation_bytes(
+                    &config.model,
+                    layout,
+                    layout.coords(rank),
+                    batch,
+                );
+                format!("rank {rank} {:.1} MB ({:.1})", bytes / 1e6, predicted / 1e6)
+            })
+            .collect();
+        writeln!(
+            log,
+            "peak activations, measured on the heap after each forward pass (predicted): {}",
+            ranks.join(", ")
+        )?;
     }
     if world.size > 1 {
         let peaks = world.all_gather_f64(Group::World, &[peak_resident_bytes().unwrap_or(0.0)]);
