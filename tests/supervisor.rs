@@ -910,6 +910,147 @@ fn a_throttled_rank_is_reported_as_a_straggler() {
     // Dropping the cluster ends the daemons and the world.
 }
 
+/// A job of `ops/slurm/train.sbatch` on the local Slurm cluster (`conf`): 3 nodes on this
+/// machine, one a spare, training `trainer_args` with the extra environment `envs`. The job is
+/// cancelled (and its shared memory removed) when the returned guard drops.
+struct BatchJob {
+    id: String,
+    ports: u16,
+    key_file: std::path::PathBuf,
+    conf: std::path::PathBuf,
+    shm: std::path::PathBuf,
+}
+
+impl BatchJob {
+    fn submit(
+        conf: &Path,
+        dir: &Path,
+        run: &str,
+        store: &str,
+        envs: &[(&str, &str)],
+        sbatch_flags: &[&str],
+        trainer_args: &[String],
+    ) -> Self {
+        let key_file = dir.join("job.key");
+        std::fs::write(&key_file, format!("{:064x}", rand::random::<u128>())).unwrap();
+        std::fs::write(
+            dir.join("ckptd.toml"),
+            "durable_every_steps = 50\ncommit_timeout_seconds = 3.0\n",
+        )
+        .unwrap();
+        // Three nodes on this machine share 127.0.0.1: node i listens on port + i.
+        let ports = lazarus_tests::free_port_run(6);
+        let shm =
+            Path::new("/dev/shm").join(format!("lazarus-sbatch-{}-{ports}", std::process::id()));
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/slurm/train.sbatch");
+        let bin_dir = bin("ckptd").parent().unwrap().to_path_buf();
+        let mut sbatch = Command::new("sbatch");
+        sbatch
+            .env("SLURM_CONF", conf)
+            .env("LAZARUS_RUN", run)
+            .env("LAZARUS_STORE", store)
+            .env("LAZARUS_KEY_FILE", &key_file)
+            .env("LAZARUS_HOST", "127.0.0.1")
+            .env("LAZARUS_PORT", ports.to_string())
+            .env("LAZARUS_METRICS_PORT", (ports + 3).to_string())
+            .env("LAZARUS_SHM_DIR", &shm)
+            .env("LAZARUS_SOCKET_DIR", dir.join("sockets"))
+            .env("LAZARUS_BIN", &bin_dir)
+            .env("LAZARUS_CKPTD_CONFIG", dir.join("ckptd.toml"));
+        for (name, value) in envs {
+            sbatch.env(name, value);
+        }
+        let submitted = sbatch
+            .args(["--parsable", "--nodes=3", "--time=10"])
+            .args(sbatch_flags)
+            .arg(format!("--output={}", dir.join("job.out").display()))
+            .arg(&script)
+            .args(trainer_args)
+            .output()
+            .unwrap();
+        assert!(submitted.status.success(), "{}", text_of(&submitted));
+        let id = String::from_utf8_lossy(&submitted.stdout)
+            .trim()
+            .split(';')
+            .next()
+            .unwrap()
+            .to_string();
+        Self {
+            id,
+            ports,
+            key_file,
+            conf: conf.to_path_buf(),
+            shm,
+        }
+    }
+
+    /// The leading daemon's address.
+    fn leader(&self) -> String {
+        format!("127.0.0.1:{}", self.ports)
+    }
+}
+
+impl Drop for BatchJob {
+    fn drop(&mut self) {
+        let _ = Command::new("scancel")
+            .env("SLURM_CONF", &self.conf)
+            .arg(&self.id)
+            .status();
+        let _ = std::fs::remove_dir_all(&self.shm);
+    }
+}
+
+/// `ops/slurm/train.sbatch` with two ranks per node and the layout from the environment
+/// (TP2 inside each node, 2 active nodes and a spare): the job trains to the end, the last
+/// checkpoint names the layout, and the losses equal an uninterrupted `mpiexec -n 4` run's bit
+/// for bit.
+#[test]
+fn the_batch_script_runs_two_ranks_per_node_in_the_layout_from_the_environment() {
+    let Some((conf, _exclusive)) = lazarus_tests::exclusive_slurm_cluster() else {
+        return;
+    };
+    let (_guard, dir) = prepared();
+    const STEPS: u64 = 60;
+    let reference_store = format!("file://{}", dir.join("reference").display());
+    let reference = small_args(&dir, "reference", &reference_store)
+        .steps(STEPS)
+        .sets(["parallel.tp=2", "checkpoint.every=100000"])
+        .build();
+    let output = Command::new("mpiexec")
+        .args(["-n", "4"])
+        .arg(bin("trainer"))
+        .args(&reference)
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{}", text_of(&output));
+    let expected = losses(&dir, "reference");
+
+    let store = format!("file://{}", dir.join("store").display());
+    let args = small_args(&dir, "batch-pairs", &store).steps(STEPS).build();
+    let _batch = BatchJob::submit(
+        &conf,
+        &dir,
+        "batch-pairs",
+        &store,
+        &[("LAZARUS_RANKS_PER_NODE", "2"), ("LAZARUS_TP", "2")],
+        &["--ntasks-per-node=2"],
+        &args,
+    );
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    let job_log = || std::fs::read_to_string(dir.join("job.out")).unwrap_or_default();
+    wait_for_event_or(&ctl, "batch-pairs", "completed", 1, job_log);
+    println!("{}", ctl.expect(0, &["events", "batch-pairs"]));
+    assert_eq!(
+        losses(&dir, "batch-pairs"),
+        expected,
+        "the job trains as TP2 x DP2, bit for bit\n{}",
+        job_log()
+    );
+    let shown = ctl.json(&["show", "batch-pairs", "latest"]);
+    assert_eq!(shown["layout"]["tp"], 2, "{shown}");
+    assert_eq!(shown["layout"]["dp"], 2, "{shown}");
+}
+
 #[test]
 fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
     let Some((conf, _exclusive)) = lazarus_tests::exclusive_slurm_cluster() else {
@@ -918,65 +1059,30 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
     let (_guard, dir) = prepared();
     let expected = reference_losses(&dir);
     let store = format!("file://{}", dir.join("store").display());
-    let key_file = dir.join("job.key");
-    std::fs::write(&key_file, format!("{:064x}", rand::random::<u128>())).unwrap();
-    std::fs::write(
-        dir.join("ckptd.toml"),
-        "durable_every_steps = 50\ncommit_timeout_seconds = 3.0\n",
-    )
-    .unwrap();
-    // Three nodes on this machine share 127.0.0.1: node i listens on port + i.
-    let ports = lazarus_tests::free_port_run(6);
-    let shm = Path::new("/dev/shm").join(format!("lazarus-sbatch-{}-{ports}", std::process::id()));
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/slurm/train.sbatch");
-    let bin_dir = bin("ckptd").parent().unwrap().to_path_buf();
     let slurm = |program: &str| {
         let mut command = Command::new(program);
         command.env("SLURM_CONF", &conf);
         command
     };
-    let submitted = slurm("sbatch")
-        .env("LAZARUS_RUN", "preempted")
-        .env("LAZARUS_STORE", &store)
-        .env("LAZARUS_KEY_FILE", &key_file)
-        .env("LAZARUS_HOST", "127.0.0.1")
-        .env("LAZARUS_PORT", ports.to_string())
-        .env("LAZARUS_METRICS_PORT", (ports + 3).to_string())
-        .env("LAZARUS_SHM_DIR", &shm)
-        .env("LAZARUS_SOCKET_DIR", dir.join("sockets"))
-        .env("LAZARUS_BIN", &bin_dir)
-        .env("LAZARUS_CKPTD_CONFIG", dir.join("ckptd.toml"))
-        // The layout from the environment (the reference's: one rank per node, data parallel,
-        // one micro-batch), through the script's flags.
-        .env("LAZARUS_RANKS_PER_NODE", "1")
-        .env("LAZARUS_TP", "1")
-        .env("LAZARUS_MICRO_BATCHES", "1")
-        .args(["--parsable", "--nodes=3", "--time=10"])
-        .arg(format!("--output={}", dir.join("job.out").display()))
-        .arg(&script)
-        .args(trainer_args(&dir, "preempted", &store))
-        .output()
-        .unwrap();
-    assert!(submitted.status.success(), "{}", text_of(&submitted));
-    let job = String::from_utf8_lossy(&submitted.stdout)
-        .trim()
-        .split(';')
-        .next()
-        .unwrap()
-        .to_string();
-    struct Cancel(Command, std::path::PathBuf);
-    impl Drop for Cancel {
-        fn drop(&mut self) {
-            let _ = self.0.status();
-            let _ = std::fs::remove_dir_all(&self.1);
-        }
-    }
-    let mut scancel = slurm("scancel");
-    scancel.arg(&job);
-    let _cancel = Cancel(scancel, shm.clone());
+    // The layout from the environment (the reference's: one rank per node, data parallel,
+    // one micro-batch), through the script's flags.
+    let batch = BatchJob::submit(
+        &conf,
+        &dir,
+        "preempted",
+        &store,
+        &[
+            ("LAZARUS_RANKS_PER_NODE", "1"),
+            ("LAZARUS_TP", "1"),
+            ("LAZARUS_MICRO_BATCHES", "1"),
+        ],
+        &[],
+        &trainer_args(&dir, "preempted", &store),
+    );
+    let (job, key_file) = (batch.id.clone(), batch.key_file.clone());
     let ctl = Ctl::new(store.clone(), &dir.join("index"));
     let job_log = || std::fs::read_to_string(dir.join("job.out")).unwrap_or_default();
-    let leader = format!("127.0.0.1:{ports}");
+    let leader = batch.leader();
 
     // One daemon per node; two train, one is a spare.
     Status::new(&ctl, &leader, &key_file).rank_pid(0, 60);
