@@ -51,13 +51,30 @@ fn manifest_key(run: &RunId, step: StepKey, rank: Rank) -> Vec<u8> {
     format!("{run}/{}/{rank}", step.object_name()).into_bytes()
 }
 
+/// How long opening waits for another handle's file lock to go.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl ChunkIndex {
     pub fn open(path: &FsPath) -> Result<Self, StoreError> {
         let error = |cause| StoreError::Index {
             path: path.display().to_string(),
             cause,
         };
-        let db = sled::open(path).map_err(error)?;
+        // sled releases its file lock when its last handle goes, and its flusher thread can
+        // hold one a moment after the index was dropped: an index reopened at once (by this
+        // process, or by the next command) waits for it, briefly.
+        let deadline = std::time::Instant::now() + LOCK_WAIT;
+        let db = loop {
+            match sled::open(path) {
+                Err(sled::Error::Io(e))
+                    if e.to_string().contains("could not acquire lock")
+                        && std::time::Instant::now() < deadline =>
+                {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                opened => break opened.map_err(error)?,
+            }
+        };
         Ok(Self {
             chunks: db.open_tree("chunks").map_err(error)?,
             refs: db.open_tree("refs").map_err(error)?,
