@@ -12,7 +12,9 @@ use lazarus_tests::cluster::{text_of, Cluster, Settings};
 use lazarus_tests::deadline::test_dir;
 use lazarus_tests::runbook::Runbook;
 use lazarus_tests::supervision::{kill, Status};
-use lazarus_tests::train::{loss_texts as losses, pid_in_rank_table, prepared, TrainerArgs};
+use lazarus_tests::train::{
+    loss_texts as losses, pid_in_rank_table, prepared, reference_run, TrainerArgs,
+};
 use lazarus_tests::{bin, Ctl, S3Server};
 
 /// A small model, one snapshot per step. The learning rate stays in its warm-up, where it
@@ -194,14 +196,7 @@ fn lost_ranks_and_a_lost_node_restore_from_t0_and_t1_bit_for_bit() {
     let reference = small_args(&dir, "reference", &reference_store, 40, "wait")
         .set("checkpoint.every", 1000)
         .build();
-    let output = Command::new("mpiexec")
-        .args(["-n", "2"])
-        .arg(bin("trainer"))
-        .args(&reference)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    let expected = losses(&dir, "reference");
+    let expected = reference_run(&dir, 2, &reference);
 
     let store = format!("file://{}", dir.join("store").display());
     let settings = Settings {
@@ -275,14 +270,7 @@ fn a_pipeline_world_restores_from_t0_and_in_another_layout_from_storage() {
         .sets(pp2)
         .set("checkpoint.every", 1000)
         .build();
-    let output = Command::new("mpiexec")
-        .args(["-n", "2"])
-        .arg(bin("trainer"))
-        .args(&reference)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    let expected = losses(&dir, "reference");
+    let expected = reference_run(&dir, 2, &reference);
 
     let store = format!("file://{}", dir.join("store").display());
     let settings = Settings {

@@ -18,7 +18,7 @@ use lazarus_tests::supervision::{
     events, first_dead, kill, kinds, now_ms, supervised_on, supervised_with, wait_for_event_or,
     wait_for_event_within, Status,
 };
-use lazarus_tests::train::{loss_texts as losses, prepared, TrainerArgs};
+use lazarus_tests::train::{loss_texts as losses, prepared, reference_run, TrainerArgs};
 use lazarus_tests::{bin, Ctl, S3Server};
 
 const STEPS: u64 = 200;
@@ -51,14 +51,7 @@ fn run_reference(dir: &Path) -> BTreeMap<u64, String> {
     let reference = small_args(dir, "reference", &reference_store)
         .set("checkpoint.every", 100000)
         .build();
-    let output = Command::new("mpiexec")
-        .args(["-n", "2"])
-        .arg(bin("trainer"))
-        .args(&reference)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    losses(dir, "reference")
+    reference_run(dir, 2, &reference)
 }
 
 /// `nodes` daemons for `run` (store under `dir/store`, durable every 50 steps); node 1 leads
@@ -299,14 +292,7 @@ fn two_ranks_per_node(launcher: &str, envs: Vec<(String, String)>) {
         .sets(layout)
         .set("checkpoint.every", 100000)
         .build();
-    let output = Command::new("mpiexec")
-        .args(["-n", "4"])
-        .arg(bin("trainer"))
-        .args(&reference)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    let expected = losses(&dir, "reference");
+    let expected = reference_run(&dir, 4, &reference);
 
     let store = format!("file://{}", dir.join("store").display());
     let args = small_args(&dir, "pairs", &store)
@@ -1016,14 +1002,7 @@ fn the_batch_script_runs_two_ranks_per_node_in_the_layout_from_the_environment()
         .steps(STEPS)
         .sets(["parallel.tp=2", "checkpoint.every=100000"])
         .build();
-    let output = Command::new("mpiexec")
-        .args(["-n", "4"])
-        .arg(bin("trainer"))
-        .args(&reference)
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
-    let expected = losses(&dir, "reference");
+    let expected = reference_run(&dir, 4, &reference);
 
     let store = format!("file://{}", dir.join("store").display());
     let args = small_args(&dir, "batch-pairs", &store).steps(STEPS).build();

@@ -157,3 +157,20 @@ pub fn pid_in_rank_table(line: &str, rank: usize) -> u32 {
         .and_then(|pid| pid.parse().ok())
         .unwrap_or_else(|| panic!("no rank {rank} in the rank table {line:?}"))
 }
+
+/// A test's uninterrupted reference: `args` (of the run `reference`) trained under plain
+/// `mpiexec -n ranks`, no daemon. Its losses as exact text.
+pub fn reference_run(dir: &Path, ranks: usize, args: &[String]) -> BTreeMap<u64, String> {
+    let output = Command::new("mpiexec")
+        .args(["-n", &ranks.to_string()])
+        .arg(bin("trainer"))
+        .args(args)
+        .output()
+        .expect("mpiexec runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        crate::cluster::text_of(&output)
+    );
+    loss_texts(dir, "reference")
+}
