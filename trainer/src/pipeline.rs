@@ -66,7 +66,6 @@ struct Step<'a> {
     rows: usize,
     /// The loss of each micro-batch is multiplied by this: `1 / (dp * micro_batches)`.
     scale: f64,
-    shares: f64,
     figures: StepFigures,
     /// The heap when the step started.
     heap_at_start: usize,
@@ -195,7 +194,6 @@ pub fn train_step(
         sample,
         rows,
         scale: 1.0 / shares,
-        shares,
         figures: StepFigures::default(),
         heap_at_start: crate::memory::heap_bytes(),
     };
@@ -277,7 +275,6 @@ pub fn train_step(
         }
     }
     let mut figures = step.figures;
-    let shares = step.shares;
     figures.cross_entropy /= shares;
     figures.load_balancing /= shares;
     figures.router_z /= shares;
