@@ -17,7 +17,7 @@
 use std::path::Path;
 use std::process::Command;
 
-use lazarus_tests::train::TrainerArgs;
+use lazarus_tests::train::{line_with, mean_tokens_per_second, TrainerArgs};
 use lazarus_tests::{bin, shared_data};
 
 const RANKS: usize = 4;
@@ -93,22 +93,7 @@ fn train(dir: &Path, run: &str, dp: usize, sets: &[&str]) -> (f64, String) {
     let text = String::from_utf8_lossy(&output.stdout).to_string()
         + &String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{run}: {text}");
-    let metrics =
-        std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl")).unwrap();
-    let rates: Vec<f64> = metrics
-        .lines()
-        .filter_map(|line| {
-            let value: serde_json::Value = serde_json::from_str(line).ok()?;
-            (value["step"].as_u64()? > WARMUP).then(|| value["tokens_per_second"].as_f64())?
-        })
-        .collect();
-    (rates.iter().sum::<f64>() / rates.len() as f64, text)
-}
-
-fn line_with<'a>(text: &'a str, needle: &str) -> &'a str {
-    text.lines()
-        .find(|l| l.contains(needle))
-        .unwrap_or("(not printed)")
+    (mean_tokens_per_second(dir, run, WARMUP), text)
 }
 
 /// Rank 0's layout table, header included.

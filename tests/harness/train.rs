@@ -174,3 +174,24 @@ pub fn reference_run(dir: &Path, ranks: usize, args: &[String]) -> BTreeMap<u64,
     );
     loss_texts(dir, "reference")
 }
+
+/// The mean `tokens_per_second` of `run`'s steps after the first `warmup` (benchmarks).
+pub fn mean_tokens_per_second(dir: &Path, run: &str, warmup: u64) -> f64 {
+    let metrics = std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
+        .expect("metrics");
+    let rates: Vec<f64> = metrics
+        .lines()
+        .filter_map(|line| {
+            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+            (value["step"].as_u64()? > warmup).then(|| value["tokens_per_second"].as_f64())?
+        })
+        .collect();
+    rates.iter().sum::<f64>() / rates.len() as f64
+}
+
+/// The first line of `text` that contains `needle` (benchmarks quote the trainer's lines).
+pub fn line_with<'a>(text: &'a str, needle: &str) -> &'a str {
+    text.lines()
+        .find(|l| l.contains(needle))
+        .unwrap_or("(not printed)")
+}
