@@ -147,6 +147,7 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
             run: "e2e".parse().unwrap(),
             step: 999,
             durable: true,
+            epoch: 1,
         },
         &[],
         Some(&right_key),

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::runbook::Runbook;
 use lazarus_tests::supervision::{
-    events, first_dead, kill, kinds, now_ms, supervised_on, supervised_with, wait_for_event_or,
-    wait_for_event_within, Status,
+    events, first_dead, kill, kinds, now_ms, supervised_by, supervised_on, supervised_with,
+    wait_for_event_or, wait_for_event_within, Daemons, Status,
 };
 use lazarus_tests::train::{loss_texts as losses, prepared, reference_run, TrainerArgs};
 use lazarus_tests::{bin, Ctl, S3Server};
@@ -721,6 +721,370 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
     assert!(after.contains(&STEPS), "{after:?}");
     ctl.expect(0, &["verify", "adopted", "--all", "--read-data"]);
     assert_eq!(losses(&dir, "adopted"), expected, "bit for bit throughout");
+}
+
+/// The epoch each commit record names, by step (read from the store's files).
+fn commit_epochs(dir: &Path, run: &str) -> BTreeMap<u64, Option<u64>> {
+    let commits = dir.join("store/runs").join(run).join("commits");
+    let mut epochs = BTreeMap::new();
+    for entry in std::fs::read_dir(&commits).expect("the run has commits") {
+        let bytes = std::fs::read(entry.expect("a directory entry").path()).expect("readable");
+        let record: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+        let body = &record["body"];
+        epochs.insert(
+            body["step"]["step"].as_u64().expect("a step"),
+            body["leader_epoch"].as_u64(),
+        );
+    }
+    epochs
+}
+
+#[test]
+fn a_lost_leader_is_replaced_by_its_successor_which_relaunches_the_world_on_a_spare() {
+    let (_guard, dir) = prepared();
+    let expected = reference_losses(&dir);
+    // Three daemons that may all lead: n1 leads, n1 and n2 train, n3 is a hot spare.
+    let store = format!("file://{}", dir.join("store").display());
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let args = trainer_args(&dir, "failover", &store);
+    let daemons = Daemons {
+        candidates: 2,
+        relayed: false,
+    };
+    let (mut cluster, ctl) = supervised_by(
+        &store,
+        &dir,
+        "failover",
+        3,
+        daemons,
+        &flags,
+        &args,
+        Vec::new(),
+    );
+    let status = Status::of(&cluster, &ctl);
+    // The succession is published and visible: n2, then n3.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let json = status.json();
+        let order: Vec<&str> = json["succession"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|s| s["node"].as_str()).collect())
+            .unwrap_or_default();
+        if order == ["n2", "n3"] {
+            assert_eq!(json["epoch"], 1, "{json}");
+            break;
+        }
+        assert!(Instant::now() < deadline, "no succession: {json}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    println!("{}", status.text());
+
+    // Past the first durable step, the leader's daemon dies; its rank lives on without it.
+    rank_pid(&cluster, &ctl, 0, 55);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let before = loop {
+        let committed = ctl.committed("failover");
+        if committed.iter().any(|s| *s >= 50) {
+            break committed;
+        }
+        assert!(Instant::now() < deadline, "no durable step: {committed:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let lost_ms = now_ms();
+    cluster.kill_node(0);
+    wait_for_event(&ctl, "failover", "completed", 1, &cluster);
+    let timeline = events(&ctl, "failover");
+    println!("{}", ctl.expect(0, &["events", "failover"]));
+    let find = |kind: &str| {
+        timeline
+            .iter()
+            .find(|e| e["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind}: {timeline:#?}\n{}", cluster.logs()))
+    };
+    let elected = find("elected");
+    assert_eq!(elected["epoch"], 2, "{elected}");
+    assert!(elected["detail"]
+        .as_str()
+        .unwrap()
+        .starts_with("n2 leads epoch 2"));
+    let elected_ms = elected["unix_ms"].as_u64().unwrap() - lost_ms;
+    println!("n1's daemon killed; n2 elected after {elected_ms} ms");
+    // The heartbeat timeout (2 s), the lease check (1.5 s), a claim.
+    assert!(elected_ms < 10_000, "{elected}");
+    assert_eq!(find("leader_lost")["epoch"], 2);
+    // n1's rank had no daemon: the successor stopped the world and put the spare in n1's
+    // place, so rank 1 stays on n2 (its T0) and rank 0 comes from n2's replica (T1).
+    let relaunch = find("relaunch");
+    assert_eq!(relaunch["epoch"], 2);
+    assert_eq!(
+        relaunch["nodes"],
+        serde_json::json!(["n3", "n2"]),
+        "{relaunch}"
+    );
+    let restored = timeline
+        .iter()
+        .find(|e| e["kind"] == "restored" && e["epoch"] == 2)
+        .unwrap();
+    assert!(
+        restored["detail"]
+            .as_str()
+            .unwrap()
+            .ends_with("from T0: ranks 1, T1: ranks 0"),
+        "{restored}"
+    );
+    assert_eq!(
+        cluster.metric(2, "lazarus_ckptd_restores_total{tier=\"t1\"}"),
+        1.0,
+        "{}",
+        cluster.logs()
+    );
+    assert_eq!(
+        cluster.metric(1, "lazarus_ckptd_restores_total{tier=\"t0\"}"),
+        1.0
+    );
+    assert_eq!(
+        cluster.metric(1, "lazarus_ckptd_leader_takeovers_total"),
+        1.0
+    );
+    assert_eq!(cluster.metric(1, "lazarus_ckptd_leader"), 1.0);
+    assert_eq!(cluster.metric(2, "lazarus_ckptd_leader_epoch"), 2.0);
+    // ckptctl finds the new leader through the store.
+    let json = status.json();
+    assert_eq!(
+        (json["leader"].as_str(), json["epoch"].as_u64()),
+        (Some("n2"), Some(2)),
+        "{json}"
+    );
+    // The runbook: confirm the takeover; n1's daemon returns and follows the new epoch.
+    let runbook = Runbook::load("leader-failover.md");
+    let env = runbook_env(&cluster, "failover");
+    let confirmed = runbook.run("Confirm", &env);
+    assert!(confirmed.contains("takeover to epoch 2"), "{confirmed}");
+    assert!(confirmed.contains("leader: n2 (epoch 2)"), "{confirmed}");
+    cluster.start_node(0);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let verified = runbook.run("Verify it worked", &env);
+        if verified.contains("n1 ") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "n1 did not return: {verified}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(cluster.metric(0, "lazarus_ckptd_leader"), 0.0);
+    assert_eq!(cluster.metric(0, "lazarus_ckptd_leader_epoch"), 2.0);
+
+    // No committed step was lost, every one verifies, and the commits after the takeover
+    // name the new epoch.
+    let after = ctl.committed("failover");
+    for step in &before {
+        assert!(after.contains(step), "step {step} lost: {after:?}");
+    }
+    assert!(after.contains(&STEPS), "{after:?}");
+    let epochs = commit_epochs(&dir, "failover");
+    assert_eq!(epochs[&50], Some(1), "{epochs:?}");
+    assert_eq!(epochs[&STEPS], Some(2), "{epochs:?}");
+    ctl.expect(0, &["verify", "failover", "--all", "--read-data"]);
+    assert_eq!(losses(&dir, "failover"), expected, "bit for bit throughout");
+}
+
+#[test]
+fn a_leader_cut_off_from_its_nodes_is_replaced_and_stays_harmless_when_the_cut_heals() {
+    let (_guard, dir) = prepared();
+    let expected = reference_losses(&dir);
+    // Three daemons that may all lead, talking through relays: n1 leads, n1 and n2 train,
+    // n3 is a hot spare.
+    let store = format!("file://{}", dir.join("store").display());
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let args = trainer_args(&dir, "partition", &store);
+    let daemons = Daemons {
+        candidates: 2,
+        relayed: true,
+    };
+    let (cluster, ctl) = supervised_by(
+        &store,
+        &dir,
+        "partition",
+        3,
+        daemons,
+        &flags,
+        &args,
+        Vec::new(),
+    );
+    let relays = cluster.relays.as_ref().expect("relayed");
+    rank_pid(&cluster, &ctl, 0, 55);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let before = loop {
+        let committed = ctl.committed("partition");
+        if committed.iter().any(|s| *s >= 50) {
+            break committed;
+        }
+        assert!(Instant::now() < deadline, "no durable step: {committed:?}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+
+    // The leader's daemon is cut off from the other two (the ranks' own traffic is not).
+    let cut_ms = now_ms();
+    relays.cut(0, &[1, 2]);
+    wait_for_event(&ctl, "partition", "elected", 1, &cluster);
+    wait_for_event(&ctl, "partition", "deposed", 1, &cluster);
+    // The new leader acts (it adopts the world or, with n1's rank out of reach, relaunches
+    // it on the spare); then the cut heals and n1's held bytes arrive, late.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !events(&ctl, "partition").iter().any(|e| {
+        e["epoch"] == 2 && ["adopted", "fault", "relaunch"].contains(&e["kind"].as_str().unwrap())
+    }) {
+        assert!(
+            Instant::now() < deadline,
+            "the new leader never acted\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    relays.heal();
+    wait_for_event(&ctl, "partition", "completed", 1, &cluster);
+    println!("{}", ctl.expect(0, &["events", "partition"]));
+    let timeline = events(&ctl, "partition");
+    let elected: Vec<_> = timeline.iter().filter(|e| e["kind"] == "elected").collect();
+    assert_eq!(elected.len(), 1, "{timeline:#?}");
+    let elected_ms = elected[0]["unix_ms"].as_u64().unwrap();
+    assert_eq!(elected[0]["epoch"], 2);
+    println!(
+        "n1 cut off; a successor elected after {} ms",
+        elected_ms - cut_ms
+    );
+    // One leader acts afterwards: after the election, the old epoch records only that it
+    // was deposed.
+    let late: Vec<_> = timeline
+        .iter()
+        .filter(|e| e["epoch"] == 1 && e["unix_ms"].as_u64().unwrap() > elected_ms)
+        .filter(|e| e["kind"] != "deposed")
+        .collect();
+    assert!(late.is_empty(), "the deposed leader acted: {late:#?}");
+    // The new leader stopped the world at most once (n1's rank was out of its reach); n1's
+    // late reports of that world's rank, arriving when the cut healed, did not fault the next.
+    let faults: Vec<_> = timeline.iter().filter(|e| e["kind"] == "fault").collect();
+    assert!(faults.len() <= 1, "{faults:#?}");
+    let deposed = timeline.iter().find(|e| e["kind"] == "deposed").unwrap();
+    assert_eq!(deposed["epoch"], 1, "{deposed}");
+    assert!(
+        timeline
+            .iter()
+            .any(|e| e["kind"] == "completed" && e["epoch"] == 2),
+        "{timeline:#?}"
+    );
+    let refused: f64 = (0..3)
+        .map(|i| {
+            cluster.metric(
+                i,
+                "lazarus_ckptd_peer_messages_rejected_total{cause=\"stale_epoch\"}",
+            )
+        })
+        .sum();
+    let stale_ranks: f64 = (0..3)
+        .map(|i| {
+            cluster.metric(
+                i,
+                "lazarus_ckptd_peer_messages_rejected_total{cause=\"stale_rank\"}",
+            )
+        })
+        .sum();
+    println!(
+        "orders of the old epoch refused: {refused}; late reports of an earlier world's ranks ignored: {stale_ranks}"
+    );
+
+    // No committed step was lost; no commit of the old epoch after the new one began.
+    let after = ctl.committed("partition");
+    for step in &before {
+        assert!(after.contains(step), "step {step} lost: {after:?}");
+    }
+    let epochs = commit_epochs(&dir, "partition");
+    assert_eq!(epochs[&STEPS], Some(2), "{epochs:?}");
+    let newest_old = epochs
+        .iter()
+        .filter(|(_, e)| **e == Some(1))
+        .map(|(s, _)| *s)
+        .max();
+    let oldest_new = epochs
+        .iter()
+        .filter(|(_, e)| **e == Some(2))
+        .map(|(s, _)| *s)
+        .min();
+    assert!(newest_old < oldest_new, "{epochs:?}");
+    ctl.expect(0, &["verify", "partition", "--all", "--read-data"]);
+    assert_eq!(
+        losses(&dir, "partition"),
+        expected,
+        "bit for bit throughout"
+    );
+}
+
+#[test]
+fn a_node_cut_off_alone_is_replaced_by_a_spare_and_neither_leads_nor_counts_after_the_heal() {
+    let (_guard, dir) = prepared();
+    let expected = reference_losses(&dir);
+    // Three daemons that may all lead, talking through relays: n1 leads, n1 and n2 train,
+    // n3 is a hot spare.
+    let store = format!("file://{}", dir.join("store").display());
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let args = trainer_args(&dir, "island", &store);
+    let daemons = Daemons {
+        candidates: 2,
+        relayed: true,
+    };
+    let (cluster, ctl) = supervised_by(
+        &store,
+        &dir,
+        "island",
+        3,
+        daemons,
+        &flags,
+        &args,
+        Vec::new(),
+    );
+    let relays = cluster.relays.as_ref().expect("relayed");
+    rank_pid(&cluster, &ctl, 1, 55);
+
+    // n2 (a candidate, and the first successor) is cut off from the leader and the spare.
+    relays.cut(1, &[0, 2]);
+    wait_for_event(&ctl, "island", "relaunch", 1, &cluster);
+    // n2 lost the leader too, but the leader renews its lease (it hears from n3): n2 must
+    // not take over. Its attempt takes the heartbeat timeout and a lease check; give it
+    // that, then heal.
+    std::thread::sleep(Duration::from_secs(5));
+    relays.heal();
+    wait_for_event(&ctl, "island", "completed", 1, &cluster);
+    println!("{}", ctl.expect(0, &["events", "island"]));
+    let timeline = events(&ctl, "island");
+    let kinds = kinds(&timeline);
+    assert!(!kinds.iter().any(|k| k == "elected"), "{kinds:?}");
+    assert!(timeline.iter().all(|e| e["epoch"] == 1), "{timeline:#?}");
+    let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();
+    assert!(
+        fault["detail"].as_str().unwrap().contains("node n2 lost"),
+        "{fault}"
+    );
+    let relaunch = timeline.iter().find(|e| e["kind"] == "relaunch").unwrap();
+    assert_eq!(
+        relaunch["nodes"],
+        serde_json::json!(["n1", "n3"]),
+        "{relaunch}"
+    );
+    assert_eq!(
+        cluster.metric(1, "lazarus_ckptd_leader_takeovers_total"),
+        0.0
+    );
+    assert_eq!(cluster.metric(1, "lazarus_ckptd_leader_epoch"), 1.0);
+    let stale: f64 = cluster.metric(
+        0,
+        "lazarus_ckptd_peer_messages_rejected_total{cause=\"stale_rank\"}",
+    );
+    println!("late reports of n2's ranks of the earlier world ignored by the leader: {stale}");
+    let epochs = commit_epochs(&dir, "island");
+    assert!(epochs.values().all(|e| *e == Some(1)), "{epochs:?}");
+    assert!(epochs.contains_key(&STEPS), "{epochs:?}");
+    ctl.expect(0, &["verify", "island", "--all", "--read-data"]);
+    assert_eq!(losses(&dir, "island"), expected, "bit for bit throughout");
 }
 
 #[test]

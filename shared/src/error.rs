@@ -27,6 +27,13 @@ pub enum StoreError {
     NotCommitted { run: RunId, step: String },
     #[error("run {run} step {step} is already committed; a committed step is never rewritten")]
     StepAlreadyCommitted { run: RunId, step: StepKey },
+    #[error("run {run}: the leader of epoch {epoch} was deposed by epoch {newer} ({node}); it no longer acts")]
+    Deposed {
+        run: RunId,
+        epoch: u64,
+        newer: u64,
+        node: String,
+    },
     #[error(
         "run {run} step {step} cannot be committed: shard manifests missing for ranks {missing:?}"
     )]

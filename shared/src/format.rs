@@ -456,6 +456,10 @@ pub struct CommitRecord {
     pub world_size: u32,
     pub created_unix_ms: u64,
     pub shards: Vec<ShardRef>,
+    /// The leadership epoch of the daemon that wrote it (absent: written by the trainer or
+    /// `ckptctl`, or before epochs existed).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leader_epoch: Option<u64>,
 }
 
 impl CommitRecord {
@@ -556,6 +560,56 @@ impl Object for RunInfo {
                 format!("chunk size {} is out of range", self.chunk_bytes),
             ));
         }
+        Ok(())
+    }
+}
+
+/// A leadership of a job's daemons. Stored create-only at `leaders/<epoch>.json`: whoever
+/// creates the record leads for that epoch, and an epoch is never reused.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaderRecord {
+    pub run: RunId,
+    pub epoch: u64,
+    pub node: String,
+    /// The leader's TCP address, where nodes link and `ckptctl status` asks.
+    pub address: String,
+    pub created_unix_ms: u64,
+}
+
+impl Object for LeaderRecord {
+    const KIND: &'static str = "leader";
+
+    fn validate(&self) -> Result<(), FormatError> {
+        if self.epoch == 0
+            || self.node.is_empty()
+            || self.address.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(invalid(
+                "leader record",
+                format!(
+                    "epoch {} of node {:?} at {:?}",
+                    self.epoch, self.node, self.address
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The leader's lease (`leaders/lease.json`, overwritten): `renewal` grows while the leader
+/// of `epoch` hears from most of its nodes. A candidate that sees it grow does not take over.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseRecord {
+    pub epoch: u64,
+    pub node: String,
+    pub renewal: u64,
+    pub unix_ms: u64,
+}
+
+impl Object for LeaseRecord {
+    const KIND: &'static str = "lease";
+
+    fn validate(&self) -> Result<(), FormatError> {
         Ok(())
     }
 }

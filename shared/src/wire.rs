@@ -172,6 +172,12 @@ pub struct NodeStatus {
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct ClusterStatus {
     pub leader: String,
+    /// The leader's epoch.
+    #[serde(default)]
+    pub epoch: u64,
+    /// Who takes over when the leader is lost, in order.
+    #[serde(default)]
+    pub succession: Vec<Successor>,
     pub nodes: Vec<NodeStatus>,
     pub runs: Vec<RunStatus>,
     /// When the leader supervises the world.
@@ -313,6 +319,16 @@ pub enum Message {
         /// The Unix socket this node's ranks use.
         socket: String,
         t0: Vec<T0Entry>,
+        /// The newest leadership epoch this node knows of: a leader with an older one is
+        /// deposed.
+        #[serde(default)]
+        epoch: u64,
+        /// This daemon may take over leadership (it has the supervision plan).
+        #[serde(default)]
+        candidate: bool,
+        /// The complete replicas (T1) this node holds for other nodes' ranks.
+        #[serde(default)]
+        replicas: Vec<ReplicaEntry>,
     },
     /// A registered rank's connection ended: the process exited or died.
     RankDown {
@@ -375,11 +391,35 @@ pub enum Message {
     EventsRequest,
 
     // ---- leader -> node ckptd ----
+    /// The first frame on a node's link, again when the order of succession changes, and
+    /// every heartbeat: this leader leads `epoch`; `succession` is who takes over, in order.
+    Leading {
+        epoch: u64,
+        node: String,
+        succession: Vec<Successor>,
+    },
+    /// The leader's heartbeat on a node's link (every 500 ms).
+    LeaderBeat {
+        epoch: u64,
+    },
+    /// A newly elected leader tells every node it knows (one-shot): link to `address`.
+    NewLeader {
+        epoch: u64,
+        node: String,
+        address: String,
+    },
+    /// Asked of a daemon that does not lead: who does, as far as it knows.
+    NotLeader {
+        epoch: u64,
+        leader: Option<String>,
+    },
     /// Every rank of `run` has `step` in T0 and T1; upload it if `durable`.
     MemoryCommitted {
         run: RunId,
         step: u64,
         durable: bool,
+        #[serde(default)]
+        epoch: u64,
     },
     StepChoice {
         memory: Option<u64>,
@@ -390,19 +430,27 @@ pub enum Message {
     /// From now on, replicate to this daemon (the supervisor pairs the active nodes).
     SetBuddy {
         address: Option<String>,
+        #[serde(default)]
+        epoch: u64,
     },
     /// The supervisor stops the world: kill this node's ranks of `run` now.
     KillRanks {
         run: RunId,
+        #[serde(default)]
+        epoch: u64,
     },
     /// The job is preempted: ask this node's ranks of `run` to checkpoint and exit (SIGTERM).
     StopRanks {
         run: RunId,
+        #[serde(default)]
+        epoch: u64,
     },
     /// Upload the T0 of `step` (the memory-committed step) if it is not durable yet.
     MakeDurable {
         run: RunId,
         step: u64,
+        #[serde(default)]
+        epoch: u64,
     },
     /// Upload the replica (T1) held here of `rank`'s `step` as that rank's shard: its node
     /// is lost and the world shrinks.
@@ -410,6 +458,8 @@ pub enum Message {
         run: RunId,
         rank: Rank,
         step: u64,
+        #[serde(default)]
+        epoch: u64,
     },
     Status(ClusterStatus),
     Events(Vec<Event>),
@@ -431,6 +481,9 @@ pub struct RankBeat {
     /// it: `T` stopped, `t` stopped by a tracer, `D` waiting on IO, `Z` a zombie.
     #[serde(default)]
     pub process_state: Option<char>,
+    /// Where this process's restore came from, once it restored a step.
+    #[serde(default)]
+    pub restored_from: Option<Tier>,
 }
 
 /// One entry of the supervisor's timeline.
@@ -443,6 +496,33 @@ pub struct Event {
     pub detail: String,
     /// Launch generation the event belongs to.
     pub generation: u32,
+    /// The world's nodes in rank order, on the events that start or adopt one.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub nodes: Vec<String>,
+    /// The leadership epoch of the leader that recorded it (0: before epochs).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub epoch: u64,
+}
+
+fn is_zero(value: &u64) -> bool {
+    *value == 0
+}
+
+/// A daemon in the order of succession.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Successor {
+    pub node: String,
+    pub address: String,
+}
+
+/// A complete replica a node holds: `rank`'s snapshot of `step`, sent by `from_node`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ReplicaEntry {
+    pub run: RunId,
+    pub rank: Rank,
+    pub world_size: u32,
+    pub step: u64,
+    pub from_node: String,
 }
 
 /// A rank's T0 content, as a node reports it to the leader.

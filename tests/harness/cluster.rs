@@ -12,7 +12,11 @@ use crate::{bin, free_port};
 #[derive(Debug)]
 pub struct Node {
     pub name: String,
+    /// The address it listens on (127.0.0.1, or its own loopback address behind a relay).
+    pub host: std::net::IpAddr,
     pub listen: u16,
+    /// Where the other daemons reach it (its listen address, or its relay).
+    pub advertise: String,
     pub metrics: u16,
     pub socket: PathBuf,
     pub shm: PathBuf,
@@ -31,6 +35,8 @@ pub struct Cluster {
     pub nodes: Vec<Node>,
     envs: Vec<(String, String)>,
     shm_root: PathBuf,
+    /// The relays between the daemons, when the test cuts the network.
+    pub relays: Option<crate::relay::Relays>,
 }
 
 /// Daemon settings a test may change.
@@ -41,6 +47,11 @@ pub struct Settings {
     pub extra: Vec<String>,
     /// Flags for the leader (node 1) only, e.g. `--supervise mpiexec`.
     pub leader_extra: Vec<String>,
+    /// Nodes after the first that may take over leadership: they get
+    /// `--leader-candidate` and the leader's flags too.
+    pub candidates: usize,
+    /// Daemons talk through fault-injecting relays (`crate::relay`).
+    pub relayed: bool,
 }
 
 impl Default for Settings {
@@ -50,6 +61,8 @@ impl Default for Settings {
             commit_timeout_seconds: 3.0,
             extra: Vec::new(),
             leader_extra: Vec::new(),
+            candidates: 0,
+            relayed: false,
         }
     }
 }
@@ -79,6 +92,27 @@ impl Cluster {
             free_port()
         ));
         let listens: Vec<u16> = (0..nodes).map(|_| free_port()).collect();
+        let hosts: Vec<std::net::IpAddr> = (0..nodes)
+            .map(|i| {
+                if settings.relayed {
+                    crate::relay::node_ip(i)
+                } else {
+                    std::net::IpAddr::from([127, 0, 0, 1])
+                }
+            })
+            .collect();
+        let relays = settings.relayed.then(|| {
+            let targets: Vec<std::net::SocketAddr> = (0..nodes)
+                .map(|i| std::net::SocketAddr::new(hosts[i], listens[i]))
+                .collect();
+            crate::relay::Relays::start(&targets)
+        });
+        let advertised: Vec<String> = (0..nodes)
+            .map(|i| match &relays {
+                Some(relays) => relays.addresses[i].to_string(),
+                None => format!("127.0.0.1:{}", listens[i]),
+            })
+            .collect();
         let mut cluster = Self {
             dir: dir.to_path_buf(),
             run: run.to_string(),
@@ -87,6 +121,7 @@ impl Cluster {
             nodes: Vec::new(),
             envs,
             shm_root: shm_root.clone(),
+            relays,
         };
         for (i, listen) in listens.iter().enumerate() {
             let name = format!("n{}", i + 1);
@@ -105,9 +140,11 @@ impl Cluster {
                 "--socket".into(),
                 socket.display().to_string(),
                 "--listen".into(),
-                format!("127.0.0.1:{listen}"),
+                format!("{}:{listen}", hosts[i]),
+                "--advertise".into(),
+                advertised[i].clone(),
                 "--leader".into(),
-                format!("127.0.0.1:{}", listens[0]),
+                advertised[0].clone(),
                 "--key-file".into(),
                 key_file.display().to_string(),
                 "--metrics".into(),
@@ -119,17 +156,22 @@ impl Cluster {
             ];
             if nodes > 1 {
                 args.push("--buddy".into());
-                args.push(format!("127.0.0.1:{}", listens[(i + 1) % nodes]));
+                args.push(advertised[(i + 1) % nodes].clone());
             }
             if i == 0 {
                 args.push("--lead".into());
+                args.extend(settings.leader_extra.iter().cloned());
+            } else if i <= settings.candidates {
+                args.push("--leader-candidate".into());
                 args.extend(settings.leader_extra.iter().cloned());
             }
             args.extend(settings.extra.iter().cloned());
             cluster.nodes.push(Node {
                 log: dir.join(format!("{name}.log")),
                 name,
+                host: hosts[i],
                 listen: *listen,
+                advertise: advertised[i].clone(),
                 metrics,
                 socket,
                 shm,
@@ -180,7 +222,7 @@ impl Cluster {
                 );
             }
             let up = std::os::unix::net::UnixStream::connect(&node.socket).is_ok()
-                && std::net::TcpStream::connect(("127.0.0.1", node.listen)).is_ok();
+                && std::net::TcpStream::connect((node.host, node.listen)).is_ok();
             if up {
                 break;
             }
@@ -226,7 +268,7 @@ impl Cluster {
     }
 
     pub fn leader(&self) -> String {
-        format!("127.0.0.1:{}", self.nodes[0].listen)
+        self.nodes[0].advertise.clone()
     }
 
     pub fn log(&self, i: usize) -> String {

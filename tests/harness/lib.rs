@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 pub mod cluster;
 pub mod deadline;
+pub mod relay;
 pub mod runbook;
 pub mod supervision;
 pub mod toy;

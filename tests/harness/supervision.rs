@@ -33,6 +33,40 @@ pub fn supervised_on(
     trainer_args: &[String],
     envs: Vec<(String, String)>,
 ) -> (Cluster, Ctl) {
+    supervised_by(
+        store,
+        dir,
+        run,
+        nodes,
+        Daemons::default(),
+        flags,
+        trainer_args,
+        envs,
+    )
+}
+
+/// How a supervised cluster's daemons are set up beyond the leader's flags.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Daemons {
+    /// Nodes after the first that may take over leadership.
+    pub candidates: usize,
+    /// The daemons talk through fault-injecting relays.
+    pub relayed: bool,
+}
+
+/// [`supervised_on`] with `daemons`: candidates after the first node (with the same
+/// supervision flags), relays between them.
+#[allow(clippy::too_many_arguments)]
+pub fn supervised_by(
+    store: &str,
+    dir: &Path,
+    run: &str,
+    nodes: usize,
+    daemons: Daemons,
+    flags: &[&str],
+    trainer_args: &[String],
+    envs: Vec<(String, String)>,
+) -> (Cluster, Ctl) {
     let mut leader_extra: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
     for arg in trainer_args {
         leader_extra.push(format!("--trainer-arg={arg}"));
@@ -40,6 +74,8 @@ pub fn supervised_on(
     let settings = Settings {
         durable_every_steps: 50,
         leader_extra,
+        candidates: daemons.candidates,
+        relayed: daemons.relayed,
         ..Settings::default()
     };
     let cluster = Cluster::start(dir, run, store, nodes, &settings, envs.clone());
@@ -118,6 +154,8 @@ pub struct Status<'a> {
     ctl: &'a Ctl,
     leader: String,
     key_file: PathBuf,
+    /// The run, so that `ckptctl` finds the leader in the store after a takeover.
+    run: Option<String>,
 }
 
 impl<'a> Status<'a> {
@@ -126,12 +164,15 @@ impl<'a> Status<'a> {
             ctl,
             leader: leader.to_string(),
             key_file: key_file.to_path_buf(),
+            run: None,
         }
     }
 
     /// The leader of `cluster`.
     pub fn of(cluster: &Cluster, ctl: &'a Ctl) -> Self {
-        Self::new(ctl, &cluster.leader(), &cluster.key_file)
+        let mut status = Self::new(ctl, &cluster.leader(), &cluster.key_file);
+        status.run = Some(cluster.run.clone());
+        status
     }
 
     fn args(&self, json: bool) -> Vec<&str> {
@@ -143,6 +184,9 @@ impl<'a> Status<'a> {
             "--key-file",
             self.key_file.to_str().expect("a UTF-8 path"),
         ]);
+        if let Some(run) = &self.run {
+            args.extend(["--run", run]);
+        }
         args
     }
 

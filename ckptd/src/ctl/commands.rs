@@ -74,7 +74,11 @@ pub async fn run(cli: Cli) -> Result<()> {
             gc(&cli, run, &policy, bars).await
         }
         Command::Index { action } => index(&cli, action, bars).await,
-        Command::Status { leader, key_file } => status(&cli, *leader, key_file).await,
+        Command::Status {
+            leader,
+            run,
+            key_file,
+        } => status(&cli, *leader, run.as_deref(), key_file).await,
         Command::Events { run } => events(&cli, run).await,
     }
 }
@@ -101,29 +105,143 @@ async fn events(cli: &Cli, run: &str) -> Result<()> {
             )
             .to_string(),
             event.generation.to_string(),
+            if event.epoch == 0 {
+                "-".to_string()
+            } else {
+                event.epoch.to_string()
+            },
             event.kind.clone(),
             took,
             event.detail.clone(),
         ]);
     }
-    output::table(&["TIME", "GEN", "EVENT", "AFTER PREVIOUS", "DETAIL"], &rows);
+    output::table(
+        &["TIME", "GEN", "EPOCH", "EVENT", "AFTER PREVIOUS", "DETAIL"],
+        &rows,
+    );
+    for line in takeovers(&events) {
+        say!("{line}");
+    }
     Ok(())
 }
 
-async fn status(cli: &Cli, leader: std::net::SocketAddr, key_file: &std::path::Path) -> Result<()> {
+/// One line per leader takeover: how long from the lost leader's last word to the election,
+/// and to the new leader's first act of supervision.
+fn takeovers(events: &[lazarus_shared::wire::Event]) -> Vec<String> {
+    let mut lines = Vec::new();
+    for (i, elected) in events.iter().enumerate() {
+        if elected.kind != "elected" {
+            continue;
+        }
+        let lost = events[..i]
+            .iter()
+            .rev()
+            .find(|e| e.kind == "leader_lost" && e.epoch == elected.epoch);
+        let Some(lost) = lost else {
+            continue;
+        };
+        let seconds = |e: &lazarus_shared::wire::Event| {
+            e.unix_ms.saturating_sub(lost.unix_ms) as f64 / 1000.0
+        };
+        let acted = events[i + 1..]
+            .iter()
+            .find(|e| e.epoch == elected.epoch && ["adopted", "fault"].contains(&e.kind.as_str()));
+        lines.push(format!(
+            "takeover to epoch {}: elected {:.2} s after the leader was last heard from{}",
+            elected.epoch,
+            seconds(elected),
+            acted.map_or(String::new(), |e| format!(
+                ", supervising again ({}) after {:.2} s",
+                e.kind,
+                seconds(e)
+            ))
+        ));
+    }
+    lines
+}
+
+/// Asks the leader for the job's status: at `--leader`, else (or when it does not lead or
+/// answer) where the run's newest leadership record in the store points.
+async fn status(
+    cli: &Cli,
+    leader: Option<std::net::SocketAddr>,
+    run: Option<&str>,
+    key_file: &std::path::Path,
+) -> Result<()> {
     use lazarus_shared::wire::{JobKey, Message};
     let key = JobKey::from_file(key_file).map_err(|e| UsageError(e.to_string()))?;
-    let reply = crate::daemon::framing::request(&key, leader, &Message::StatusRequest)
-        .await
-        .with_context(|| format!("asking the leader ckptd at {leader}"))?;
-    let Message::Status(status) = reply else {
-        bail!("the leader answered {reply:?}");
+    if leader.is_none() && run.is_none() {
+        return Err(UsageError(
+            "ckptctl status needs --leader ADDRESS or --run RUN (with --store)".into(),
+        )
+        .into());
+    }
+    let mut asked = Vec::new();
+    let mut next = leader;
+    let status = loop {
+        let address = match next.take() {
+            Some(address) => address,
+            None => {
+                let Some(run) = run else {
+                    bail!("the daemon at {} does not lead, and no --run was given to look the leader up in the store", asked.iter().map(|a: &std::net::SocketAddr| a.to_string()).collect::<Vec<_>>().join(", "));
+                };
+                let store = cli.open_store(OpenMode::Existing).await?;
+                let record = store
+                    .run(&run_id(run)?)
+                    .leadership()
+                    .await?
+                    .ok_or_else(|| {
+                        anyhow::anyhow!("run {run} has no leader record in the store")
+                    })?;
+                let address: std::net::SocketAddr = record.address.parse()?;
+                if asked.contains(&address) {
+                    bail!(
+                        "the leader of epoch {} ({address}) does not answer",
+                        record.epoch
+                    );
+                }
+                address
+            }
+        };
+        asked.push(address);
+        match crate::daemon::framing::request(&key, address, &Message::StatusRequest).await {
+            Ok(Message::Status(status)) => break status,
+            Ok(Message::NotLeader {
+                leader: Some(other),
+                ..
+            }) => {
+                let other: std::net::SocketAddr = other.parse()?;
+                if !asked.contains(&other) {
+                    next = Some(other);
+                }
+            }
+            Ok(other) => bail!("the daemon at {address} answered {other:?}"),
+            Err(error) if run.is_some() => {
+                tracing::warn!(%address, error = %format!("{error:#}"), "no answer; looking the leader up in the store");
+            }
+            Err(error) => {
+                return Err(error).with_context(|| format!("asking the leader ckptd at {address}"))
+            }
+        }
     };
     if cli.json {
         output::json(&status);
         return Ok(());
     }
-    say!("leader: {}", status.leader);
+    say!("leader: {} (epoch {})", status.leader, status.epoch);
+    say!(
+        "succession: {}",
+        if status.succession.is_empty() {
+            "none (no other daemon may lead)".to_string()
+        } else {
+            status
+                .succession
+                .iter()
+                .map(|s| s.node.clone())
+                .collect::<Vec<_>>()
+                .join(", ")
+        }
+    );
     if let Some(s) = &status.supervision {
         let list = |nodes: &[String]| {
             if nodes.is_empty() {
@@ -1218,4 +1336,43 @@ async fn index(cli: &Cli, action: &IndexAction, bars: bool) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use lazarus_shared::wire::Event;
+
+    fn event(unix_ms: u64, kind: &str, epoch: u64) -> Event {
+        Event {
+            unix_ms,
+            kind: kind.into(),
+            detail: String::new(),
+            generation: 0,
+            nodes: Vec::new(),
+            epoch,
+        }
+    }
+
+    #[test]
+    fn a_takeover_is_timed_from_the_lost_leaders_last_word() {
+        let events = vec![
+            event(1_000, "launch", 1),
+            event(5_000, "leader_lost", 2),
+            event(8_500, "elected", 2),
+            // The deposed leader's own record does not count as the new one acting.
+            event(8_600, "deposed", 1),
+            event(12_250, "fault", 2),
+            event(12_300, "relaunch", 2),
+        ];
+        assert_eq!(
+            super::takeovers(&events),
+            vec![
+                "takeover to epoch 2: elected 3.50 s after the leader was last heard from, \
+                 supervising again (fault) after 7.25 s"
+                    .to_string()
+            ]
+        );
+        // No `leader_lost` of the same epoch (a leader that started, not a takeover): no line.
+        assert!(super::takeovers(&[event(1, "elected", 3)]).is_empty());
+    }
 }

@@ -142,9 +142,14 @@ pub enum Command {
     Events { run: String },
     /// The running job as its leader ckptd sees it: nodes, ranks, memory and durable steps.
     Status {
-        /// The leader ckptd's TCP address.
+        /// The leader ckptd's TCP address (a daemon that no longer leads points to the one
+        /// that does).
         #[arg(long, env = "LAZARUS_LEADER")]
-        leader: std::net::SocketAddr,
+        leader: Option<std::net::SocketAddr>,
+        /// The run, to find its leader in the store (`--store`) when `--leader` is not given
+        /// or does not answer (after a takeover).
+        #[arg(long)]
+        run: Option<String>,
         /// The job key file the daemons use.
         #[arg(long, env = "LAZARUS_KEY_FILE")]
         key_file: PathBuf,

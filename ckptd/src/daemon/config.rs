@@ -47,12 +47,20 @@ pub struct Cli {
     /// TCP address for buddies, the leader and `ckptctl status`.
     #[arg(long)]
     pub listen: Option<SocketAddr>,
+    /// The address other daemons and `ckptctl` reach this one at (default: `listen`), when
+    /// they reach it through a relay or a NAT.
+    #[arg(long)]
+    pub advertise: Option<SocketAddr>,
     /// The leader's TCP address.
     #[arg(long)]
     pub leader: Option<SocketAddr>,
-    /// This daemon is the leader.
+    /// This daemon leads first.
     #[arg(long)]
     pub lead: bool,
+    /// This daemon takes over when the leader is lost (in the order of succession the
+    /// leader publishes). It needs the same supervision settings as the leader.
+    #[arg(long)]
+    pub leader_candidate: bool,
     /// The buddy node's TCP address: where this node's snapshots are replicated (T1).
     #[arg(long)]
     pub buddy: Option<SocketAddr>,
@@ -177,8 +185,10 @@ struct File {
     socket: Option<PathBuf>,
     socket_mode: Option<String>,
     listen: Option<SocketAddr>,
+    advertise: Option<SocketAddr>,
     leader: Option<SocketAddr>,
     lead: Option<bool>,
+    leader_candidate: Option<bool>,
     buddy: Option<SocketAddr>,
     key_file: Option<PathBuf>,
     metrics: Option<SocketAddr>,
@@ -215,8 +225,14 @@ pub struct Config {
     pub socket: PathBuf,
     pub socket_mode: u32,
     pub listen: SocketAddr,
+    /// Where the other daemons reach this one.
+    pub advertise: SocketAddr,
     pub leader: SocketAddr,
     pub lead: bool,
+    /// May take over leadership (`lead` daemons may too).
+    pub candidate: bool,
+    /// A daemon (node or leader) not heard from for this long is lost.
+    pub heartbeat_timeout_seconds: f64,
     pub buddy: Option<SocketAddr>,
     pub key_file: PathBuf,
     pub metrics: Option<SocketAddr>,
@@ -312,6 +328,7 @@ impl Config {
             .or(file.leader)
             .ok_or_else(|| missing("leader"))?;
         let lead = cli.lead || file.lead.unwrap_or(false);
+        let candidate = lead || cli.leader_candidate || file.leader_candidate.unwrap_or(false);
         let key_file = cli
             .key_file
             .clone()
@@ -363,12 +380,18 @@ impl Config {
             30.0,
             "straggler_seconds",
         )?;
+        let heartbeat_timeout_seconds = positive(
+            cli.heartbeat_timeout_seconds
+                .or(file.heartbeat_timeout_seconds),
+            2.0,
+            "heartbeat_timeout_seconds",
+        )?;
         let supervision = match cli.supervise.or(file.supervise) {
             None => None,
             Some(launcher) => {
-                if !lead {
+                if !candidate {
                     return Err(ConfigError(
-                        "supervise is for the leader: set lead = true on the daemon that supervises".into(),
+                        "supervise is for a daemon that may lead: set lead = true or leader_candidate = true".into(),
                     ));
                 }
                 let trainer = match cli.trainer.clone().or(file.trainer) {
@@ -413,12 +436,7 @@ impl Config {
                     trainer_args,
                     active_nodes,
                     ranks_per_node,
-                    heartbeat_timeout_seconds: positive(
-                        cli.heartbeat_timeout_seconds
-                            .or(file.heartbeat_timeout_seconds),
-                        2.0,
-                        "heartbeat_timeout_seconds",
-                    )?,
+                    heartbeat_timeout_seconds,
                     hang_timeout_seconds: positive(
                         cli.hang_timeout_seconds.or(file.hang_timeout_seconds),
                         120.0,
@@ -441,8 +459,11 @@ impl Config {
             socket,
             socket_mode,
             listen,
+            advertise: cli.advertise.or(file.advertise).unwrap_or(listen),
             leader,
             lead,
+            candidate,
+            heartbeat_timeout_seconds,
             buddy: cli.buddy.or(file.buddy),
             key_file,
             metrics: cli.metrics.or(file.metrics),
@@ -523,6 +544,28 @@ mod tests {
         let config = Config::resolve(&cli(&["--config", path.to_str().unwrap()])).unwrap();
         assert!(config.lead && config.buddy.is_some() && config.metrics.is_some());
         assert_eq!(config.log_format, LogFormat::Json);
+    }
+
+    #[test]
+    fn only_a_daemon_that_may_lead_supervises() {
+        let supervise = [
+            "--supervise",
+            "mpiexec",
+            "--active-nodes",
+            "2",
+            "--trainer-arg=train",
+        ];
+        let mut args: Vec<&str> = REQUIRED.to_vec();
+        args.extend_from_slice(&supervise);
+        let error = Config::resolve(&cli(&args)).unwrap_err().to_string();
+        assert!(error.contains("leader_candidate"), "{error}");
+        args.push("--leader-candidate");
+        let config = Config::resolve(&cli(&args)).unwrap();
+        assert!(config.candidate && !config.lead && config.supervision.is_some());
+        assert_eq!(
+            config.advertise, config.listen,
+            "advertised where it listens by default"
+        );
     }
 
     #[test]

@@ -5,22 +5,46 @@
 //! added: a peer gets `CONNECT_TIMEOUT` to accept and `FRAME_TIMEOUT` to send its next frame
 //! of a conversation, so a silent or stopped peer never holds a task forever.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use lazarus_shared::wire::{self, Frame, JobKey, Message};
 use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::TcpStream;
+use tokio::net::{TcpSocket, TcpStream};
 
 /// How long a peer may take to accept a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a peer may take to send the next frame of a conversation.
 pub const FRAME_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The address this daemon's connections leave from: the IP it listens on, when that is one
+/// address (a host with several networks talks to peers from the one it serves them on).
+static SOURCE_IP: std::sync::OnceLock<IpAddr> = std::sync::OnceLock::new();
+
+/// Connections to peers leave from `ip` from now on (unless it is unspecified).
+pub fn set_source_ip(ip: IpAddr) {
+    if !ip.is_unspecified() {
+        let _ = SOURCE_IP.set(ip);
+    }
+}
+
+/// A TCP connection to `to`, from the daemon's source IP when it has one.
+pub async fn dial(to: SocketAddr) -> std::io::Result<TcpStream> {
+    let Some(ip) = SOURCE_IP.get().filter(|ip| ip.is_ipv4() == to.is_ipv4()) else {
+        return TcpStream::connect(to).await;
+    };
+    let socket = match ip {
+        IpAddr::V4(_) => TcpSocket::new_v4()?,
+        IpAddr::V6(_) => TcpSocket::new_v6()?,
+    };
+    socket.bind(SocketAddr::new(*ip, 0))?;
+    socket.connect(to).await
+}
+
 /// Connects to `to` (`what` names it in errors), with Nagle's delay off.
 pub async fn connect(to: SocketAddr, what: &str) -> Result<TcpStream> {
-    let stream = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(to))
+    let stream = tokio::time::timeout(CONNECT_TIMEOUT, dial(to))
         .await
         .map_err(|_| anyhow!("{what} {to} did not accept within {CONNECT_TIMEOUT:?}"))?
         .with_context(|| format!("connecting to {what} {to}"))?;
@@ -37,14 +61,21 @@ pub async fn read(key: &JobKey, reader: &mut (impl AsyncRead + Unpin)) -> Result
     )
 }
 
-/// Sends one frame authenticated with `key`.
+/// Sends one frame authenticated with `key`, within `FRAME_TIMEOUT` (a peer behind a
+/// black-holed network stops reading, and a write would wait forever).
 pub async fn write(
     key: &JobKey,
     writer: &mut (impl AsyncWrite + Unpin),
     message: &Message,
     payload: &[u8],
 ) -> Result<()> {
-    Ok(wire::write_frame(writer, message, payload, Some(key)).await?)
+    tokio::time::timeout(
+        FRAME_TIMEOUT,
+        wire::write_frame(writer, message, payload, Some(key)),
+    )
+    .await
+    .map_err(|_| anyhow!("the peer took nothing for {FRAME_TIMEOUT:?}"))??;
+    Ok(())
 }
 
 /// One request to `to` and its answer, on a connection of their own.

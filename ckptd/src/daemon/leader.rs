@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 use lazarus_shared::store::{RestoreChoice, RunStore};
 use lazarus_shared::wire::{
-    self, ClusterStatus, Message, NodeStatus, RankStatus, RunStatus, T0Entry,
+    self, ClusterStatus, Message, NodeStatus, RankStatus, ReplicaEntry, RunStatus, Successor,
+    T0Entry,
 };
 use lazarus_shared::{Rank, RunId, StepKey};
 use tokio::net::TcpStream;
@@ -40,6 +41,8 @@ struct RankInfo {
     compute_us: u64,
     /// Its process state when neither running nor sleeping (`wire::RankBeat`).
     process_state: Option<char>,
+    /// Where its restore came from, once its node said.
+    restored_from: Option<wire::Tier>,
     /// Since when it has been slower than the median by more than the margin.
     slow_since: Option<Instant>,
     straggler: bool,
@@ -52,6 +55,8 @@ struct NodeInfo {
     socket: String,
     seen: Instant,
     connected: bool,
+    /// It may take over leadership.
+    candidate: bool,
     t0: Vec<T0Entry>,
     sender: mpsc::UnboundedSender<Message>,
 }
@@ -69,6 +74,8 @@ pub struct RankView {
     pub progressed_ago: Duration,
     /// Its process state when neither running nor sleeping (`wire::RankBeat`).
     pub process_state: Option<char>,
+    /// Where its restore came from, once its node said.
+    pub restored_from: Option<wire::Tier>,
 }
 
 /// What the supervisor sees of a node.
@@ -108,9 +115,18 @@ struct State {
     chosen: Option<Option<u64>>,
     /// Per rank, the daemon that received its newest replica (its node's buddy then).
     replica_holder: HashMap<Rank, String>,
+    /// Per rank, the newest replica step a node's hello listed, and that node's address.
+    replica_steps: HashMap<Rank, (u64, String)>,
     /// (generation, active, drained) while supervising.
     supervision: Option<(u32, Vec<String>, Vec<String>)>,
+    /// Who takes over, in order, and whether the nodes were told since it changed.
+    succession: Vec<Successor>,
+    succession_told: bool,
 }
+
+/// Most successors a leader names: enough for several losses in a row, and a `Leading`
+/// frame stays small however many nodes the job has.
+const SUCCESSORS_MAX: usize = 16;
 
 #[derive(Debug)]
 pub struct Leader {
@@ -126,6 +142,10 @@ pub struct Leader {
     durable: Arc<std::sync::Mutex<Option<StepKey>>>,
     /// Raised by SIGUSR1 (Slurm's warning before the time limit, or an operator).
     preempt: std::sync::atomic::AtomicBool,
+    /// The leadership epoch this leader holds.
+    epoch: u64,
+    /// Set once a newer epoch is known: from then on this leader does nothing.
+    deposed: std::sync::atomic::AtomicBool,
 }
 
 impl Leader {
@@ -135,6 +155,7 @@ impl Leader {
         run: RunStore,
         metrics: Arc<Metrics>,
         durable: Option<StepKey>,
+        epoch: u64,
     ) -> Self {
         Self {
             cfg,
@@ -153,23 +174,175 @@ impl Leader {
                 downs: Vec::new(),
                 chosen: None,
                 replica_holder: HashMap::new(),
+                replica_steps: HashMap::new(),
                 supervision: None,
+                succession: Vec::new(),
+                succession_told: true,
             }),
             events: Mutex::new((Vec::new(), 0)),
             events_unstored: Arc::default(),
             durable: Arc::new(std::sync::Mutex::new(durable)),
             preempt: std::sync::atomic::AtomicBool::new(false),
+            epoch,
+            deposed: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// From now on this leader does nothing: a newer epoch leads.
+    pub fn depose(&self) {
+        self.deposed
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn deposed(&self) -> bool {
+        self.deposed.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Whether most of the nodes this leader knows (drained ones aside) were heard from
+    /// within half the heartbeat timeout. With none known yet (a leader that just started),
+    /// yes. Half: nodes cut off together fall silent a heartbeat period apart, and the
+    /// first of them declared lost must not find the others still counted.
+    pub async fn has_quorum(&self) -> bool {
+        let timeout = Duration::from_secs_f64(self.cfg.heartbeat_timeout_seconds / 2.0);
+        let state = self.state.lock().await;
+        let drained: &[String] = state
+            .supervision
+            .as_ref()
+            .map_or(&[], |(_, _, drained)| drained.as_slice());
+        let nodes: Vec<&NodeInfo> = state
+            .nodes
+            .iter()
+            .filter(|(name, _)| !drained.contains(name))
+            .map(|(_, info)| info)
+            .collect();
+        let heard = nodes
+            .iter()
+            .filter(|n| n.connected && n.seen.elapsed() < timeout)
+            .count();
+        nodes.is_empty() || heard * 2 > nodes.len()
+    }
+
+    /// Recomputes the order of succession: the connected candidates other than this leader,
+    /// by node name, starting after this leader's name and wrapping around.
+    fn order_succession(&self, state: &mut State) {
+        let me = &self.cfg.node;
+        let mut candidates: Vec<Successor> = state
+            .nodes
+            .iter()
+            .filter(|(name, info)| info.connected && info.candidate && *name != me)
+            .map(|(name, info)| Successor {
+                node: name.clone(),
+                address: info.address.clone(),
+            })
+            .collect();
+        // BTreeMap order is by name; rotate to start after this leader.
+        let split = candidates.partition_point(|s| s.node < *me);
+        candidates.rotate_left(split);
+        candidates.truncate(SUCCESSORS_MAX);
+        if candidates != state.succession {
+            state.succession = candidates;
+            state.succession_told = false;
+        }
+    }
+
+    /// The node the supervised world put `rank` on (ranks are numbered node by node), while
+    /// supervising.
+    fn placed_on<'a>(&self, state: &'a State, rank: Rank) -> Option<&'a str> {
+        let per_node = self.cfg.supervision.as_ref()?.ranks_per_node.max(1);
+        let (_, active, _) = state.supervision.as_ref()?;
+        active.get(rank as usize / per_node).map(String::as_str)
+    }
+
+    /// Whether another daemon could take over (the order of succession names one).
+    pub async fn has_successors(&self) -> bool {
+        !self.state.lock().await.succession.is_empty()
+    }
+
+    fn leading(&self, state: &State) -> Message {
+        Message::Leading {
+            epoch: self.epoch,
+            node: self.cfg.node.clone(),
+            succession: state.succession.clone(),
+        }
+    }
+
+    /// Tells every node the order of succession when it changed (at most once per lease
+    /// interval, so that thousands of hellos cost one push each, not one per hello).
+    pub async fn publish_succession(&self) {
+        let mut state = self.state.lock().await;
+        if state.succession_told || self.deposed() {
+            return;
+        }
+        state.succession_told = true;
+        let leading = self.leading(&state);
+        for node in state.nodes.values().filter(|n| n.connected) {
+            let _ = node.sender.send(leading.clone());
         }
     }
 
     /// Records one event of the timeline: in memory and in the log now, and in the store in
     /// the background, so that a slow or hung store never holds up supervision.
     pub async fn record(&self, generation: u32, kind: &str, detail: String) -> wire::Event {
+        self.record_event(
+            lazarus_shared::store::now_unix_ms(),
+            generation,
+            kind,
+            detail,
+            Vec::new(),
+        )
+        .await
+    }
+
+    /// [`Leader::record`] of an event that happened at `unix_ms`, before it was recorded.
+    pub async fn record_at(
+        &self,
+        unix_ms: u64,
+        generation: u32,
+        kind: &str,
+        detail: String,
+    ) -> wire::Event {
+        self.record_event(unix_ms, generation, kind, detail, Vec::new())
+            .await
+    }
+
+    /// [`Leader::record`] of an event that starts or adopts a world on `nodes` (in rank
+    /// order), which a successor reads back to keep every rank on its node.
+    pub async fn record_world(
+        &self,
+        generation: u32,
+        kind: &str,
+        detail: String,
+        nodes: &[String],
+    ) -> wire::Event {
+        self.record_event(
+            lazarus_shared::store::now_unix_ms(),
+            generation,
+            kind,
+            detail,
+            nodes.to_vec(),
+        )
+        .await
+    }
+
+    async fn record_event(
+        &self,
+        unix_ms: u64,
+        generation: u32,
+        kind: &str,
+        detail: String,
+        nodes: Vec<String>,
+    ) -> wire::Event {
         let event = wire::Event {
-            unix_ms: lazarus_shared::store::now_unix_ms(),
+            unix_ms,
             kind: kind.to_string(),
             detail,
             generation,
+            nodes,
+            epoch: self.epoch,
         };
         tracing::info!(generation, kind, detail = %event.detail, "event");
         let sequence = {
@@ -255,6 +428,7 @@ impl Leader {
         self.push_all(Message::MakeDurable {
             run: self.cfg.run.clone(),
             step,
+            epoch: self.epoch,
         })
         .await;
     }
@@ -275,11 +449,14 @@ impl Leader {
             });
             match holder {
                 Some(node) => {
-                    let _ = node.sender.send(Message::UploadReplica {
-                        run: self.cfg.run.clone(),
-                        rank: *rank,
-                        step,
-                    });
+                    if !self.deposed() {
+                        let _ = node.sender.send(Message::UploadReplica {
+                            run: self.cfg.run.clone(),
+                            rank: *rank,
+                            step,
+                            epoch: self.epoch,
+                        });
+                    }
                 }
                 None => missing.push(*rank),
             }
@@ -308,6 +485,7 @@ impl Leader {
                 seen_ago: info.seen.elapsed(),
                 progressed_ago: info.progressed.elapsed(),
                 process_state: info.process_state,
+                restored_from: info.restored_from,
             })
             .collect();
         ranks.sort_by_key(|r| r.rank);
@@ -364,7 +542,12 @@ impl Leader {
             };
             if let Some(info) = state.nodes.get_mut(name) {
                 info.buddy = buddy.clone();
-                let _ = info.sender.send(Message::SetBuddy { address: buddy });
+                if !self.deposed() {
+                    let _ = info.sender.send(Message::SetBuddy {
+                        address: buddy,
+                        epoch: self.epoch,
+                    });
+                }
             }
         }
     }
@@ -373,6 +556,7 @@ impl Leader {
     pub async fn kill_all_ranks(&self) {
         self.push_all(Message::KillRanks {
             run: self.cfg.run.clone(),
+            epoch: self.epoch,
         })
         .await;
     }
@@ -381,11 +565,15 @@ impl Leader {
     pub async fn stop_all_ranks(&self) {
         self.push_all(Message::StopRanks {
             run: self.cfg.run.clone(),
+            epoch: self.epoch,
         })
         .await;
     }
 
     async fn push_all(&self, message: Message) {
+        if self.deposed() {
+            return;
+        }
         let state = self.state.lock().await;
         for node in state.nodes.values().filter(|n| n.connected) {
             let _ = node.sender.send(message.clone());
@@ -424,15 +612,30 @@ impl Leader {
             buddy,
             socket,
             t0,
+            epoch,
+            candidate,
+            replicas,
         } = hello
         else {
             bail!("expected a hello");
         };
+        if epoch > self.epoch {
+            // The node follows a newer leader: this one was deposed (the lease task steps
+            // it down).
+            self.depose();
+            bail!(
+                "node {node} knows epoch {epoch}, newer than this leader's {}",
+                self.epoch
+            );
+        }
+        if self.deposed() {
+            bail!("this leader was deposed");
+        }
         let (mut reader, mut writer) = stream.into_split();
         let (sender, mut outbox) = mpsc::unbounded_channel::<Message>();
-        {
+        let first = {
             let mut state = self.state.lock().await;
-            // A restarted leader learns the memory-committed step from what the nodes hold.
+            // A restarted or new leader learns the world from what the nodes hold.
             for entry in &t0 {
                 if entry.run == self.cfg.run && state.world_size == 0 {
                     state.world_size = entry.world_size;
@@ -441,21 +644,39 @@ impl Leader {
             state.nodes.insert(
                 node.clone(),
                 NodeInfo {
-                    address,
+                    address: address.clone(),
                     buddy,
                     socket,
                     seen: Instant::now(),
                     connected: true,
+                    candidate,
                     t0: t0.clone(),
                     sender,
                 },
             );
-            self.recover_memory_step(&mut state);
-        }
+            self.learn_from_hello(&mut state, &address, &t0, &replicas);
+            self.order_succession(&mut state);
+            self.leading(&state)
+        };
         tracing::info!(%node, %from, "node connected");
         let key = daemon.key.clone();
+        let epoch = self.epoch;
         let writer_task = tokio::spawn(async move {
-            while let Some(message) = outbox.recv().await {
+            if wire::write_frame(&mut writer, &first, &[], Some(&key))
+                .await
+                .is_err()
+            {
+                return;
+            }
+            let mut beat = tokio::time::interval(Duration::from_millis(500));
+            loop {
+                let message = tokio::select! {
+                    message = outbox.recv() => match message {
+                        Some(message) => message,
+                        None => return,
+                    },
+                    _ = beat.tick() => Message::LeaderBeat { epoch },
+                };
                 if wire::write_frame(&mut writer, &message, &[], Some(&key))
                     .await
                     .is_err()
@@ -469,41 +690,120 @@ impl Leader {
                 Ok(frame) => frame,
                 Err(error) => break Err(error.into()),
             };
+            if self.deposed() {
+                break Ok(());
+            }
             if let Err(error) = self.handle(&node, frame.message).await {
                 break Err(error);
             }
         };
         writer_task.abort();
-        if let Some(info) = self.state.lock().await.nodes.get_mut(&node) {
-            info.connected = false;
+        {
+            let mut state = self.state.lock().await;
+            if let Some(info) = state.nodes.get_mut(&node) {
+                info.connected = false;
+            }
+            self.order_succession(&mut state);
         }
         tracing::info!(%node, "node disconnected");
         result
     }
 
-    /// When every rank of the world reports the same T0 step, that step is memory-committed.
-    fn recover_memory_step(&self, state: &mut State) {
-        if state.world_size == 0 {
+    /// What a node's hello tells a leader that starts after another: each T0 step was
+    /// memory-committed, and each complete replica is a rank's snapshot that reached its
+    /// buddy. Both count as that rank's `Replicated` report, so a step every rank reached
+    /// is memory-committed again, and a lost node's ranks are found at their buddy.
+    fn learn_from_hello(
+        &self,
+        state: &mut State,
+        address: &str,
+        t0: &[T0Entry],
+        replicas: &[ReplicaEntry],
+    ) {
+        if state.supervision.is_some() {
+            // A world runs under this leader already: what a node held before (it was cut
+            // off, or restarted) belongs to an earlier world.
             return;
         }
-        let mut steps: HashMap<Rank, u64> = HashMap::new();
-        for node in state.nodes.values() {
-            for entry in &node.t0 {
-                if entry.run == self.cfg.run && entry.world_size == state.world_size {
-                    steps.insert(entry.rank, entry.step);
-                }
+        for entry in replicas.iter().filter(|e| e.run == self.cfg.run) {
+            let newer = state
+                .replica_steps
+                .get(&entry.rank)
+                .is_none_or(|(step, _)| *step <= entry.step);
+            if newer {
+                state
+                    .replica_steps
+                    .insert(entry.rank, (entry.step, address.to_string()));
+                state.replica_holder.insert(entry.rank, address.to_string());
             }
         }
-        if steps.len() == state.world_size as usize {
-            let first = *steps.values().next().expect("not empty");
-            if steps.values().all(|s| *s == first) && state.memory_step < Some(first) {
-                state.memory_step = Some(first);
-                self.metrics.memory_step.set(first as i64);
-                tracing::info!(
-                    step = first,
-                    "memory-committed step recovered from the nodes"
-                );
+        let evidence: Vec<(Rank, u32, u64)> = t0
+            .iter()
+            .filter(|e| e.run == self.cfg.run)
+            .map(|e| (e.rank, e.world_size, e.step))
+            .chain(
+                replicas
+                    .iter()
+                    .filter(|e| e.run == self.cfg.run)
+                    .map(|e| (e.rank, e.world_size, e.step)),
+            )
+            .collect();
+        for (rank, world_size, step) in evidence {
+            if state.memory_step.is_none_or(|m| m < step) {
+                self.replicated(state, rank, world_size, step, false);
             }
+        }
+    }
+
+    /// Counts `rank`'s snapshot of `step` as in T0 and T1; once every rank's is, the step is
+    /// memory-committed and the nodes are told (with whether to make it durable).
+    fn replicated(
+        &self,
+        state: &mut State,
+        rank: Rank,
+        world_size: u32,
+        step: u64,
+        durable_requested: bool,
+    ) {
+        if world_size != state.world_size {
+            return;
+        }
+        let entry = state.replicated.entry(step).or_default();
+        entry.0.insert(rank);
+        entry.1 |= durable_requested;
+        if entry.0.len() != world_size as usize {
+            return;
+        }
+        let requested = entry.1;
+        state.replicated = state.replicated.split_off(&(step + 1));
+        if state.memory_step.is_none_or(|m| m < step) {
+            state.memory_step = Some(step);
+        }
+        self.metrics.memory_step.set(step as i64);
+        // Durable when the step crosses a multiple of durable_every_steps since the last
+        // durable one, so a skipped snapshot at the multiple itself does not skip a durable
+        // step.
+        let every = self.cfg.durable_every_steps.max(1);
+        let durable = requested
+            || step / every > state.last_durable_step.unwrap_or(0) / every
+            || state.last_durable.elapsed().as_secs_f64() >= self.cfg.durable_every_seconds;
+        if durable {
+            state.last_durable = Instant::now();
+            state.last_durable_step = Some(step);
+            state.memory_at.insert(step, Instant::now());
+        }
+        tracing::debug!(step, durable, "memory-committed");
+        if self.deposed() {
+            return;
+        }
+        let push = Message::MemoryCommitted {
+            run: self.cfg.run.clone(),
+            step,
+            durable,
+            epoch: self.epoch,
+        };
+        for node in state.nodes.values() {
+            let _ = node.sender.send(push.clone());
         }
     }
 
@@ -521,6 +821,15 @@ impl Leader {
                 ..
             } => {
                 self.check_run(&run)?;
+                if let Some(placed) = self.placed_on(&state, rank) {
+                    if placed != node {
+                        // A rank of an earlier world, reported late (a node that was cut off
+                        // sends what it held when the cut heals): not this world's rank.
+                        self.metrics.rejected("stale_rank");
+                        tracing::warn!(rank, pid, %node, %placed, "ignored a rank of an earlier world");
+                        return Ok(());
+                    }
+                }
                 if state.world_size != world_size {
                     tracing::info!(old = state.world_size, new = world_size, "new world size");
                     state.world_size = world_size;
@@ -541,6 +850,7 @@ impl Leader {
                         done: false,
                         compute_us: 0,
                         process_state: None,
+                        restored_from: None,
                         slow_since: None,
                         straggler: false,
                     },
@@ -584,42 +894,20 @@ impl Leader {
                 if world_size != state.world_size {
                     return Ok(());
                 }
+                if self
+                    .placed_on(&state, rank)
+                    .is_some_and(|placed| placed != node)
+                {
+                    // A snapshot of an earlier world, reported late by a node that was cut
+                    // off: it must not count towards this world's commits.
+                    self.metrics.rejected("stale_rank");
+                    tracing::warn!(rank, step, %node, "ignored a snapshot of an earlier world");
+                    return Ok(());
+                }
                 if let Some(buddy) = state.nodes.get(node).and_then(|n| n.buddy.clone()) {
                     state.replica_holder.insert(rank, buddy);
                 }
-                let entry = state.replicated.entry(step).or_default();
-                entry.0.insert(rank);
-                entry.1 |= durable_requested;
-                if entry.0.len() == world_size as usize {
-                    let requested = entry.1;
-                    state.replicated = state.replicated.split_off(&(step + 1));
-                    if state.memory_step.is_none_or(|m| m < step) {
-                        state.memory_step = Some(step);
-                    }
-                    self.metrics.memory_step.set(step as i64);
-                    // Durable when the step crosses a multiple of durable_every_steps since
-                    // the last durable one, so a skipped snapshot at the multiple itself
-                    // does not skip a durable step.
-                    let every = self.cfg.durable_every_steps.max(1);
-                    let durable = requested
-                        || step / every > state.last_durable_step.unwrap_or(0) / every
-                        || state.last_durable.elapsed().as_secs_f64()
-                            >= self.cfg.durable_every_seconds;
-                    if durable {
-                        state.last_durable = Instant::now();
-                        state.last_durable_step = Some(step);
-                        state.memory_at.insert(step, Instant::now());
-                    }
-                    tracing::debug!(step, durable, "memory-committed");
-                    let push = Message::MemoryCommitted {
-                        run: self.cfg.run.clone(),
-                        step,
-                        durable,
-                    };
-                    for node in state.nodes.values() {
-                        let _ = node.sender.send(push.clone());
-                    }
-                }
+                self.replicated(&mut state, rank, world_size, step, durable_requested);
             }
             Message::Stored {
                 run,
@@ -640,9 +928,10 @@ impl Leader {
                     let run = self.run.clone();
                     let metrics = self.metrics.clone();
                     let durable = self.durable.clone();
+                    let epoch = self.epoch;
                     // The commit record goes out without holding the state.
                     tokio::spawn(async move {
-                        match run.commit(step, world_size).await {
+                        match run.commit_as_leader(step, world_size, epoch).await {
                             Ok(_) => {
                                 let mut known = durable.lock().unwrap_or_else(|e| e.into_inner());
                                 if *known < Some(step) {
@@ -685,6 +974,9 @@ impl Leader {
                             info.compute_us = beat.compute_us;
                         }
                         info.process_state = beat.process_state;
+                        if beat.restored_from.is_some() {
+                            info.restored_from = beat.restored_from;
+                        }
                     }
                 }
                 self.find_stragglers(&mut state);
@@ -796,6 +1088,8 @@ impl Leader {
         ranks.sort_by_key(|r| r.rank);
         ClusterStatus {
             leader: self.cfg.node.clone(),
+            epoch: self.epoch,
+            succession: state.succession.clone(),
             nodes: state
                 .nodes
                 .iter()

@@ -46,6 +46,8 @@ pub struct Metrics {
     pub spare_nodes: Gauge,
     pub faults: Counter,
     pub leader: Gauge,
+    pub leader_epoch: Gauge,
+    pub takeovers: Counter,
     pub supervising: Gauge,
 }
 
@@ -75,6 +77,8 @@ impl Metrics {
             spare_nodes: Gauge::default(),
             faults: Counter::default(),
             leader: Gauge::default(),
+            leader_epoch: Gauge::default(),
+            takeovers: Counter::default(),
             supervising: Gauge::default(),
             registry: Registry::default(),
         };
@@ -152,8 +156,18 @@ impl Metrics {
         );
         registry.register(
             "leader",
-            "1 on the leader daemon (lead = true), else 0",
+            "1 on the daemon that leads now, else 0",
             m.leader.clone(),
+        );
+        registry.register(
+            "leader_epoch",
+            "The newest leadership epoch this daemon knows of",
+            m.leader_epoch.clone(),
+        );
+        registry.register(
+            "leader_takeovers",
+            "Times this daemon took over leadership from a lost leader",
+            m.takeovers.clone(),
         );
         registry.register(
             "supervising",

@@ -15,6 +15,7 @@
 
 pub mod config;
 pub mod crash;
+pub mod election;
 pub mod framing;
 pub mod leader;
 pub mod local;
@@ -59,15 +60,41 @@ pub struct Daemon {
     /// Serialises writes of buddy replicas.
     pub replicas: Mutex<()>,
     pub to_leader: mpsc::UnboundedSender<Message>,
+    /// The leadership this daemon follows (or holds): the newest epoch it knows of.
+    pub leadership: tokio::sync::watch::Sender<election::Leadership>,
+    /// When a frame last came from the leader over this node's link.
+    pub last_from_leader: std::sync::Mutex<std::time::Instant>,
+    /// How supervision ended, for a daemon that exits when it is done.
+    pub done: mpsc::Sender<supervisor::Ending>,
     /// Where snapshots are replicated: the configured buddy, until the supervisor pairs
     /// the nodes otherwise.
     pub buddy: std::sync::Mutex<Option<std::net::SocketAddr>>,
-    pub leader: Option<Arc<leader::Leader>>,
+    /// The leader's books, while this daemon leads.
+    pub leader: std::sync::RwLock<Option<Arc<leader::Leader>>>,
     pub metrics: Arc<Metrics>,
     /// Pids of local ranks whose exit a thread of their own is waiting for (`local::watch_exit`).
     pub exit_watched: std::sync::Mutex<std::collections::HashSet<u32>>,
     /// Sends a heartbeat to the leader now (a rank's restored and first steps).
     pub heartbeat_now: tokio::sync::Notify,
+}
+
+impl Daemon {
+    /// The leader's books, while this daemon leads.
+    pub fn leader(&self) -> Option<Arc<leader::Leader>> {
+        self.leader.read().expect("not poisoned").clone()
+    }
+
+    pub fn heard_from_leader(&self) {
+        *self.last_from_leader.lock().expect("not poisoned") = std::time::Instant::now();
+    }
+
+    /// How long the leader has been silent on this node's link.
+    pub fn silent_for(&self) -> std::time::Duration {
+        self.last_from_leader
+            .lock()
+            .expect("not poisoned")
+            .elapsed()
+    }
 }
 
 /// Exit codes: 0 stopped by a signal, 1 a runtime failure, 2 bad configuration.
@@ -122,6 +149,7 @@ fn init_logging(format: LogFormat) {
 /// Runs the daemon until SIGTERM or SIGINT.
 pub async fn run(cfg: Config) -> Result<()> {
     let key = JobKey::from_file(&cfg.key_file)?;
+    framing::set_source_ip(cfg.listen.ip());
     std::fs::create_dir_all(&cfg.shm_dir).map_err(|e| {
         ConfigError(format!(
             "cannot create shm_dir {}: {e}",
@@ -146,35 +174,25 @@ pub async fn run(cfg: Config) -> Result<()> {
         tracing::info!(%bound, "metrics at /metrics");
     }
     let (to_leader, from_node) = mpsc::unbounded_channel();
-    let mut durable = None;
-    if cfg.lead {
-        metrics.leader.set(1);
-        metrics
-            .supervising
-            .set(i64::from(cfg.supervision.is_some()));
-        // The age of the newest durable step counts from its commit record, or from now.
-        durable = run.latest().await.ok().flatten();
-        let newest = match durable {
-            Some(step) => run.load_commit(step).await.ok().map(|c| c.created_unix_ms),
-            None => None,
-        };
-        let since = newest.unwrap_or_else(lazarus_shared::store::now_unix_ms);
-        metrics.durable_commit_timestamp.set(since as f64 / 1e3);
-    }
+    // A leader claims its epoch before it opens its ports.
+    let start = election::start(&cfg, &run).await?;
     // The sockets are bound last: once they accept, the daemon is ready (a leader has read
     // the store above), which is what nodes, ranks and operators take a connection to mean.
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
     let unix = local::bind_socket(&cfg)?;
-    let leader = cfg.lead.then(|| {
-        Arc::new(leader::Leader::new(
-            cfg.clone(),
-            run.clone(),
-            metrics.clone(),
-            durable,
-        ))
-    });
+    let following = match &start {
+        election::Start::Follow(leadership) => leadership.clone(),
+        election::Start::Lead(epoch) => election::Leadership {
+            epoch: *epoch,
+            node: cfg.node.clone(),
+            address: cfg.advertise,
+            succession: Vec::new(),
+        },
+    };
+    metrics.leader_epoch.set(following.epoch as i64);
+    let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
     let daemon = Arc::new(Daemon {
         ranks: Mutex::new(local::load_ranks(&cfg)),
         replicas: Mutex::new(()),
@@ -183,7 +201,10 @@ pub async fn run(cfg: Config) -> Result<()> {
         key,
         run,
         to_leader,
-        leader,
+        leadership: tokio::sync::watch::Sender::new(following),
+        last_from_leader: std::sync::Mutex::new(std::time::Instant::now()),
+        done: done_tx,
+        leader: std::sync::RwLock::new(None),
         metrics,
         exit_watched: Default::default(),
         heartbeat_now: tokio::sync::Notify::new(),
@@ -195,37 +216,39 @@ pub async fn run(cfg: Config) -> Result<()> {
         node = %daemon.cfg.node,
         run = %daemon.cfg.run,
         listen = %daemon.cfg.listen,
-        leader = %daemon.cfg.leader,
-        lead = daemon.cfg.lead,
+        leader = %daemon.leadership.borrow().address,
+        epoch = daemon.leadership.borrow().epoch,
+        leads = daemon.leader().is_some(),
         socket = %daemon.cfg.socket.display(),
         "ckptd ready"
     );
     tokio::spawn(peer::serve(daemon.clone(), listener));
     tokio::spawn(local::serve(daemon.clone(), unix));
+    // A leader's books exist before its own node links to it.
+    if let election::Start::Lead(epoch) = start {
+        election::lead(&daemon, epoch, None).await;
+    }
     tokio::spawn(uplink::link(daemon.clone(), from_node));
     tokio::spawn(pipeline::expire_pending(daemon.clone()));
-    let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
-    if let (Some(plan), Some(leader)) = (daemon.cfg.supervision.clone(), daemon.leader.clone()) {
-        tracing::info!(launcher = ?plan.launcher, active_nodes = plan.active_nodes, "supervising the training world");
-        let exit_when_done = plan.exit_when_done;
-        let supervisor = tokio::spawn(supervisor::supervise(daemon.clone(), leader.clone(), plan));
-        tokio::spawn(async move {
-            if let Ok(ending) = supervisor.await {
-                if exit_when_done {
-                    let _ = done_tx.send(ending).await;
-                }
-            }
-        });
-        // SIGUSR1 (Slurm's warning before the time limit, or an operator): checkpoint and stop.
+    tokio::spawn(election::watch(daemon.clone()));
+    if daemon.cfg.supervision.is_some() {
+        // SIGUSR1 (Slurm's warning before the time limit, or an operator): checkpoint and
+        // stop, when this daemon leads.
         let mut usr1 =
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())
                 .context("installing the SIGUSR1 handler")?;
+        let daemon = daemon.clone();
         tokio::spawn(async move {
             while usr1.recv().await.is_some() {
-                tracing::warn!(
-                    "SIGUSR1: preempting the run (last snapshot made durable, then stop)"
-                );
-                leader.request_preemption();
+                match daemon.leader() {
+                    Some(leader) => {
+                        tracing::warn!(
+                            "SIGUSR1: preempting the run (last snapshot made durable, then stop)"
+                        );
+                        leader.request_preemption();
+                    }
+                    None => tracing::warn!("SIGUSR1 ignored: this daemon does not lead"),
+                }
             }
         });
     }
@@ -248,10 +271,7 @@ pub async fn run(cfg: Config) -> Result<()> {
             .await
             .values()
             .any(|s| s.uploading.is_some() || s.working.is_some())
-            && daemon
-                .leader
-                .as_ref()
-                .is_none_or(|l| l.events_unstored() == 0)
+            && daemon.leader().is_none_or(|l| l.events_unstored() == 0)
         {
             break;
         }

@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 use lazarus_shared::wire::{self, Message, WireError};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -99,41 +99,79 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             }
             replica::send(daemon, &mut stream, rank, step).await
         }
-        Message::NodeHello { .. } => match &daemon.leader {
+        Message::NodeHello { .. } => match daemon.leader() {
             Some(leader) => {
                 leader
-                    .clone()
                     .node_session(daemon, stream, first.message, from)
                     .await
             }
-            None => bail!("a node said hello, but this daemon is not the leader"),
+            None => {
+                framing::write(&daemon.key, &mut stream, &not_leader(daemon), &[]).await?;
+                bail!("a node said hello, but this daemon does not lead")
+            }
         },
+        Message::NewLeader {
+            epoch,
+            node,
+            address,
+        } => {
+            let known = daemon.leadership.borrow().epoch;
+            if epoch <= known {
+                daemon.metrics.rejected("stale_epoch");
+                bail!("{node} announced epoch {epoch}, but this daemon knows epoch {known}");
+            }
+            if let Some(leader) = daemon.leader() {
+                // This daemon led an older epoch: its lease task steps it down.
+                leader.depose();
+            }
+            let record = lazarus_shared::format::LeaderRecord {
+                run: daemon.cfg.run.clone(),
+                epoch,
+                node,
+                address,
+                created_unix_ms: 0,
+            };
+            super::election::follow(daemon, &record);
+            let ack = Message::Ack {
+                ok: true,
+                reason: String::new(),
+            };
+            framing::write(&daemon.key, &mut stream, &ack, &[]).await
+        }
         Message::WhichStep {
             run,
             world_size,
             rank,
         } => {
-            let reply = leader_of(daemon, "which step")?
-                .which_step(&run, world_size, rank)
-                .await?;
+            let reply = match daemon.leader() {
+                Some(leader) => leader.which_step(&run, world_size, rank).await?,
+                None => not_leader(daemon),
+            };
             framing::write(&daemon.key, &mut stream, &reply, &[]).await
         }
         Message::EventsRequest => {
-            let reply = Message::Events(leader_of(daemon, "events")?.events().await);
+            let reply = match daemon.leader() {
+                Some(leader) => Message::Events(leader.events().await),
+                None => not_leader(daemon),
+            };
             framing::write(&daemon.key, &mut stream, &reply, &[]).await
         }
         Message::StatusRequest => {
-            let reply = Message::Status(leader_of(daemon, "status")?.status().await);
+            let reply = match daemon.leader() {
+                Some(leader) => Message::Status(leader.status().await),
+                None => not_leader(daemon),
+            };
             framing::write(&daemon.key, &mut stream, &reply, &[]).await
         }
         other => bail!("unexpected first message {other:?}"),
     }
 }
 
-/// This daemon's leader role, for a request only the leader answers.
-fn leader_of<'a>(daemon: &'a Daemon, asked: &str) -> Result<&'a Arc<super::leader::Leader>> {
-    daemon
-        .leader
-        .as_ref()
-        .ok_or_else(|| anyhow!("asked for {asked}, but this daemon is not the leader"))
+/// The answer of a daemon that does not lead to a question for the leader: who does.
+fn not_leader(daemon: &Daemon) -> Message {
+    let leadership = daemon.leadership.borrow();
+    Message::NotLeader {
+        epoch: leadership.epoch,
+        leader: Some(leadership.address.to_string()),
+    }
 }

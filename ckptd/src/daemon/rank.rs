@@ -97,6 +97,8 @@ pub struct RankState {
     /// Step changes still to tell the leader at once rather than with the next heartbeat:
     /// a (re)registered rank's restored step and its first step, which time a recovery.
     pub early_beats: u8,
+    /// Where this process's restore came from (`None`: fresh, or not restored yet).
+    pub restored_from: Option<lazarus_shared::wire::Tier>,
 }
 
 /// The answer to a snapshot hand-over.
@@ -157,6 +159,7 @@ impl RankState {
             last_seen: Instant::now(),
             compute_us: 0,
             early_beats: 0,
+            restored_from: None,
         }
     }
 
@@ -217,6 +220,7 @@ impl RankState {
         self.stored = None;
         self.last_step = 0;
         self.early_beats = EARLY_BEATS;
+        self.restored_from = None;
         self.persist()
     }
 

@@ -361,3 +361,39 @@ pub async fn fetch(
         blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
     ))
 }
+
+/// Every complete replica held here, for the node's hello: a new leader learns from them
+/// which steps the lost nodes' ranks reached, and where their replicas are.
+pub async fn all_held(daemon: &Daemon) -> Vec<wire::ReplicaEntry> {
+    let root = daemon
+        .cfg
+        .shm_dir
+        .join(daemon.cfg.run.as_str())
+        .join("replicas");
+    tokio::task::spawn_blocking(move || {
+        let mut entries = Vec::new();
+        for rank_dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            for step_dir in std::fs::read_dir(rank_dir.path())
+                .into_iter()
+                .flatten()
+                .flatten()
+            {
+                let Ok(bytes) = std::fs::read(step_dir.path().join("meta.json")) else {
+                    continue;
+                };
+                if let Ok(meta) = serde_json::from_slice::<ReplicaMeta>(&bytes) {
+                    entries.push(wire::ReplicaEntry {
+                        run: meta.run,
+                        rank: meta.rank,
+                        world_size: meta.world_size,
+                        step: meta.step,
+                        from_node: meta.from_node,
+                    });
+                }
+            }
+        }
+        entries
+    })
+    .await
+    .unwrap_or_default()
+}

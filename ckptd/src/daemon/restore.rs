@@ -22,11 +22,13 @@ use super::slots::{chunk_count, read_chunk, verify_slot, SlotFile};
 use super::{replica, Daemon};
 
 /// The steps a world of this rank's size could restore: the leader's newest memory-committed
-/// step, and the newest durable one. Waits first for the previous life's snapshot to be
-/// replicated and reported, so its memory commit can still count. A durable upload in
-/// flight is not waited for: it holds its own slot, and the memory step is newer.
+/// step, and the newest durable one. Waits first (up to 10 s) for the previous life's
+/// snapshot to be replicated and reported, so its memory commit can still count; a
+/// replication that takes longer is going to a buddy that is gone or cut off, and its step
+/// would not be committed anyway. A durable upload in flight is not waited for: it holds
+/// its own slot, and the memory step is newer.
 pub async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Option<StepKey>)> {
-    let deadline = Instant::now() + Duration::from_secs(120);
+    let deadline = Instant::now() + Duration::from_secs(10);
     let world_size = loop {
         {
             let ranks = daemon.ranks.lock().await;
@@ -168,6 +170,7 @@ async fn install(
         .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
     let found = snap.is_some();
     state.install(snap)?;
+    state.restored_from = found.then_some(tier);
     if found {
         return Ok(served(daemon, state, tier));
     }

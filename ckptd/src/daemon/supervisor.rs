@@ -29,6 +29,8 @@ const TICK: Duration = Duration::from_millis(50);
 #[derive(Debug)]
 enum Outcome {
     Completed,
+    /// A newer leader took over: this one leaves the world alone.
+    Deposed,
     /// SIGUSR1: the ranks checkpointed and exited.
     Preempted,
     Fault {
@@ -43,6 +45,8 @@ enum Outcome {
 pub enum Ending {
     Completed,
     Preempted,
+    /// Another daemon leads now.
+    Deposed,
 }
 
 /// What a leader that starts with the run's timeline already written finds.
@@ -54,9 +58,24 @@ enum Found {
     Nothing,
 }
 
-pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervision) -> Ending {
+/// Supervises the world while this daemon leads (`took_over`: after another leader was
+/// lost, whose world may still run).
+pub async fn supervise(
+    daemon: Arc<Daemon>,
+    leader: Arc<Leader>,
+    plan: Supervision,
+    took_over: bool,
+) -> Ending {
     let run = daemon.cfg.run.as_str();
     let history = leader.stored_events().await;
+    // The last world's nodes in rank order: a successor keeps each rank on its node, and a
+    // spare takes a lost node's place.
+    let previous: Vec<String> = history
+        .iter()
+        .rev()
+        .find(|e| !e.nodes.is_empty())
+        .map(|e| e.nodes.clone())
+        .unwrap_or_default();
     let mut generation = history.iter().map(|e| e.generation).max().unwrap_or(0);
     // Nodes drained by an earlier leader stay out until Slurm says they are back.
     let mut drained: Vec<String> = history
@@ -70,8 +89,16 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
     let mut adopted = None;
     if !history.is_empty() {
         // A restarted leader (or a requeued job): a world may still be running.
-        match adopt(&leader, &plan).await {
-            Found::World(nodes) => adopted = Some(nodes),
+        match adopt(&leader, &plan, took_over).await {
+            Found::World(mut nodes) => {
+                let mut sorted = (nodes.clone(), previous.clone());
+                sorted.0.sort();
+                sorted.1.sort();
+                if sorted.0 == sorted.1 {
+                    nodes = previous.clone();
+                }
+                adopted = Some(nodes)
+            }
             Found::Partial(detail) => {
                 leader.record(generation, "fault", detail).await;
                 stop(&leader, None, &plan, run).await;
@@ -84,29 +111,42 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
                     .await;
                 leader.forget_ranks().await;
                 generation += 1;
+                active = previous.clone();
             }
-            Found::Nothing => generation += 1,
+            Found::Nothing => {
+                generation += 1;
+                active = previous.clone();
+            }
         }
     }
     loop {
+        if leader.deposed() {
+            return Ending::Deposed;
+        }
         let mut child = None;
         if let Some(nodes) = adopted.take() {
             active = nodes;
             leader.set_supervision(generation, &active, &drained).await;
             leader
-                .record(
+                .record_world(
                     generation,
                     "adopted",
                     format!(
-                        "the world on {} kept running; this leader supervises it",
-                        active.join(",")
+                        "the world on {} kept running; this leader (epoch {}{}) supervises it",
+                        active.join(","),
+                        leader.epoch(),
+                        if took_over { ", after a takeover" } else { "" }
                     ),
+                    &active,
                 )
                 .await;
         } else {
             let Some(nodes) =
                 wait_for_nodes(&leader, &plan, &mut target, active, &drained, generation).await
             else {
+                if leader.deposed() {
+                    return Ending::Deposed;
+                }
                 let detail = finish(&leader).await;
                 leader.record(generation, "preempted", detail).await;
                 return Ending::Preempted;
@@ -126,7 +166,7 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
                 }
             }
             leader
-                .record(
+                .record_world(
                     generation,
                     if generation == 0 {
                         "launch"
@@ -142,11 +182,16 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
                         active.join(","),
                         child.as_ref().and_then(Child::id).unwrap_or(0)
                     ),
+                    &active,
                 )
                 .await;
         }
         let outcome = watch(&leader, child.as_mut(), &plan, &active, generation).await;
         match outcome {
+            Outcome::Deposed => {
+                // The world (and its launcher, not killed on drop) is the new leader's now.
+                return Ending::Deposed;
+            }
             Outcome::Completed | Outcome::Preempted => {
                 let (kind, ending) = match outcome {
                     Outcome::Completed => ("completed", Ending::Completed),
@@ -173,7 +218,6 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
                     .await;
                 if let Some(lost) = lost_node {
                     let (ranks, nodes) = leader.view().await;
-                    active.retain(|n| *n != lost);
                     // Under Slurm the node stays out until an operator resumes it; without
                     // Slurm, it may serve again once its daemon is back.
                     if drain(&plan, &lost).await {
@@ -206,7 +250,7 @@ pub async fn supervise(daemon: Arc<Daemon>, leader: Arc<Leader>, plan: Supervisi
 
 /// Waits (a few heartbeats) for the ranks of a world that kept running while no leader was
 /// there: the nodes' hellos list them, and each rank re-registers with its restarted daemon.
-async fn adopt(leader: &Leader, plan: &Supervision) -> Found {
+async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
     let grace = Duration::from_secs_f64((2.0 * plan.heartbeat_timeout_seconds).max(3.0));
     let started = Instant::now();
     loop {
@@ -228,7 +272,12 @@ async fn adopt(leader: &Leader, plan: &Supervision) -> Found {
             }
             let names: Vec<String> = live.iter().map(|r| r.rank.to_string()).collect();
             return Found::Partial(format!(
-                "after the leader restarted, only ranks {} of {world} came back",
+                "after the leader {}, only ranks {} of {world} came back",
+                if took_over {
+                    "was replaced"
+                } else {
+                    "restarted"
+                },
                 names.join(",")
             ));
         }
@@ -314,24 +363,27 @@ async fn finish(leader: &Leader) -> String {
     }
 }
 
-/// Keeps the healthy active nodes and fills up to `target` with spares (connected nodes
-/// neither active nor drained). With none left it waits, or under the shrink policy lowers
-/// `target` to the healthy nodes it has. `None`: preempted while waiting.
+/// Keeps the healthy active nodes in their places and fills the places of lost ones, then up
+/// to `target`, with spares (connected nodes neither active nor drained), so every rank of a
+/// healthy node stays on it and a spare takes a lost node's ranks. With no spare left it
+/// waits, or under the shrink policy lowers `target` to the healthy nodes it has. `None`:
+/// preempted (or deposed) while waiting.
 async fn wait_for_nodes(
     leader: &Leader,
     plan: &Supervision,
     target: &mut usize,
-    mut active: Vec<String>,
+    active: Vec<String>,
     drained: &[String],
     generation: u32,
 ) -> Option<Vec<String>> {
+    let mut places: Vec<Option<String>> = active.iter().cloned().map(Some).collect();
     let mut said_waiting = false;
     let mut drained = drained.to_vec();
     // Nodes that join a world that lost some are swaps; a first world just starts.
     let replacing = !active.is_empty();
     let mut checked = Instant::now();
     loop {
-        if leader.preempting() {
+        if leader.preempting() || leader.deposed() {
             return None;
         }
         // A drained node an operator resumed in Slurm may serve again.
@@ -347,12 +399,28 @@ async fn wait_for_nodes(
         }
         let (_, nodes) = leader.view().await;
         let healthy = |name: &str| nodes.iter().any(|n| n.node == name && alive(n, plan));
-        active.retain(|n| healthy(n));
-        for node in &nodes {
-            if active.len() >= *target {
-                break;
+        for place in places.iter_mut() {
+            if place
+                .as_ref()
+                .is_some_and(|n| !healthy(n) || drained.contains(n))
+            {
+                *place = None;
             }
-            if alive(node, plan) && !active.contains(&node.node) && !drained.contains(&node.node) {
+        }
+        // Places beyond the target (it was lowered) go, empty ones first.
+        while places.len() > *target {
+            match places.iter().rposition(Option::is_none) {
+                Some(empty) => places.remove(empty),
+                None => places.pop().flatten(),
+            };
+        }
+        places.resize(*target, None);
+        for node in &nodes {
+            let Some(empty) = places.iter().position(Option::is_none) else {
+                break;
+            };
+            let placed = places.iter().flatten().any(|n| *n == node.node);
+            if alive(node, plan) && !placed && !drained.contains(&node.node) {
                 if replacing {
                     leader
                         .record(
@@ -362,11 +430,14 @@ async fn wait_for_nodes(
                         )
                         .await;
                 }
-                active.push(node.node.clone());
+                places[empty] = Some(node.node.clone());
             }
         }
+        let mut active: Vec<String> = places.iter().flatten().cloned().collect();
         if active.len() >= *target {
-            active.sort();
+            if !replacing {
+                active.sort();
+            }
             return Some(active);
         }
         let shrink = plan.when_no_spare == NoSpare::Shrink
@@ -385,7 +456,6 @@ async fn wait_for_nodes(
                 )
                 .await;
             *target = active.len();
-            active.sort();
             return Some(active);
         }
         if !said_waiting && generation > 0 {
@@ -404,6 +474,14 @@ async fn wait_for_nodes(
         }
         tokio::time::sleep(TICK).await;
     }
+}
+
+/// How long a leader that lost most of its nodes waits for a successor before it acts: the
+/// successors' own timeout, their places in the succession (three at most), their look at
+/// the lease, and a margin.
+fn takeover_grace(plan: &Supervision) -> Duration {
+    Duration::from_secs_f64(plan.heartbeat_timeout_seconds * 2.0 + 2.0)
+        + super::election::STAGGER * 3
 }
 
 fn alive(node: &NodeView, plan: &Supervision) -> bool {
@@ -462,7 +540,9 @@ fn launch(
             command
         }
     };
-    command.process_group(0).kill_on_drop(true);
+    // The world outlives its leader: a successor adopts it. `stop` kills the launcher's
+    // process group when a world has to go.
+    command.process_group(0);
     Ok(command.spawn()?)
 }
 
@@ -491,8 +571,12 @@ async fn watch(
     let launched = Instant::now();
     let (mut restored, mut first_step) = (child.is_none(), child.is_none());
     let mut stopping = false;
+    let mut cut_off_since: Option<Instant> = None;
     loop {
         tokio::time::sleep(TICK).await;
+        if leader.deposed() {
+            return Outcome::Deposed;
+        }
         leader.count_spares().await;
         if !stopping && leader.preempting() {
             stopping = true;
@@ -513,6 +597,21 @@ async fn watch(
         // A lost node first, then a dead rank, then the launcher's own exit: the most
         // specific cause names the fault.
         let (ranks, nodes) = leader.view().await;
+        let lost = active
+            .iter()
+            .any(|name| !nodes.iter().any(|n| n.node == *name && alive(n, plan)));
+        // A leader that hears from too few of its nodes may be the one cut off: while a
+        // successor could take over, it gives one the time to, rather than stop a world
+        // the others still run. A successor deposes it meanwhile; if none does, the nodes
+        // really are lost and it acts.
+        if lost && !leader.has_quorum().await && leader.has_successors().await {
+            let since = *cut_off_since.get_or_insert_with(Instant::now);
+            if since.elapsed() < takeover_grace(plan) {
+                continue;
+            }
+        } else {
+            cut_off_since = None;
+        }
         for name in active {
             let node = nodes.iter().find(|n| n.node == *name);
             if !node.is_some_and(|n| alive(n, plan)) {
@@ -607,8 +706,9 @@ async fn watch(
                         generation,
                         "restored",
                         format!(
-                            "every rank is at step {chosen} ({:.2} s after launch)",
-                            launched.elapsed().as_secs_f64()
+                            "every rank is at step {chosen} ({:.2} s after launch){}",
+                            launched.elapsed().as_secs_f64(),
+                            tiers(&ranks)
                         ),
                     )
                     .await;
@@ -667,6 +767,32 @@ async fn watch(
             }
         }
     }
+}
+
+/// Which tier each rank restored from, by tier: `; from T0: ranks 1, T1: ranks 0` (empty
+/// when no rank's node has said yet, as after a fresh start).
+fn tiers(ranks: &[super::leader::RankView]) -> String {
+    let mut by_tier: std::collections::BTreeMap<&str, Vec<String>> = Default::default();
+    for rank in ranks {
+        if let Some(tier) = rank.restored_from {
+            by_tier
+                .entry(match tier {
+                    lazarus_shared::wire::Tier::T0 => "T0",
+                    lazarus_shared::wire::Tier::T1 => "T1",
+                    lazarus_shared::wire::Tier::T2 => "T2",
+                })
+                .or_default()
+                .push(rank.rank.to_string());
+        }
+    }
+    if by_tier.is_empty() {
+        return String::new();
+    }
+    let parts: Vec<String> = by_tier
+        .iter()
+        .map(|(tier, ranks)| format!("{tier}: ranks {}", ranks.join(",")))
+        .collect();
+    format!("; from {}", parts.join(", "))
 }
 
 fn describe_process_state(state: char) -> String {
@@ -767,8 +893,8 @@ async fn stop(leader: &Leader, child: Option<&mut Child>, plan: &Supervision, ru
     let deadline = Instant::now() + Duration::from_secs(15);
     while Instant::now() < deadline {
         let (ranks, nodes) = leader.view().await;
-        // A rank on a node whose daemon is gone went with its node.
-        let gone = |node: &str| !nodes.iter().any(|n| n.node == node && n.connected);
+        // A rank on a node whose daemon is gone (or silent: cut off) went with its node.
+        let gone = |node: &str| !nodes.iter().any(|n| n.node == node && alive(n, plan));
         if ranks.iter().all(|r| !r.alive || gone(&r.node)) {
             break;
         }

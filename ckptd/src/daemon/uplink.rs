@@ -11,21 +11,29 @@ use std::time::Duration;
 use anyhow::{bail, Result};
 use lazarus_shared::wire::{self, Message, T0Entry};
 use lazarus_shared::{Rank, StepKey};
-use tokio::net::TcpStream;
 use tokio::sync::mpsc;
 
 use super::{pipeline, process, Daemon};
 
-/// A node's link to the leader: reconnects until it works, says hello with what the node
-/// holds, re-sends pending reports, forwards new ones and applies pushed memory commits.
+/// A node's link to the leader it follows (the newest leadership it knows of): reconnects
+/// until it works, says hello with what the node holds, re-sends pending reports, forwards new
+/// ones and applies the leader's pushes. Orders of an older epoch than this node knows are
+/// refused; a new leadership moves the link.
 pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Message>) {
     let mut heartbeat = tokio::time::interval(Duration::from_millis(500));
+    let mut leadership = daemon.leadership.subscribe();
     loop {
-        let stream = match TcpStream::connect(daemon.cfg.leader).await {
-            Ok(stream) => stream,
-            Err(error) => {
-                tracing::debug!(%error, leader = %daemon.cfg.leader, "leader not reachable yet");
+        let target = leadership.borrow_and_update().address;
+        let connect = tokio::time::timeout(Duration::from_secs(1), super::framing::dial(target));
+        let stream = match connect.await {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(error)) => {
+                tracing::debug!(%error, leader = %target, "leader not reachable");
                 tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            Err(_) => {
+                tracing::debug!(leader = %target, "leader did not answer the connection");
                 continue;
             }
         };
@@ -46,40 +54,17 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
             tokio::time::sleep(Duration::from_millis(200)).await;
             continue;
         }
-        tracing::info!(leader = %daemon.cfg.leader, "linked to the leader");
+        tracing::info!(leader = %target, "linked to the leader");
         let pushes = {
             let daemon = daemon.clone();
             tokio::spawn(async move {
                 loop {
                     match wire::read_frame(&mut reader, Some(&daemon.key)).await {
-                        Ok(frame) => match frame.message {
-                            Message::MemoryCommitted { run, step, durable }
-                                if run == daemon.cfg.run =>
-                            {
-                                pipeline::memory_committed(&daemon, step, durable).await;
+                        Ok(frame) => {
+                            if !pushed(&daemon, frame.message).await {
+                                break;
                             }
-                            Message::KillRanks { run } if run == daemon.cfg.run => {
-                                process::signal_ranks(&daemon, "KILL").await;
-                            }
-                            Message::StopRanks { run } if run == daemon.cfg.run => {
-                                process::signal_ranks(&daemon, "TERM").await;
-                            }
-                            Message::MakeDurable { run, step } if run == daemon.cfg.run => {
-                                pipeline::make_durable(&daemon, step).await;
-                            }
-                            Message::UploadReplica { run, rank, step } if run == daemon.cfg.run => {
-                                tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
-                            }
-                            Message::SetBuddy { address } => {
-                                let buddy = address.and_then(|a| a.parse().ok());
-                                tracing::info!(?buddy, "the supervisor set this node's buddy");
-                                *daemon.buddy.lock().expect("not poisoned") = buddy;
-                            }
-                            other => {
-                                tracing::warn!(?other, "unexpected message from the leader");
-                                daemon.metrics.rejected("unexpected");
-                            }
-                        },
+                        }
                         Err(error) => {
                             if !matches!(error, wire::WireError::Closed) {
                                 daemon.metrics.rejected(error.cause());
@@ -99,18 +84,125 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
                 _ = heartbeat.tick() => heartbeat_message(&daemon).await,
                 _ = daemon.heartbeat_now.notified() => heartbeat_message(&daemon).await,
                 _ = wait_finished(&pushes) => break,
+                changed = leadership.changed() => {
+                    if changed.is_err() || leadership.borrow().address != target {
+                        break;
+                    }
+                    continue;
+                }
             };
-            if wire::write_frame(&mut writer, &message, &[], Some(&key))
-                .await
-                .is_err()
-            {
+            // A leader behind a black-holed network stops reading: give up on the link
+            // rather than wait, so this node can follow another leader.
+            let sent = tokio::time::timeout(
+                Duration::from_secs(5),
+                wire::write_frame(&mut writer, &message, &[], Some(&key)),
+            )
+            .await;
+            if !matches!(sent, Ok(Ok(()))) {
                 break;
             }
         }
         pushes.abort();
-        tracing::warn!(leader = %daemon.cfg.leader, "lost the leader; reconnecting");
+        tracing::warn!(leader = %target, "lost the link to the leader; reconnecting");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// Whether an order of leadership `epoch` may act here: not when this node knows a newer
+/// one (the sender was deposed). A refusal is counted.
+fn current(daemon: &Daemon, epoch: u64) -> bool {
+    let known = daemon.leadership.borrow().epoch;
+    if epoch < known {
+        daemon.metrics.rejected("stale_epoch");
+        tracing::warn!(epoch, known, "refused an order of a deposed leader");
+        return false;
+    }
+    true
+}
+
+/// Applies one push from the leader; false ends the link (a deposed leader's, or a protocol
+/// break).
+async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
+    let run = &daemon.cfg.run;
+    daemon.heard_from_leader();
+    match message {
+        Message::Leading {
+            epoch,
+            node,
+            succession,
+        } => {
+            if !current(daemon, epoch) {
+                return false;
+            }
+            daemon.metrics.leader_epoch.set(epoch as i64);
+            daemon.leadership.send_if_modified(|known| {
+                let changed =
+                    known.epoch != epoch || known.node != node || known.succession != succession;
+                known.epoch = epoch;
+                known.node = node;
+                known.succession = succession;
+                changed
+            });
+        }
+        Message::LeaderBeat { epoch } => return current(daemon, epoch),
+        Message::MemoryCommitted {
+            run: r,
+            step,
+            durable,
+            epoch,
+        } if r == *run => {
+            if !current(daemon, epoch) {
+                return false;
+            }
+            pipeline::memory_committed(daemon, step, durable).await;
+        }
+        Message::KillRanks { run: r, epoch } if r == *run => {
+            if !current(daemon, epoch) {
+                return false;
+            }
+            process::signal_ranks(daemon, "KILL").await;
+        }
+        Message::StopRanks { run: r, epoch } if r == *run => {
+            if !current(daemon, epoch) {
+                return false;
+            }
+            process::signal_ranks(daemon, "TERM").await;
+        }
+        Message::MakeDurable {
+            run: r,
+            step,
+            epoch,
+        } if r == *run => {
+            if !current(daemon, epoch) {
+                return false;
+            }
+            pipeline::make_durable(daemon, step).await;
+        }
+        Message::UploadReplica {
+            run: r,
+            rank,
+            step,
+            epoch,
+        } if r == *run => {
+            if !current(daemon, epoch) {
+                return false;
+            }
+            tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
+        }
+        Message::SetBuddy { address, epoch } => {
+            if !current(daemon, epoch) {
+                return false;
+            }
+            let buddy = address.and_then(|a| a.parse().ok());
+            tracing::info!(?buddy, "the supervisor set this node's buddy");
+            *daemon.buddy.lock().expect("not poisoned") = buddy;
+        }
+        other => {
+            tracing::warn!(?other, "unexpected message from the leader");
+            daemon.metrics.rejected("unexpected");
+        }
+    }
+    true
 }
 
 async fn wait_finished(task: &tokio::task::JoinHandle<()>) {
@@ -133,6 +225,7 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
             seen_ms_ago: s.last_seen.elapsed().as_millis() as u64,
             compute_us: s.compute_us,
             process_state: None,
+            restored_from: s.restored_from,
         })
         .collect();
     // Read from /proc without the ranks lock, which every training step's poll takes.
@@ -146,7 +239,8 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
 }
 
 /// The hello, and the reports to send again (the old link may have lost them).
-async fn hello(daemon: &Daemon) -> (Message, Vec<Message>) {
+async fn hello(daemon: &Arc<Daemon>) -> (Message, Vec<Message>) {
+    let replicas = super::replica::all_held(daemon).await;
     let ranks = daemon.ranks.lock().await;
     let mut t0 = Vec::new();
     let mut resend = Vec::new();
@@ -182,7 +276,7 @@ async fn hello(daemon: &Daemon) -> (Message, Vec<Message>) {
     (
         Message::NodeHello {
             node: daemon.cfg.node.clone(),
-            address: daemon.cfg.listen.to_string(),
+            address: daemon.cfg.advertise.to_string(),
             buddy: daemon
                 .buddy
                 .lock()
@@ -190,6 +284,9 @@ async fn hello(daemon: &Daemon) -> (Message, Vec<Message>) {
                 .map(|b| b.to_string()),
             socket: daemon.cfg.socket.display().to_string(),
             t0,
+            epoch: daemon.leadership.borrow().epoch,
+            candidate: daemon.cfg.candidate,
+            replicas,
         },
         resend,
     )
@@ -202,9 +299,10 @@ pub async fn which_step(
     world_size: u32,
     rank: Rank,
 ) -> Result<(Option<u64>, Option<StepKey>, Option<String>)> {
+    let leader = daemon.leadership.borrow().address;
     let reply = request(
         daemon,
-        daemon.cfg.leader,
+        leader,
         &Message::WhichStep {
             run: daemon.cfg.run.clone(),
             world_size,
@@ -225,4 +323,120 @@ pub async fn which_step(
 /// One authenticated request and its answer.
 pub async fn request(daemon: &Daemon, to: SocketAddr, message: &Message) -> Result<Message> {
     super::framing::request(&daemon.key, to, message).await
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use clap::Parser;
+    use lazarus_shared::store::{OpenMode, Store, StoreOptions};
+    use lazarus_shared::wire::{JobKey, Message};
+
+    use super::pushed;
+    use crate::daemon::election::Leadership;
+    use crate::daemon::metrics::{Cause, Metrics};
+    use crate::daemon::{Cli, Config, Daemon};
+
+    /// A daemon that follows leadership epoch 3, with nothing running.
+    async fn follower(dir: &std::path::Path) -> Arc<Daemon> {
+        let shm = dir.join("shm");
+        let socket = dir.join("n2.sock");
+        let cli = Cli::parse_from([
+            "ckptd",
+            "--node",
+            "n2",
+            "--run",
+            "r1",
+            "--store",
+            "file:///unused",
+            "--shm-dir",
+            shm.to_str().unwrap(),
+            "--socket",
+            socket.to_str().unwrap(),
+            "--listen",
+            "127.0.0.1:7002",
+            "--leader",
+            "127.0.0.1:7001",
+            "--key-file",
+            "/unused",
+        ]);
+        let cfg = Config::resolve(&cli).unwrap();
+        let store = Store::open(
+            "memory://",
+            OpenMode::CreateIfMissing,
+            StoreOptions::default(),
+        )
+        .await
+        .unwrap();
+        let (to_leader, _) = tokio::sync::mpsc::unbounded_channel();
+        let (done, _) = tokio::sync::mpsc::channel(1);
+        Arc::new(Daemon {
+            key: JobKey::derive(b"test"),
+            run: store.run(&cfg.run),
+            ranks: Default::default(),
+            replicas: Default::default(),
+            to_leader,
+            leadership: tokio::sync::watch::Sender::new(Leadership {
+                epoch: 3,
+                node: "n1".into(),
+                address: cfg.leader,
+                succession: Vec::new(),
+            }),
+            last_from_leader: std::sync::Mutex::new(std::time::Instant::now()),
+            done,
+            buddy: std::sync::Mutex::new(None),
+            leader: std::sync::RwLock::new(None),
+            metrics: Arc::new(Metrics::new()),
+            exit_watched: Default::default(),
+            heartbeat_now: tokio::sync::Notify::new(),
+            cfg,
+        })
+    }
+
+    #[tokio::test]
+    async fn orders_of_an_older_epoch_are_refused_counted_and_end_the_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let daemon = follower(dir.path()).await;
+        let refused = || {
+            daemon
+                .metrics
+                .peer_rejected
+                .get_or_create(&Cause {
+                    cause: "stale_epoch".into(),
+                })
+                .get()
+        };
+        let set_buddy = |epoch| Message::SetBuddy {
+            address: Some("127.0.0.1:7009".into()),
+            epoch,
+        };
+        // A deposed leader's order: refused, counted, and its link ends.
+        assert!(!pushed(&daemon, set_buddy(2)).await);
+        assert!(!pushed(&daemon, Message::LeaderBeat { epoch: 2 }).await);
+        let kill = Message::KillRanks {
+            run: daemon.cfg.run.clone(),
+            epoch: 1,
+        };
+        assert!(!pushed(&daemon, kill).await);
+        assert_eq!(refused(), 3);
+        assert_eq!(*daemon.buddy.lock().unwrap(), None, "nothing was done");
+        // The current leader's orders act.
+        assert!(pushed(&daemon, set_buddy(3)).await);
+        assert_eq!(
+            daemon.buddy.lock().unwrap().map(|b| b.to_string()),
+            Some("127.0.0.1:7009".to_string())
+        );
+        // A newer leader's first frame moves this node to its epoch; the old one's are
+        // refused from then on.
+        let leading = Message::Leading {
+            epoch: 4,
+            node: "n3".into(),
+            succession: Vec::new(),
+        };
+        assert!(pushed(&daemon, leading).await);
+        assert_eq!(daemon.leadership.borrow().epoch, 4);
+        assert!(!pushed(&daemon, set_buddy(3)).await);
+        assert_eq!(refused(), 4);
+    }
 }

@@ -62,6 +62,20 @@ pub fn event(run: &RunId, unix_ms: u64, sequence: u64) -> Path {
     ))
 }
 
+pub fn leaders_prefix(run: &RunId) -> Path {
+    Path::from(format!("{RUNS}/{run}/leaders"))
+}
+
+/// The record of leadership `epoch` (create-only; the name sorts by epoch).
+pub fn leader(run: &RunId, epoch: u64) -> Path {
+    Path::from(format!("{RUNS}/{run}/leaders/{epoch:012}.json"))
+}
+
+/// The current leader's lease, overwritten while it leads.
+pub fn lease(run: &RunId) -> Path {
+    Path::from(format!("{RUNS}/{run}/leaders/lease.json"))
+}
+
 pub fn lock(run: &RunId, name: &str) -> Path {
     Path::from(format!("{RUNS}/{run}/locks/{name}.json"))
 }

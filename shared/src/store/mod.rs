@@ -18,6 +18,7 @@ mod events;
 mod gc;
 mod index;
 pub(crate) mod layout;
+mod leadership;
 mod lock;
 mod reader;
 mod regions;

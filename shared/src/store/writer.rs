@@ -742,6 +742,27 @@ impl RunStore {
     /// Writes the commit record of `step` once every rank's manifest is stored. Idempotent:
     /// committing an already committed step with the same manifests returns the stored record.
     pub async fn commit(&self, step: StepKey, world_size: u32) -> Result<CommitRecord, StoreError> {
+        self.commit_with(step, world_size, None).await
+    }
+
+    /// [`RunStore::commit`] by the leader of `epoch`: refused once a newer leadership exists,
+    /// and the record names the epoch.
+    pub async fn commit_as_leader(
+        &self,
+        step: StepKey,
+        world_size: u32,
+        epoch: u64,
+    ) -> Result<CommitRecord, StoreError> {
+        self.refuse_deposed(epoch).await?;
+        self.commit_with(step, world_size, Some(epoch)).await
+    }
+
+    async fn commit_with(
+        &self,
+        step: StepKey,
+        world_size: u32,
+        leader_epoch: Option<u64>,
+    ) -> Result<CommitRecord, StoreError> {
         refuse_unnamable(step, world_size)?;
         let current = self.current_timeline().await?;
         if step.timeline < current && self.rollbacks().await?.iter().any(|r| r.hides(step)) {
@@ -799,6 +820,7 @@ impl RunStore {
             world_size,
             created_unix_ms: now_unix_ms(),
             shards,
+            leader_epoch,
         };
         let (bytes, _) = format::seal(&record);
         let path = layout::commit(&self.run, step);
