@@ -677,19 +677,7 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
     let (mut cluster, ctl) = supervised(&dir, "adopted", 2, &flags, Vec::new());
 
     // Past the first durable step, the leader's daemon dies; the world keeps training.
-    rank_pid(&cluster, &ctl, 0, 55);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let before = loop {
-        let committed = ctl.committed("adopted");
-        if committed.iter().any(|s| *s >= 50) {
-            break committed;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no step at or past 50 became durable: {committed:?}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let before = past_first_durable(&cluster, &ctl, "adopted");
     cluster.kill_node(0);
     std::thread::sleep(Duration::from_millis(500));
     cluster.start_node(0);
@@ -713,14 +701,57 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
         "{fault}\n{timeline:#?}\n{}",
         cluster.logs()
     );
-    // No committed step was lost, and every one still verifies.
-    let after = ctl.committed("adopted");
-    for step in &before {
+    nothing_lost(&dir, &ctl, "adopted", &before, &expected);
+}
+
+/// Three daemons that may all lead (the two after the first are candidates with the same
+/// flags), through fault-injecting relays when `relayed`: n1 leads, n1 and n2 train, n3 is a
+/// hot spare.
+fn three_candidates(dir: &Path, run: &str, relayed: bool) -> (Cluster, Ctl) {
+    let store = format!("file://{}", dir.join("store").display());
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let args = trainer_args(dir, run, &store);
+    let daemons = Daemons {
+        candidates: 2,
+        relayed,
+    };
+    supervised_by(&store, dir, run, 3, daemons, &flags, &args, Vec::new())
+}
+
+/// Waits until rank 0 is past step 55 and a step at or past 50 is durable; the committed
+/// steps then, which no failure may lose.
+fn past_first_durable(cluster: &Cluster, ctl: &Ctl, run: &str) -> Vec<u64> {
+    rank_pid(cluster, ctl, 0, 55);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let committed = ctl.committed(run);
+        if committed.iter().any(|s| *s >= 50) {
+            return committed;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no step at or past 50 became durable: {committed:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The end of a recovery: every step committed before the failure still is, the last step
+/// is committed, every committed step verifies, and the losses are the uninterrupted run's.
+fn nothing_lost(
+    dir: &Path,
+    ctl: &Ctl,
+    run: &str,
+    before: &[u64],
+    expected: &BTreeMap<u64, String>,
+) {
+    let after = ctl.committed(run);
+    for step in before {
         assert!(after.contains(step), "step {step} lost: {after:?}");
     }
     assert!(after.contains(&STEPS), "{after:?}");
-    ctl.expect(0, &["verify", "adopted", "--all", "--read-data"]);
-    assert_eq!(losses(&dir, "adopted"), expected, "bit for bit throughout");
+    ctl.expect(0, &["verify", run, "--all", "--read-data"]);
+    assert_eq!(&losses(dir, run), expected, "bit for bit throughout");
 }
 
 /// The epoch each commit record names, by step (read from the store's files).
@@ -744,23 +775,7 @@ fn a_lost_leader_is_replaced_by_its_successor_which_relaunches_the_world_on_a_sp
     let (_guard, dir) = prepared();
     let expected = reference_losses(&dir);
     // Three daemons that may all lead: n1 leads, n1 and n2 train, n3 is a hot spare.
-    let store = format!("file://{}", dir.join("store").display());
-    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
-    let args = trainer_args(&dir, "failover", &store);
-    let daemons = Daemons {
-        candidates: 2,
-        relayed: false,
-    };
-    let (mut cluster, ctl) = supervised_by(
-        &store,
-        &dir,
-        "failover",
-        3,
-        daemons,
-        &flags,
-        &args,
-        Vec::new(),
-    );
+    let (mut cluster, ctl) = three_candidates(&dir, "failover", false);
     let status = Status::of(&cluster, &ctl);
     // The succession is published and visible: n2, then n3.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -780,16 +795,7 @@ fn a_lost_leader_is_replaced_by_its_successor_which_relaunches_the_world_on_a_sp
     println!("{}", status.text());
 
     // Past the first durable step, the leader's daemon dies; its rank lives on without it.
-    rank_pid(&cluster, &ctl, 0, 55);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let before = loop {
-        let committed = ctl.committed("failover");
-        if committed.iter().any(|s| *s >= 50) {
-            break committed;
-        }
-        assert!(Instant::now() < deadline, "no durable step: {committed:?}");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let before = past_first_durable(&cluster, &ctl, "failover");
     let lost_ms = now_ms();
     cluster.kill_node(0);
     wait_for_event(&ctl, "failover", "completed", 1, &cluster);
@@ -874,18 +880,11 @@ fn a_lost_leader_is_replaced_by_its_successor_which_relaunches_the_world_on_a_sp
     assert_eq!(cluster.metric(0, "lazarus_ckptd_leader"), 0.0);
     assert_eq!(cluster.metric(0, "lazarus_ckptd_leader_epoch"), 2.0);
 
-    // No committed step was lost, every one verifies, and the commits after the takeover
-    // name the new epoch.
-    let after = ctl.committed("failover");
-    for step in &before {
-        assert!(after.contains(step), "step {step} lost: {after:?}");
-    }
-    assert!(after.contains(&STEPS), "{after:?}");
+    // The commits after the takeover name the new epoch.
     let epochs = commit_epochs(&dir, "failover");
     assert_eq!(epochs[&50], Some(1), "{epochs:?}");
     assert_eq!(epochs[&STEPS], Some(2), "{epochs:?}");
-    ctl.expect(0, &["verify", "failover", "--all", "--read-data"]);
-    assert_eq!(losses(&dir, "failover"), expected, "bit for bit throughout");
+    nothing_lost(&dir, &ctl, "failover", &before, &expected);
 }
 
 #[test]
@@ -894,34 +893,9 @@ fn a_leader_cut_off_from_its_nodes_is_replaced_and_stays_harmless_when_the_cut_h
     let expected = reference_losses(&dir);
     // Three daemons that may all lead, talking through relays: n1 leads, n1 and n2 train,
     // n3 is a hot spare.
-    let store = format!("file://{}", dir.join("store").display());
-    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
-    let args = trainer_args(&dir, "partition", &store);
-    let daemons = Daemons {
-        candidates: 2,
-        relayed: true,
-    };
-    let (cluster, ctl) = supervised_by(
-        &store,
-        &dir,
-        "partition",
-        3,
-        daemons,
-        &flags,
-        &args,
-        Vec::new(),
-    );
+    let (cluster, ctl) = three_candidates(&dir, "partition", true);
     let relays = cluster.relays.as_ref().expect("relayed");
-    rank_pid(&cluster, &ctl, 0, 55);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let before = loop {
-        let committed = ctl.committed("partition");
-        if committed.iter().any(|s| *s >= 50) {
-            break committed;
-        }
-        assert!(Instant::now() < deadline, "no durable step: {committed:?}");
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let before = past_first_durable(&cluster, &ctl, "partition");
 
     // The leader's daemon is cut off from the other two (the ranks' own traffic is not).
     let cut_ms = now_ms();
@@ -993,11 +967,7 @@ fn a_leader_cut_off_from_its_nodes_is_replaced_and_stays_harmless_when_the_cut_h
         "orders of the old epoch refused: {refused}; late reports of an earlier world's ranks ignored: {stale_ranks}"
     );
 
-    // No committed step was lost; no commit of the old epoch after the new one began.
-    let after = ctl.committed("partition");
-    for step in &before {
-        assert!(after.contains(step), "step {step} lost: {after:?}");
-    }
+    // No commit of the old epoch after the new one began.
     let epochs = commit_epochs(&dir, "partition");
     assert_eq!(epochs[&STEPS], Some(2), "{epochs:?}");
     let newest_old = epochs
@@ -1011,12 +981,7 @@ fn a_leader_cut_off_from_its_nodes_is_replaced_and_stays_harmless_when_the_cut_h
         .map(|(s, _)| *s)
         .min();
     assert!(newest_old < oldest_new, "{epochs:?}");
-    ctl.expect(0, &["verify", "partition", "--all", "--read-data"]);
-    assert_eq!(
-        losses(&dir, "partition"),
-        expected,
-        "bit for bit throughout"
-    );
+    nothing_lost(&dir, &ctl, "partition", &before, &expected);
 }
 
 #[test]
@@ -1025,25 +990,9 @@ fn a_node_cut_off_alone_is_replaced_by_a_spare_and_neither_leads_nor_counts_afte
     let expected = reference_losses(&dir);
     // Three daemons that may all lead, talking through relays: n1 leads, n1 and n2 train,
     // n3 is a hot spare.
-    let store = format!("file://{}", dir.join("store").display());
-    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
-    let args = trainer_args(&dir, "island", &store);
-    let daemons = Daemons {
-        candidates: 2,
-        relayed: true,
-    };
-    let (cluster, ctl) = supervised_by(
-        &store,
-        &dir,
-        "island",
-        3,
-        daemons,
-        &flags,
-        &args,
-        Vec::new(),
-    );
+    let (cluster, ctl) = three_candidates(&dir, "island", true);
     let relays = cluster.relays.as_ref().expect("relayed");
-    rank_pid(&cluster, &ctl, 1, 55);
+    let before = past_first_durable(&cluster, &ctl, "island");
 
     // n2 (a candidate, and the first successor) is cut off from the leader and the spare.
     relays.cut(1, &[0, 2]);
@@ -1083,8 +1032,7 @@ fn a_node_cut_off_alone_is_replaced_by_a_spare_and_neither_leads_nor_counts_afte
     let epochs = commit_epochs(&dir, "island");
     assert!(epochs.values().all(|e| *e == Some(1)), "{epochs:?}");
     assert!(epochs.contains_key(&STEPS), "{epochs:?}");
-    ctl.expect(0, &["verify", "island", "--all", "--read-data"]);
-    assert_eq!(losses(&dir, "island"), expected, "bit for bit throughout");
+    nothing_lost(&dir, &ctl, "island", &before, &expected);
 }
 
 #[test]

@@ -5,7 +5,9 @@
 //! from it, so the relay in front of a node knows which node every connection comes from. A
 //! cut between two nodes holds their bytes in both directions, neither delivered nor dropped,
 //! as a black-holed network does: connections stay open and go silent. When the cut heals,
-//! the held bytes flow again, late, as TCP would retransmit them.
+//! the held bytes flow again, late, as TCP would retransmit them. (A connection made during
+//! a cut is accepted by the relay at once and then goes silent; a real black hole would let
+//! the connect itself time out.)
 
 use std::collections::HashSet;
 use std::io::{ErrorKind, Read, Write};
@@ -89,7 +91,10 @@ fn accept(listener: TcpListener, target: SocketAddr, to: usize, shared: Arc<Shar
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
-            Err(_) => continue,
+            Err(_) => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
         };
         let from = match peer.ip() {
             IpAddr::V4(ip) if ip.octets()[..3] == [127, 0, 0] && ip.octets()[3] >= 2 => {
@@ -123,6 +128,8 @@ fn pump(
     shared: &Shared,
 ) {
     let _ = reader.set_read_timeout(Some(Duration::from_millis(50)));
+    // A receiver that stops reading must not hold this thread past the relays' end.
+    let _ = writer.set_write_timeout(Some(Duration::from_secs(5)));
     let mut buffer = vec![0u8; 64 << 10];
     loop {
         if shared.stop.load(Ordering::SeqCst) {

@@ -67,8 +67,10 @@ pub enum Start {
 }
 
 /// At start, before the daemon's ports open: a `lead` daemon claims the next epoch, unless
-/// another daemon leads with a live lease (then it follows, as a candidate); the others
-/// follow the newest leadership in the store, or the configured leader while there is none.
+/// another daemon leads with a live lease (then it follows, as a candidate); so does a
+/// candidate that led last (it restarted: following its own record would leave the job
+/// without a leader). The others follow the newest leadership in the store, or the
+/// configured leader while there is none.
 pub async fn start(cfg: &Config, run: &RunStore) -> Result<Start> {
     let newest = run.leadership().await.map_err(|e| {
         ConfigError(format!(
@@ -76,7 +78,8 @@ pub async fn start(cfg: &Config, run: &RunStore) -> Result<Start> {
             cfg.store
         ))
     })?;
-    if !cfg.lead {
+    let led_last = cfg.candidate && newest.as_ref().is_some_and(|r| r.node == cfg.node);
+    if !cfg.lead && !led_last {
         return Ok(Start::Follow(match &newest {
             Some(record) => Leadership::of(record)?,
             None => Leadership {
@@ -110,14 +113,26 @@ pub async fn start(cfg: &Config, run: &RunStore) -> Result<Start> {
 }
 
 /// Whether the lease of `epoch` (or a newer one) is renewed within three lease intervals.
+/// A read that fails counts as renewed: a store that cannot say is no reason to take over.
 async fn lease_renewed(cfg: &Config, run: &RunStore, epoch: u64) -> bool {
-    let before = run.lease().await.ok().flatten();
+    let limit = lease_interval(cfg) * 4;
+    let read = || async {
+        match tokio::time::timeout(limit, run.lease()).await {
+            Ok(Ok(lease)) => Ok(lease),
+            _ => Err(()),
+        }
+    };
+    let Ok(before) = read().await else {
+        return true;
+    };
     tokio::time::sleep(lease_interval(cfg) * 3).await;
-    let after = run.lease().await.ok().flatten();
+    let Ok(after) = read().await else {
+        return true;
+    };
     match (before, after) {
         (Some(before), Some(after)) => after.epoch >= epoch && after != before,
         (None, Some(after)) => after.epoch >= epoch,
-        _ => false,
+        (_, None) => false,
     }
 }
 
@@ -133,17 +148,18 @@ pub struct Takeover {
 /// supervision of the world (adopted when a world runs).
 pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) {
     let cfg = &daemon.cfg;
-    let durable = match tokio::time::timeout(Duration::from_secs(5), daemon.run.latest()).await {
+    // The store gets 2 s for each start-up read: a leader that waits on a hung store while
+    // its lease stands still invites another takeover.
+    let limit = Duration::from_secs(2);
+    let durable = match tokio::time::timeout(limit, daemon.run.latest()).await {
         Ok(Ok(latest)) => latest,
         _ => None,
     };
     let newest = match durable {
-        Some(step) => daemon
-            .run
-            .load_commit(step)
-            .await
-            .ok()
-            .map(|c| c.created_unix_ms),
+        Some(step) => match tokio::time::timeout(limit, daemon.run.load_commit(step)).await {
+            Ok(Ok(commit)) => Some(commit.created_unix_ms),
+            _ => None,
+        },
         None => None,
     };
     daemon
@@ -169,18 +185,39 @@ pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) 
         epoch,
         node: cfg.node.clone(),
         address: cfg.advertise,
-        succession: succession.clone(),
+        succession,
     });
     tracing::info!(epoch, node = %cfg.node, "leading");
+    tokio::spawn(keep_lease(daemon.clone(), leader.clone()));
     if let Some(takeover) = &takeover {
         daemon.metrics.takeovers.inc();
-        let generation = leader
-            .stored_events()
-            .await
+        // Every node the lost leader named links here now, without waiting for its own
+        // timeout; the others find the record in the store.
+        for successor in takeover
+            .lost
+            .succession
             .iter()
-            .map(|e| e.generation)
-            .max()
-            .unwrap_or(0);
+            .filter(|s| s.node != cfg.node)
+        {
+            let Ok(address) = successor.address.parse::<SocketAddr>() else {
+                continue;
+            };
+            let (key, message) = (
+                daemon.key.clone(),
+                Message::NewLeader {
+                    epoch,
+                    node: cfg.node.clone(),
+                    address: cfg.advertise.to_string(),
+                },
+            );
+            tokio::spawn(async move {
+                let _ = framing::request(&key, address, &message).await;
+            });
+        }
+        let generation = match tokio::time::timeout(limit, leader.stored_events()).await {
+            Ok(events) => events.iter().map(|e| e.generation).max().unwrap_or(0),
+            Err(_) => 0,
+        };
         leader
             .record_at(
                 takeover.last_heard_unix_ms,
@@ -208,31 +245,7 @@ pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) 
                 ),
             )
             .await;
-        // Every node the lost leader named links here now, without waiting for its own
-        // timeout; the others find the record in the store.
-        for successor in takeover
-            .lost
-            .succession
-            .iter()
-            .filter(|s| s.node != cfg.node)
-        {
-            let Ok(address) = successor.address.parse::<SocketAddr>() else {
-                continue;
-            };
-            let (key, message) = (
-                daemon.key.clone(),
-                Message::NewLeader {
-                    epoch,
-                    node: cfg.node.clone(),
-                    address: cfg.advertise.to_string(),
-                },
-            );
-            tokio::spawn(async move {
-                let _ = framing::request(&key, address, &message).await;
-            });
-        }
     }
-    tokio::spawn(keep_lease(daemon.clone(), leader.clone()));
     if let Some(plan) = cfg.supervision.clone() {
         tracing::info!(launcher = ?plan.launcher, active_nodes = plan.active_nodes, "supervising the training world");
         let (daemon, exit_when_done) = (daemon.clone(), plan.exit_when_done);
@@ -260,11 +273,15 @@ async fn keep_lease(daemon: Arc<Daemon>, leader: Arc<Leader>) {
             step_down(&daemon, &leader, None).await;
             return;
         }
-        if let Ok(Ok(Some(newer))) =
-            tokio::time::timeout(limit, daemon.run.leadership_at(epoch + 1)).await
-        {
-            step_down(&daemon, &leader, Some(newer)).await;
-            return;
+        match tokio::time::timeout(limit, daemon.run.leadership_at(epoch + 1)).await {
+            Ok(Ok(Some(newer))) => {
+                step_down(&daemon, &leader, Some(newer)).await;
+                return;
+            }
+            Ok(Ok(None)) => {}
+            // The store cannot say whether a newer epoch exists: renewing now could write
+            // over a successor's lease.
+            _ => continue,
         }
         if leader.has_quorum().await {
             renewal += 1;

@@ -57,6 +57,9 @@ struct NodeInfo {
     connected: bool,
     /// It may take over leadership.
     candidate: bool,
+    /// Which of the node's connections this is: an older one that ends later must not mark
+    /// the node disconnected.
+    session: u64,
     t0: Vec<T0Entry>,
     sender: mpsc::UnboundedSender<Message>,
 }
@@ -122,6 +125,8 @@ struct State {
     /// Who takes over, in order, and whether the nodes were told since it changed.
     succession: Vec<Successor>,
     succession_told: bool,
+    /// Node connections so far (each node's newest one is the one that counts).
+    sessions: u64,
 }
 
 /// Most successors a leader names: enough for several losses in a row, and a `Leading`
@@ -178,6 +183,7 @@ impl Leader {
                 supervision: None,
                 succession: Vec::new(),
                 succession_told: true,
+                sessions: 0,
             }),
             events: Mutex::new((Vec::new(), 0)),
             events_unstored: Arc::default(),
@@ -202,21 +208,27 @@ impl Leader {
         self.deposed.load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    /// Whether most of the nodes this leader knows (drained ones aside) were heard from
-    /// within half the heartbeat timeout. With none known yet (a leader that just started),
+    /// Whether most of the nodes this leader counts (connected or in the world, drained ones
+    /// aside) were heard from within half the heartbeat timeout. With none known yet (a leader that just started),
     /// yes. Half: nodes cut off together fall silent a heartbeat period apart, and the
     /// first of them declared lost must not find the others still counted.
     pub async fn has_quorum(&self) -> bool {
         let timeout = Duration::from_secs_f64(self.cfg.heartbeat_timeout_seconds / 2.0);
         let state = self.state.lock().await;
-        let drained: &[String] = state
+        let (active, drained): (&[String], &[String]) = state
             .supervision
             .as_ref()
-            .map_or(&[], |(_, _, drained)| drained.as_slice());
+            .map_or((&[], &[]), |(_, active, drained)| {
+                (active.as_slice(), drained.as_slice())
+            });
+        // The members: every connected node and every node of the world, drained ones
+        // aside. A lost node that a spare replaced no longer counts against the quorum.
         let nodes: Vec<&NodeInfo> = state
             .nodes
             .iter()
-            .filter(|(name, _)| !drained.contains(name))
+            .filter(|(name, info)| {
+                !drained.contains(name) && (info.connected || active.contains(name))
+            })
             .map(|(_, info)| info)
             .collect();
         let heard = nodes
@@ -255,6 +267,25 @@ impl Leader {
         let per_node = self.cfg.supervision.as_ref()?.ranks_per_node.max(1);
         let (_, active, _) = state.supervision.as_ref()?;
         active.get(rank as usize / per_node).map(String::as_str)
+    }
+
+    /// Whether the store says, within 2 s, that no newer epoch exists (a leader about to act
+    /// without hearing from most of its nodes asks first; a newer one deposes it). `false`
+    /// when the store cannot say.
+    pub async fn still_leads(&self) -> bool {
+        match tokio::time::timeout(
+            Duration::from_secs(2),
+            self.run.leadership_at(self.epoch + 1),
+        )
+        .await
+        {
+            Ok(Ok(None)) => true,
+            Ok(Ok(Some(_))) => {
+                self.depose();
+                false
+            }
+            _ => false,
+        }
     }
 
     /// Whether another daemon could take over (the order of succession names one).
@@ -641,9 +672,12 @@ impl Leader {
                     state.world_size = entry.world_size;
                 }
             }
+            state.sessions += 1;
+            let session = state.sessions;
             state.nodes.insert(
                 node.clone(),
                 NodeInfo {
+                    session,
                     address: address.clone(),
                     buddy,
                     socket,
@@ -656,8 +690,9 @@ impl Leader {
             );
             self.learn_from_hello(&mut state, &address, &t0, &replicas);
             self.order_succession(&mut state);
-            self.leading(&state)
+            (self.leading(&state), session)
         };
+        let (first, session) = first;
         tracing::info!(%node, %from, "node connected");
         let key = daemon.key.clone();
         let epoch = self.epoch;
@@ -700,7 +735,7 @@ impl Leader {
         writer_task.abort();
         {
             let mut state = self.state.lock().await;
-            if let Some(info) = state.nodes.get_mut(&node) {
+            if let Some(info) = state.nodes.get_mut(&node).filter(|i| i.session == session) {
                 info.connected = false;
             }
             self.order_succession(&mut state);

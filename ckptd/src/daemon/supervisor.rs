@@ -376,6 +376,8 @@ async fn wait_for_nodes(
     drained: &[String],
     generation: u32,
 ) -> Option<Vec<String>> {
+    // Each place's own node, which takes it back if it is healthy again before a spare did.
+    let home = active.clone();
     let mut places: Vec<Option<String>> = active.iter().cloned().map(Some).collect();
     let mut said_waiting = false;
     let mut drained = drained.to_vec();
@@ -415,6 +417,13 @@ async fn wait_for_nodes(
             };
         }
         places.resize(*target, None);
+        for i in 0..places.len() {
+            let Some(own) = home.get(i) else { break };
+            let placed = places.iter().flatten().any(|n| n == own);
+            if places[i].is_none() && !placed && healthy(own) && !drained.contains(own) {
+                places[i] = Some(own.clone());
+            }
+        }
         for node in &nodes {
             let Some(empty) = places.iter().position(Option::is_none) else {
                 break;
@@ -606,7 +615,8 @@ async fn watch(
         // really are lost and it acts.
         if lost && !leader.has_quorum().await && leader.has_successors().await {
             let since = *cut_off_since.get_or_insert_with(Instant::now);
-            if since.elapsed() < takeover_grace(plan) {
+            // Past the grace, it acts only once the store confirms no successor leads.
+            if since.elapsed() < takeover_grace(plan) || !leader.still_leads().await {
                 continue;
             }
         } else {

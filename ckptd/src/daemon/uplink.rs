@@ -109,7 +109,8 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
 }
 
 /// Whether an order of leadership `epoch` may act here: not when this node knows a newer
-/// one (the sender was deposed). A refusal is counted.
+/// one (the sender was deposed). A refusal is counted; a current order counts as hearing
+/// from the leader.
 fn current(daemon: &Daemon, epoch: u64) -> bool {
     let known = daemon.leadership.borrow().epoch;
     if epoch < known {
@@ -117,6 +118,7 @@ fn current(daemon: &Daemon, epoch: u64) -> bool {
         tracing::warn!(epoch, known, "refused an order of a deposed leader");
         return false;
     }
+    daemon.heard_from_leader();
     true
 }
 
@@ -124,8 +126,23 @@ fn current(daemon: &Daemon, epoch: u64) -> bool {
 /// break).
 async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
     let run = &daemon.cfg.run;
-    daemon.heard_from_leader();
     match message {
+        // The daemon at this address does not lead (any more): follow the one it names when
+        // that is news, else keep looking (the silence counts on, and the store is asked).
+        Message::NotLeader { epoch, leader } => {
+            let newer = epoch > daemon.leadership.borrow().epoch;
+            if let Some(address) = leader.filter(|_| newer) {
+                let record = lazarus_shared::format::LeaderRecord {
+                    run: run.clone(),
+                    epoch,
+                    node: String::new(),
+                    address,
+                    created_unix_ms: 0,
+                };
+                super::election::follow(daemon, &record);
+            }
+            return false;
+        }
         Message::Leading {
             epoch,
             node,
