@@ -465,6 +465,23 @@ pub enum Message {
     Events(Vec<Event>),
 }
 
+impl Message {
+    /// The leadership epoch a leader's push to a node carries (`None`: not such a push).
+    pub fn leader_epoch(&self) -> Option<u64> {
+        match self {
+            Message::Leading { epoch, .. }
+            | Message::LeaderBeat { epoch }
+            | Message::MemoryCommitted { epoch, .. }
+            | Message::SetBuddy { epoch, .. }
+            | Message::KillRanks { epoch, .. }
+            | Message::StopRanks { epoch, .. }
+            | Message::MakeDurable { epoch, .. }
+            | Message::UploadReplica { epoch, .. } => Some(*epoch),
+            _ => None,
+        }
+    }
+}
+
 /// One rank in a node's heartbeat.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct RankBeat {

@@ -332,15 +332,13 @@ pub async fn step_down(daemon: &Arc<Daemon>, leader: &Arc<Leader>, newer: Option
         )
         .await;
     if let Some(record) = newer.filter(|r| r.epoch > leader.epoch()) {
-        follow(daemon, &record);
+        follow_record(daemon, &record);
     }
 }
 
-/// Follows `record` when it is newer than what this daemon knows.
-pub fn follow(daemon: &Daemon, record: &LeaderRecord) {
-    let Ok(leadership) = Leadership::of(record) else {
-        return;
-    };
+/// Follows `leadership` when it is newer than what this daemon knows (keeping the order of
+/// succession it last heard).
+pub fn follow(daemon: &Daemon, leadership: Leadership) {
     daemon.leadership.send_if_modified(|current| {
         if leadership.epoch <= current.epoch {
             return false;
@@ -354,6 +352,13 @@ pub fn follow(daemon: &Daemon, record: &LeaderRecord) {
         };
         true
     });
+}
+
+/// [`follow`] the leadership of a store record.
+pub fn follow_record(daemon: &Daemon, record: &LeaderRecord) {
+    if let Ok(leadership) = Leadership::of(record) {
+        follow(daemon, leadership);
+    }
 }
 
 /// Watches the link to the leader on a daemon that does not lead: when the leader has been
@@ -372,7 +377,7 @@ pub async fn watch(daemon: Arc<Daemon>) {
             let known = daemon.leadership.borrow().epoch;
             if let Ok(Some(record)) = daemon.run.leadership().await {
                 if record.epoch > known {
-                    follow(&daemon, &record);
+                    follow_record(&daemon, &record);
                     continue;
                 }
             }
@@ -410,7 +415,7 @@ async fn take_over(daemon: &Arc<Daemon>, timeout: Duration) {
         }
     };
     if let Some(record) = newest.as_ref().filter(|r| r.epoch > lost.epoch) {
-        follow(daemon, record);
+        follow_record(daemon, record);
         return;
     }
     if lease_renewed(&daemon.cfg, &daemon.run, lost.epoch.max(1)).await {
@@ -443,7 +448,7 @@ async fn take_over(daemon: &Arc<Daemon>, timeout: Duration) {
         }
         Ok(false) => {
             if let Ok(Some(record)) = daemon.run.leadership_at(epoch).await {
-                follow(daemon, &record);
+                follow_record(daemon, &record);
             }
         }
         Err(error) => tracing::warn!(%error, epoch, "cannot claim the leadership"),

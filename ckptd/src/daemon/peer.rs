@@ -124,14 +124,18 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
                 // This daemon led an older epoch: its lease task steps it down.
                 leader.depose();
             }
-            let record = lazarus_shared::format::LeaderRecord {
-                run: daemon.cfg.run.clone(),
-                epoch,
-                node,
-                address,
-                created_unix_ms: 0,
-            };
-            super::election::follow(daemon, &record);
+            match address.parse() {
+                Ok(address) => super::election::follow(
+                    daemon,
+                    super::election::Leadership {
+                        epoch,
+                        node,
+                        address,
+                        succession: Vec::new(),
+                    },
+                ),
+                Err(_) => bail!("{node} announced an unusable address {address:?}"),
+            }
             let ack = Message::Ack {
                 ok: true,
                 reason: String::new(),

@@ -126,20 +126,25 @@ fn current(daemon: &Daemon, epoch: u64) -> bool {
 /// break).
 async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
     let run = &daemon.cfg.run;
+    if let Some(epoch) = message.leader_epoch() {
+        if !current(daemon, epoch) {
+            return false;
+        }
+    }
     match message {
         // The daemon at this address does not lead (any more): follow the one it names when
         // that is news, else keep looking (the silence counts on, and the store is asked).
         Message::NotLeader { epoch, leader } => {
-            let newer = epoch > daemon.leadership.borrow().epoch;
-            if let Some(address) = leader.filter(|_| newer) {
-                let record = lazarus_shared::format::LeaderRecord {
-                    run: run.clone(),
-                    epoch,
-                    node: String::new(),
-                    address,
-                    created_unix_ms: 0,
-                };
-                super::election::follow(daemon, &record);
+            if let Some(address) = leader.and_then(|a| a.parse().ok()) {
+                super::election::follow(
+                    daemon,
+                    super::election::Leadership {
+                        epoch,
+                        node: String::new(),
+                        address,
+                        succession: Vec::new(),
+                    },
+                );
             }
             return false;
         }
@@ -148,9 +153,6 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
             node,
             succession,
         } => {
-            if !current(daemon, epoch) {
-                return false;
-            }
             daemon.metrics.leader_epoch.set(epoch as i64);
             daemon.leadership.send_if_modified(|known| {
                 let changed =
@@ -161,55 +163,28 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                 changed
             });
         }
-        Message::LeaderBeat { epoch } => return current(daemon, epoch),
+        Message::LeaderBeat { .. } => {}
         Message::MemoryCommitted {
             run: r,
             step,
             durable,
-            epoch,
-        } if r == *run => {
-            if !current(daemon, epoch) {
-                return false;
-            }
-            pipeline::memory_committed(daemon, step, durable).await;
+            ..
+        } if r == *run => pipeline::memory_committed(daemon, step, durable).await,
+        Message::KillRanks { run: r, .. } if r == *run => {
+            process::signal_ranks(daemon, "KILL").await
         }
-        Message::KillRanks { run: r, epoch } if r == *run => {
-            if !current(daemon, epoch) {
-                return false;
-            }
-            process::signal_ranks(daemon, "KILL").await;
+        Message::StopRanks { run: r, .. } if r == *run => {
+            process::signal_ranks(daemon, "TERM").await
         }
-        Message::StopRanks { run: r, epoch } if r == *run => {
-            if !current(daemon, epoch) {
-                return false;
-            }
-            process::signal_ranks(daemon, "TERM").await;
-        }
-        Message::MakeDurable {
-            run: r,
-            step,
-            epoch,
-        } if r == *run => {
-            if !current(daemon, epoch) {
-                return false;
-            }
-            pipeline::make_durable(daemon, step).await;
+        Message::MakeDurable { run: r, step, .. } if r == *run => {
+            pipeline::make_durable(daemon, step).await
         }
         Message::UploadReplica {
-            run: r,
-            rank,
-            step,
-            epoch,
+            run: r, rank, step, ..
         } if r == *run => {
-            if !current(daemon, epoch) {
-                return false;
-            }
             tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
         }
-        Message::SetBuddy { address, epoch } => {
-            if !current(daemon, epoch) {
-                return false;
-            }
+        Message::SetBuddy { address, .. } => {
             let buddy = address.and_then(|a| a.parse().ok());
             tracing::info!(?buddy, "the supervisor set this node's buddy");
             *daemon.buddy.lock().expect("not poisoned") = buddy;
