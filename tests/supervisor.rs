@@ -7,7 +7,7 @@
 //! mpiexec.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
@@ -1238,7 +1238,7 @@ impl BatchJob {
         std::fs::write(&key_file, format!("{:064x}", rand::random::<u128>())).unwrap();
         std::fs::write(
             dir.join("ckptd.toml"),
-            "durable_every_steps = 50\ncommit_timeout_seconds = 3.0\n",
+            "durable_every_steps = 50\ncommit_timeout_seconds = 3.0\nheartbeat_timeout_seconds = 3.0\n",
         )
         .unwrap();
         // Three nodes on this machine share 127.0.0.1: node i listens on port + i.
@@ -1317,6 +1317,177 @@ impl Drop for BatchJob {
         }
         let _ = std::fs::remove_dir_all(&self.shm);
     }
+}
+
+/// A node of the local Slurm cluster whose slurmd was killed; it is started again and
+/// returned to service when this drops.
+struct SlurmdDown {
+    conf: PathBuf,
+    node: &'static str,
+}
+
+impl SlurmdDown {
+    fn kill(conf: &Path, node: &'static str) -> Self {
+        let pid_file = conf
+            .parent()
+            .unwrap()
+            .join(format!("run/slurmd-{node}.pid"));
+        let pid = std::fs::read_to_string(pid_file).unwrap();
+        assert!(kill("KILL", pid.trim()));
+        Self {
+            conf: conf.to_path_buf(),
+            node,
+        }
+    }
+}
+
+impl Drop for SlurmdDown {
+    fn drop(&mut self) {
+        let slurm = |program: &str| {
+            let mut command = Command::new(program);
+            command.env("SLURM_CONF", &self.conf);
+            command
+        };
+        let _ = slurm("slurmd").args(["-N", self.node]).status();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            let _ = slurm("scontrol")
+                .args(["update", &format!("nodename={}", self.node), "state=resume"])
+                .output();
+            let state = slurm("sinfo")
+                .args(["-h", "-N", "-n", self.node, "-o", "%t"])
+                .output()
+                .map(|o| text_of(&o))
+                .unwrap_or_default();
+            if state.trim() == "idle" {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        }
+    }
+}
+
+/// `ops/slurm/train.sbatch` loses its first node whole while training: its slurmd, the
+/// leading daemon and its rank. The next candidate leads, relaunches the world with the spare
+/// in the lost node's place, and the job completes bit for bit with exit 0.
+#[test]
+fn the_batch_job_survives_losing_its_first_node_with_the_leader() {
+    let Some((conf, _exclusive)) = lazarus_tests::exclusive_slurm_cluster() else {
+        return;
+    };
+    let (_guard, dir) = prepared();
+    let expected = reference_losses(&dir);
+    let store = format!("file://{}", dir.join("store").display());
+    let run = "first-lost";
+    let batch = BatchJob::submit(
+        &conf,
+        &dir,
+        run,
+        &store,
+        &[],
+        &[],
+        &trainer_args(&dir, run, &store),
+    );
+    let ctl = Ctl::new(store.clone(), &dir.join("index"));
+    let job_log = || std::fs::read_to_string(dir.join("job.out")).unwrap_or_default();
+    let status = Status::new(&ctl, &batch.leader(), &batch.key_file).of_run(run);
+    status.rank_pid(0, 55);
+    // The world's nodes in rank order; the one left out is the spare.
+    let launched: Vec<String> = events(&ctl, run)
+        .iter()
+        .find(|e| e["kind"] == "launch")
+        .and_then(|e| serde_json::from_value(e["nodes"].clone()).ok())
+        .expect("a launch event with its nodes");
+    let spare = ["n1", "n2", "n3"]
+        .into_iter()
+        .find(|n| !launched.iter().any(|l| l == n))
+        .expect("a spare");
+    let on_n1 = launched.iter().position(|n| n == "n1").expect("n1 trains") as u64;
+    let rank = status.rank_pid(on_n1, 0);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !ctl.committed(run).iter().any(|s| *s >= 50) {
+        assert!(Instant::now() < deadline, "no durable step\n{}", job_log());
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let before = ctl.committed(run);
+
+    // n1 dies whole: its slurmd, its daemon (the leader) and its rank.
+    let daemon = Command::new("pgrep")
+        .args(["-f", &format!("ckptd --node n1 --run {run} ")])
+        .output()
+        .unwrap();
+    let daemon = text_of(&daemon);
+    let daemon = daemon.split_whitespace().next().expect("n1's daemon runs");
+    let _n1 = SlurmdDown::kill(&conf, "n1");
+    assert!(kill("KILL", daemon));
+    assert!(kill("KILL", rank));
+    wait_for_event_or(&ctl, run, "completed", 1, job_log);
+    println!("{}", ctl.expect(0, &["events", run]));
+    let timeline = events(&ctl, run);
+    let find = |kind: &str| {
+        timeline
+            .iter()
+            .find(|e| e["kind"] == kind)
+            .unwrap_or_else(|| panic!("no {kind}: {timeline:#?}\n{}", job_log()))
+    };
+    let elected = find("elected");
+    assert!(
+        elected["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("n2 leads epoch 2"),
+        "{elected}"
+    );
+    // The spare takes n1's place; the other rank stays on its node.
+    let relaunched: Vec<String> = launched
+        .iter()
+        .map(|n| if n == "n1" { spare } else { n.as_str() }.to_string())
+        .collect();
+    let relaunch = find("relaunch");
+    assert_eq!(relaunch["epoch"], 2, "{relaunch}");
+    assert_eq!(
+        relaunch["nodes"],
+        serde_json::json!(relaunched),
+        "{relaunch}"
+    );
+    assert!(
+        relaunch["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with(&format!("srun on {}", relaunched.join(","))),
+        "{relaunch}"
+    );
+    let epochs = commit_epochs(&dir, run);
+    assert_eq!(epochs[&50], Some(1), "{epochs:?}");
+    assert_eq!(epochs[&STEPS], Some(2), "{epochs:?}");
+    nothing_lost(&dir, &ctl, run, &before, &expected);
+
+    // Every daemon left when the leader said the run was over, and the job ends as the run
+    // did: completed, exit 0, though n1's daemon was killed.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let shown = Command::new("scontrol")
+            .env("SLURM_CONF", &conf)
+            .args(["show", "job", &batch.id])
+            .output()
+            .unwrap();
+        let shown = text_of(&shown);
+        if shown.contains("JobState=COMPLETED") {
+            assert!(shown.contains("ExitCode=0:0"), "{shown}\n{}", job_log());
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the job did not end: {shown}\n{}",
+            job_log()
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    assert!(
+        job_log().contains("the run's last outcome: completed"),
+        "{}",
+        job_log()
+    );
 }
 
 /// `ops/slurm/train.sbatch` with two ranks per node and the layout from the environment

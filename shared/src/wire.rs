@@ -461,6 +461,13 @@ pub enum Message {
         #[serde(default)]
         epoch: u64,
     },
+    /// Supervision of `run` is over (completed, or `preempted` and made durable): a daemon
+    /// that exits when the run is done exits; no other takes over.
+    RunEnded {
+        run: RunId,
+        preempted: bool,
+        epoch: u64,
+    },
     Status(ClusterStatus),
     Events(Vec<Event>),
 }
@@ -476,7 +483,8 @@ impl Message {
             | Message::KillRanks { epoch, .. }
             | Message::StopRanks { epoch, .. }
             | Message::MakeDurable { epoch, .. }
-            | Message::UploadReplica { epoch, .. } => Some(*epoch),
+            | Message::UploadReplica { epoch, .. }
+            | Message::RunEnded { epoch, .. } => Some(*epoch),
             _ => None,
         }
     }

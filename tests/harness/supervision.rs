@@ -168,6 +168,13 @@ impl<'a> Status<'a> {
         }
     }
 
+    /// Finds the leader of `run` in the store when `leader` does not answer (after a
+    /// takeover).
+    pub fn of_run(mut self, run: &str) -> Self {
+        self.run = Some(run.to_string());
+        self
+    }
+
     /// The leader of `cluster`.
     pub fn of(cluster: &Cluster, ctl: &'a Ctl) -> Self {
         let mut status = Self::new(ctl, &cluster.leader(), &cluster.key_file);

@@ -250,10 +250,20 @@ pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) 
         tracing::info!(launcher = ?plan.launcher, active_nodes = plan.active_nodes, "supervising the training world");
         let (daemon, exit_when_done) = (daemon.clone(), plan.exit_when_done);
         tokio::spawn(async move {
-            let ending =
-                super::supervisor::supervise(daemon.clone(), leader, plan, takeover.is_some())
-                    .await;
-            if exit_when_done && ending != super::supervisor::Ending::Deposed {
+            let ending = super::supervisor::supervise(
+                daemon.clone(),
+                leader.clone(),
+                plan,
+                takeover.is_some(),
+            )
+            .await;
+            if ending == super::supervisor::Ending::Deposed {
+                return;
+            }
+            leader
+                .announce_end(ending == super::supervisor::Ending::Preempted)
+                .await;
+            if exit_when_done {
                 let _ = daemon.done.send(ending).await;
             }
         });
@@ -382,7 +392,7 @@ pub async fn watch(daemon: Arc<Daemon>) {
                 }
             }
         }
-        if daemon.cfg.candidate {
+        if daemon.cfg.candidate && !daemon.run_ended.load(std::sync::atomic::Ordering::SeqCst) {
             take_over(&daemon, timeout).await;
         }
     }

@@ -601,6 +601,18 @@ impl Leader {
         .await;
     }
 
+    /// Tells every connected node that supervision is over, and gives the links a moment to
+    /// carry it before this daemon exits.
+    pub async fn announce_end(&self, preempted: bool) {
+        self.push_all(Message::RunEnded {
+            run: self.cfg.run.clone(),
+            preempted,
+            epoch: self.epoch,
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+
     async fn push_all(&self, message: Message) {
         if self.deposed() {
             return;

@@ -66,6 +66,8 @@ pub struct Daemon {
     pub last_from_leader: std::sync::Mutex<std::time::Instant>,
     /// How supervision ended, for a daemon that exits when it is done.
     pub done: mpsc::Sender<supervisor::Ending>,
+    /// The leader said supervision is over (`RunEnded`): no candidate takes over any more.
+    pub run_ended: std::sync::atomic::AtomicBool,
     /// Where snapshots are replicated: the configured buddy, until the supervisor pairs
     /// the nodes otherwise.
     pub buddy: std::sync::Mutex<Option<std::net::SocketAddr>>,
@@ -204,6 +206,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         leadership: tokio::sync::watch::Sender::new(following),
         last_from_leader: std::sync::Mutex::new(std::time::Instant::now()),
         done: done_tx,
+        run_ended: std::sync::atomic::AtomicBool::new(false),
         leader: std::sync::RwLock::new(None),
         metrics,
         exit_watched: Default::default(),

@@ -84,6 +84,11 @@ pub async fn supervise(
         .filter_map(|e| e.detail.split_whitespace().next().map(String::from))
         .collect();
     drained.dedup();
+    // The lost leader saw the run complete (it died before its nodes heard): nothing is left
+    // to supervise.
+    if took_over && history.last().is_some_and(|e| e.kind == "completed") {
+        return Ending::Completed;
+    }
     let mut target = plan.active_nodes;
     let mut active: Vec<String> = Vec::new();
     let mut adopted = None;
@@ -535,13 +540,23 @@ fn launch(
                 .first()
                 .map(|first| socket_template(&socket(first), first))
                 .unwrap_or_default();
+            // Each rank on the node of its place, in rank order: Slurm lays out a plain
+            // node list in its own order, an arbitrary distribution in the list's.
+            let places: Vec<&str> = active
+                .iter()
+                .flat_map(|node| std::iter::repeat_n(node.as_str(), plan.ranks_per_node))
+                .collect();
             let mut command = Command::new("srun");
             command
-                .arg(format!("--nodelist={}", active.join(",")))
+                .arg(format!("--nodelist={}", places.join(",")))
                 .arg(format!("--nodes={}", active.len()))
-                .arg(format!("--ntasks={}", active.len() * plan.ranks_per_node))
+                .arg(format!("--ntasks={}", places.len()))
                 .arg(format!("--ntasks-per-node={}", plan.ranks_per_node))
-                .args(["--distribution=block", "--mpi=pmi2", "--kill-on-bad-exit=1"])
+                .args([
+                    "--distribution=arbitrary",
+                    "--mpi=pmi2",
+                    "--kill-on-bad-exit=1",
+                ])
                 .arg(format!("--job-name=lazarus-{}", daemon.cfg.run))
                 .env("LAZARUS_CKPTD_SOCKET", template)
                 .arg(&plan.trainer)

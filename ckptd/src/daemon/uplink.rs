@@ -184,6 +184,27 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
         } if r == *run => {
             tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
         }
+        Message::RunEnded {
+            run: r, preempted, ..
+        } if r == *run => {
+            tracing::info!(preempted, "the leader says supervision of the run is over");
+            daemon
+                .run_ended
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            if daemon
+                .cfg
+                .supervision
+                .as_ref()
+                .is_some_and(|plan| plan.exit_when_done)
+            {
+                let ending = if preempted {
+                    super::supervisor::Ending::Preempted
+                } else {
+                    super::supervisor::Ending::Completed
+                };
+                let _ = daemon.done.try_send(ending);
+            }
+        }
         Message::SetBuddy { address, .. } => {
             let buddy = address.and_then(|a| a.parse().ok());
             tracing::info!(?buddy, "the supervisor set this node's buddy");
@@ -328,13 +349,18 @@ mod tests {
     use super::pushed;
     use crate::daemon::election::Leadership;
     use crate::daemon::metrics::{Cause, Metrics};
+    use crate::daemon::supervisor::Ending;
     use crate::daemon::{Cli, Config, Daemon};
 
-    /// A daemon that follows leadership epoch 3, with nothing running.
-    async fn follower(dir: &std::path::Path) -> Arc<Daemon> {
+    /// A daemon that follows leadership epoch 3, with nothing running, and what it sends when
+    /// it is done (with `flags` that make it exit when the run is over).
+    async fn follower(
+        dir: &std::path::Path,
+        flags: &[&str],
+    ) -> (Arc<Daemon>, tokio::sync::mpsc::Receiver<Ending>) {
         let shm = dir.join("shm");
         let socket = dir.join("n2.sock");
-        let cli = Cli::parse_from([
+        let base = [
             "ckptd",
             "--node",
             "n2",
@@ -352,7 +378,8 @@ mod tests {
             "127.0.0.1:7001",
             "--key-file",
             "/unused",
-        ]);
+        ];
+        let cli = Cli::parse_from(base.iter().chain(flags));
         let cfg = Config::resolve(&cli).unwrap();
         let store = Store::open(
             "memory://",
@@ -362,8 +389,8 @@ mod tests {
         .await
         .unwrap();
         let (to_leader, _) = tokio::sync::mpsc::unbounded_channel();
-        let (done, _) = tokio::sync::mpsc::channel(1);
-        Arc::new(Daemon {
+        let (done, ended) = tokio::sync::mpsc::channel(1);
+        let daemon = Arc::new(Daemon {
             key: JobKey::derive(b"test"),
             run: store.run(&cfg.run),
             ranks: Default::default(),
@@ -377,19 +404,21 @@ mod tests {
             }),
             last_from_leader: std::sync::Mutex::new(std::time::Instant::now()),
             done,
+            run_ended: Default::default(),
             buddy: std::sync::Mutex::new(None),
             leader: std::sync::RwLock::new(None),
             metrics: Arc::new(Metrics::new()),
             exit_watched: Default::default(),
             heartbeat_now: tokio::sync::Notify::new(),
             cfg,
-        })
+        });
+        (daemon, ended)
     }
 
     #[tokio::test]
     async fn orders_of_an_older_epoch_are_refused_counted_and_end_the_link() {
         let dir = tempfile::tempdir().unwrap();
-        let daemon = follower(dir.path()).await;
+        let (daemon, _) = follower(dir.path(), &[]).await;
         let refused = || {
             daemon
                 .metrics
@@ -430,5 +459,35 @@ mod tests {
         assert_eq!(daemon.leadership.borrow().epoch, 4);
         assert!(!pushed(&daemon, set_buddy(3)).await);
         assert_eq!(refused(), 4);
+    }
+
+    #[tokio::test]
+    async fn the_end_of_the_run_ends_a_follower_that_exits_when_done_and_no_one_takes_over() {
+        let dir = tempfile::tempdir().unwrap();
+        let flags = [
+            "--leader-candidate",
+            "--supervise",
+            "srun",
+            "--trainer",
+            "/unused/trainer",
+            "--active-nodes",
+            "1",
+            "--exit-when-done",
+            "--trainer-arg=train",
+        ];
+        let (daemon, mut ended) = follower(dir.path(), &flags).await;
+        let run_ended = |epoch| Message::RunEnded {
+            run: daemon.cfg.run.clone(),
+            preempted: true,
+            epoch,
+        };
+        // A deposed leader cannot end the run.
+        assert!(!pushed(&daemon, run_ended(2)).await);
+        assert!(ended.try_recv().is_err());
+        assert!(!daemon.run_ended.load(std::sync::atomic::Ordering::SeqCst));
+        // The current one can: this daemon exits, and it will not take over.
+        assert!(pushed(&daemon, run_ended(3)).await);
+        assert_eq!(ended.try_recv().ok(), Some(Ending::Preempted));
+        assert!(daemon.run_ended.load(std::sync::atomic::Ordering::SeqCst));
     }
 }
