@@ -13,6 +13,7 @@ mod gc_race;
 mod interop;
 mod learning;
 mod mpi;
+mod scale;
 mod slurm;
 mod supervisor;
 mod trainer;

@@ -468,7 +468,12 @@ pub enum Message {
         preempted: bool,
         epoch: u64,
     },
-    Status(ClusterStatus),
+    /// The answer to `StatusRequest`: a [`ClusterStatus`] as zstd-compressed JSON of
+    /// `json_bytes` in the payload ([`pack_status`]), since a large cluster's status does not
+    /// fit a header.
+    Status {
+        json_bytes: u64,
+    },
     Events(Vec<Event>),
 }
 
@@ -488,6 +493,29 @@ impl Message {
             _ => None,
         }
     }
+}
+
+/// A leader's status as a `Status` message and its payload.
+pub fn pack_status(status: &ClusterStatus) -> (Message, Vec<u8>) {
+    let json = serde_json::to_vec(status).expect("a status serialises");
+    let packed = zstd::bulk::compress(&json, 3).expect("compressing in memory");
+    (
+        Message::Status {
+            json_bytes: json.len() as u64,
+        },
+        packed,
+    )
+}
+
+/// The status a `Status` message's payload holds.
+pub fn unpack_status(json_bytes: u64, payload: &[u8]) -> Result<ClusterStatus, WireError> {
+    let limit = usize::try_from(json_bytes)
+        .ok()
+        .filter(|n| *n <= 64 * PAYLOAD_MAX)
+        .ok_or_else(|| WireError::Malformed(format!("a status of {json_bytes} bytes")))?;
+    let json = zstd::bulk::decompress(payload, limit)
+        .map_err(|e| WireError::Malformed(format!("status payload: {e}")))?;
+    serde_json::from_slice(&json).map_err(|e| WireError::Malformed(format!("status JSON: {e}")))
 }
 
 /// One rank in a node's heartbeat.

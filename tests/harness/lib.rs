@@ -10,6 +10,7 @@ pub mod cluster;
 pub mod deadline;
 pub mod relay;
 pub mod runbook;
+pub mod scale;
 pub mod supervision;
 pub mod toy;
 pub mod train;

@@ -168,7 +168,7 @@ async fn status(
     run: Option<&str>,
     key_file: &std::path::Path,
 ) -> Result<()> {
-    use lazarus_shared::wire::{JobKey, Message};
+    use lazarus_shared::wire::{self, JobKey, Message};
     let key = JobKey::from_file(key_file).map_err(|e| UsageError(e.to_string()))?;
     if leader.is_none() && run.is_none() {
         return Err(UsageError(
@@ -204,18 +204,26 @@ async fn status(
             }
         };
         asked.push(address);
-        match crate::daemon::framing::request(&key, address, &Message::StatusRequest).await {
-            Ok(Message::Status(status)) => break status,
-            Ok(Message::NotLeader {
-                leader: Some(other),
-                ..
-            }) => {
+        let answer = crate::daemon::framing::request_frame(&key, address, &Message::StatusRequest)
+            .await
+            .map(|frame| (frame.message, frame.payload));
+        match answer {
+            Ok((Message::Status { json_bytes }, payload)) => {
+                break wire::unpack_status(json_bytes, &payload)?;
+            }
+            Ok((
+                Message::NotLeader {
+                    leader: Some(other),
+                    ..
+                },
+                _,
+            )) => {
                 let other: std::net::SocketAddr = other.parse()?;
                 if !asked.contains(&other) {
                     next = Some(other);
                 }
             }
-            Ok(other) => bail!("the daemon at {address} answered {other:?}"),
+            Ok((other, _)) => bail!("the daemon at {address} answered {other:?}"),
             Err(error) if run.is_some() => {
                 tracing::warn!(%address, error = %format!("{error:#}"), "no answer; looking the leader up in the store");
             }

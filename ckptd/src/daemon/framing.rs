@@ -80,7 +80,12 @@ pub async fn write(
 
 /// One request to `to` and its answer, on a connection of their own.
 pub async fn request(key: &JobKey, to: SocketAddr, message: &Message) -> Result<Message> {
+    Ok(request_frame(key, to, message).await?.message)
+}
+
+/// [`request`], with the answer's payload.
+pub async fn request_frame(key: &JobKey, to: SocketAddr, message: &Message) -> Result<Frame> {
     let mut stream = connect(to, "daemon").await?;
     write(key, &mut stream, message, &[]).await?;
-    Ok(read(key, &mut stream).await?.message)
+    read(key, &mut stream).await
 }

@@ -127,7 +127,13 @@ struct State {
     succession_told: bool,
     /// Node connections so far (each node's newest one is the one that counts).
     sessions: u64,
+    /// When the ranks were last compared for stragglers (a pass over all of them, so not
+    /// on every one of thousands of heartbeats a second).
+    stragglers_checked: Option<Instant>,
 }
+
+/// How often the leader compares the ranks' compute times for stragglers.
+const STRAGGLER_CHECK: Duration = Duration::from_millis(500);
 
 /// Most successors a leader names: enough for several losses in a row, and a `Leading`
 /// frame stays small however many nodes the job has.
@@ -184,6 +190,7 @@ impl Leader {
                 succession: Vec::new(),
                 succession_told: true,
                 sessions: 0,
+                stragglers_checked: None,
             }),
             events: Mutex::new((Vec::new(), 0)),
             events_unstored: Arc::default(),
@@ -1026,7 +1033,13 @@ impl Leader {
                         }
                     }
                 }
-                self.find_stragglers(&mut state);
+                if state
+                    .stragglers_checked
+                    .is_none_or(|at| at.elapsed() >= STRAGGLER_CHECK)
+                {
+                    state.stragglers_checked = Some(Instant::now());
+                    self.find_stragglers(&mut state);
+                }
             }
             other => bail!("unexpected {other:?} from node {node}"),
         }

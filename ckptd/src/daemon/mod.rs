@@ -99,6 +99,19 @@ impl Daemon {
     }
 }
 
+/// The daemon's TCP listener, with room for a whole cluster's nodes connecting at once
+/// (a leader of thousands of nodes; the kernel caps it at `somaxconn`).
+fn listen(address: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if address.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(address)?;
+    socket.listen(8192)
+}
+
 /// Exit codes: 0 stopped by a signal, 1 a runtime failure, 2 bad configuration.
 pub fn main(cli: Cli) -> ExitCode {
     let cfg = match Config::resolve(&cli) {
@@ -180,8 +193,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     let start = election::start(&cfg, &run).await?;
     // The sockets are bound last: once they accept, the daemon is ready (a leader has read
     // the store above), which is what nodes, ranks and operators take a connection to mean.
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
+    let listener = listen(cfg.listen)
         .map_err(|e| ConfigError(format!("cannot listen on {}: {e}", cfg.listen)))?;
     let unix = local::bind_socket(&cfg)?;
     let following = match &start {

@@ -161,11 +161,11 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             framing::write(&daemon.key, &mut stream, &reply, &[]).await
         }
         Message::StatusRequest => {
-            let reply = match daemon.leader() {
-                Some(leader) => Message::Status(leader.status().await),
-                None => not_leader(daemon),
+            let (reply, payload) = match daemon.leader() {
+                Some(leader) => wire::pack_status(&leader.status().await),
+                None => (not_leader(daemon), Vec::new()),
             };
-            framing::write(&daemon.key, &mut stream, &reply, &[]).await
+            framing::write(&daemon.key, &mut stream, &reply, &payload).await
         }
         other => bail!("unexpected first message {other:?}"),
     }

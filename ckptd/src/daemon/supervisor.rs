@@ -257,11 +257,18 @@ pub async fn supervise(
 /// there: the nodes' hellos list them, and each rank re-registers with its restarted daemon.
 async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
     let grace = Duration::from_secs_f64((2.0 * plan.heartbeat_timeout_seconds).max(3.0));
-    let started = Instant::now();
+    // The grace runs from the last rank that registered: thousands of nodes reconnecting
+    // take longer than a few, and a world still arriving is not a partial one.
+    let mut started = Instant::now();
+    let mut seen = 0;
     loop {
         let (ranks, _) = leader.view().await;
         let world = leader.world_size().await as usize;
         let live: Vec<_> = ranks.iter().filter(|r| r.alive).collect();
+        if live.len() > seen {
+            seen = live.len();
+            started = Instant::now();
+        }
         if world > 0 && live.len() == world {
             let mut nodes: Vec<String> = Vec::new();
             for rank in &live {

@@ -1,0 +1,60 @@
+//! Scale benchmark: the real leader (`ckptd --lead`, supervising an adopted world) against N
+//! simulated nodes of 8 ranks each, speaking the real wire protocol from tasks of this one
+//! process (`lazarus_tests::scale`). Prints one table: per N, the memory-commit latency
+//! from a step's last report to each node's receipt (p50, p99), the time from a node's last
+//! frame to the leader declaring it lost (heartbeat timeout 1.5 s), the leader's CPU seconds
+//! per step at one step per second, its resident memory (now and peak), the bytes per
+//! second into and out of the leader, and `ckptctl status` time and size.
+//!
+//! `LAZARUS_BENCH_NODES` (default 64,256,1024,4096) sets the sizes, `LAZARUS_BENCH_STEPS`
+//! (default 20) the steps of each.
+//!
+//! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench scale
+
+// A benchmark program: a panic with its message is the failure report.
+#![allow(clippy::unwrap_used)]
+
+use std::time::Duration;
+
+use lazarus_tests::scale::{self, Figures, Load};
+
+fn main() {
+    let sizes: Vec<usize> = std::env::var("LAZARUS_BENCH_NODES")
+        .unwrap_or_else(|_| "64,256,1024,4096".into())
+        .split(',')
+        .map(|n| n.trim().parse().expect("LAZARUS_BENCH_NODES: node counts"))
+        .collect();
+    let steps: u64 = std::env::var("LAZARUS_BENCH_STEPS")
+        .ok()
+        .map_or(20, |s| s.parse().expect("LAZARUS_BENCH_STEPS: a count"));
+    println!("{}", Figures::header());
+    let mut rows: Vec<Figures> = Vec::new();
+    for nodes in sizes {
+        let dir = tempfile::tempdir().unwrap();
+        let load = Load::new(nodes, 8).steps(steps, Duration::from_secs(1));
+        let figures = scale::run(dir.path(), &load).unwrap();
+        let faults = figures.commit_faults();
+        assert!(
+            faults.is_empty(),
+            "steps not committed exactly once on every node: {faults:?}"
+        );
+        println!("{}", figures.row());
+        rows.push(figures);
+    }
+    // How each figure grows with N: the ratio per N-fold step from the smallest size.
+    if let (Some(first), Some(last)) = (rows.first(), rows.last()) {
+        let n = last.load.nodes as f64 / first.load.nodes as f64;
+        let growth = |a: f64, b: f64| if a > 0.0 { b / a } else { f64::NAN };
+        println!(
+            "\nfrom {} to {} nodes ({n:.0}x): commit p99 {:.1}x, cpu/step {:.1}x, rss {:.1}x, bytes in {:.1}x, status time {:.1}x, status size {:.1}x",
+            first.load.nodes,
+            last.load.nodes,
+            growth(first.commit_ms.p99, last.commit_ms.p99),
+            growth(first.leader_cpu_per_step, last.leader_cpu_per_step),
+            growth(first.leader_rss_mib, last.leader_rss_mib),
+            growth(first.bytes_in_per_s, last.bytes_in_per_s),
+            growth(first.status_ms, last.status_ms),
+            growth(first.status_bytes as f64, last.status_bytes as f64),
+        );
+    }
+}
