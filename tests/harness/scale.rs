@@ -346,7 +346,7 @@ async fn node(shared: Arc<Shared>, index: usize, address: String) -> Result<()> 
             run: shared.run.clone(),
             rank: *rank,
             world_size: load.world_size(),
-            pid: 1_000_000 + rank,
+            pid: fake_pid(*rank),
         }));
     }
     // Connected once the leader's first frame came back; a node retries as the daemon's
@@ -433,7 +433,7 @@ async fn node(shared: Arc<Shared>, index: usize, address: String) -> Result<()> 
                             .iter()
                             .map(|rank| RankBeat {
                                 rank: *rank,
-                                pid: 1_000_000 + rank,
+                                pid: fake_pid(*rank),
                                 step: reported,
                                 seen_ms_ago: 0,
                                 compute_us: 900_000,
@@ -450,6 +450,11 @@ async fn node(shared: Arc<Shared>, index: usize, address: String) -> Result<()> 
     .await;
     receiver.abort();
     result
+}
+
+/// The process id a simulated rank reports (no such process runs).
+fn fake_pid(rank: u32) -> u32 {
+    1_000_000 + rank
 }
 
 fn node_name(index: usize) -> String {
