@@ -722,6 +722,11 @@ fn three_candidates(dir: &Path, run: &str, relayed: bool) -> (Cluster, Ctl) {
 /// steps then, which no failure may lose.
 fn past_first_durable(cluster: &Cluster, ctl: &Ctl, run: &str) -> Vec<u64> {
     rank_pid(cluster, ctl, 0, 55);
+    first_durable(ctl, run)
+}
+
+/// Waits until a step at or past 50 is durable; the committed steps then.
+fn first_durable(ctl: &Ctl, run: &str) -> Vec<u64> {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let committed = ctl.committed(run);
@@ -1291,6 +1296,39 @@ impl BatchJob {
     fn leader(&self) -> String {
         format!("127.0.0.1:{}", self.ports)
     }
+
+    /// What `scontrol show job` says of the job.
+    fn shown(&self) -> String {
+        let output = Command::new("scontrol")
+            .env("SLURM_CONF", &self.conf)
+            .args(["show", "job", &self.id])
+            .output()
+            .unwrap();
+        text_of(&output)
+    }
+
+    /// Waits (up to 60 s) until `scontrol show job` satisfies `reached`; what it said then.
+    /// Fails saying the job is `not_yet`, with the job's log.
+    fn wait_until(
+        &self,
+        reached: impl Fn(&str) -> bool,
+        not_yet: &str,
+        job_log: impl Fn() -> String,
+    ) -> String {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let shown = self.shown();
+            if reached(&shown) {
+                return shown;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{not_yet}: {shown}\n{}",
+                job_log()
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
 }
 
 impl Drop for BatchJob {
@@ -1404,12 +1442,7 @@ fn the_batch_job_survives_losing_its_first_node_with_the_leader() {
         .expect("a spare");
     let on_n1 = launched.iter().position(|n| n == "n1").expect("n1 trains") as u64;
     let rank = status.rank_pid(on_n1, 0);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !ctl.committed(run).iter().any(|s| *s >= 50) {
-        assert!(Instant::now() < deadline, "no durable step\n{}", job_log());
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let before = ctl.committed(run);
+    let before = first_durable(&ctl, run);
 
     // n1 dies whole: its slurmd, its daemon (the leader) and its rank.
     let daemon = Command::new("pgrep")
@@ -1464,25 +1497,12 @@ fn the_batch_job_survives_losing_its_first_node_with_the_leader() {
 
     // Every daemon left when the leader said the run was over, and the job ends as the run
     // did: completed, exit 0, though n1's daemon was killed.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let shown = Command::new("scontrol")
-            .env("SLURM_CONF", &conf)
-            .args(["show", "job", &batch.id])
-            .output()
-            .unwrap();
-        let shown = text_of(&shown);
-        if shown.contains("JobState=COMPLETED") {
-            assert!(shown.contains("ExitCode=0:0"), "{shown}\n{}", job_log());
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the job did not end: {shown}\n{}",
-            job_log()
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    let shown = batch.wait_until(
+        |shown| shown.contains("JobState=COMPLETED"),
+        "the job did not end",
+        job_log,
+    );
+    assert!(shown.contains("ExitCode=0:0"), "{shown}\n{}", job_log());
     assert!(
         job_log().contains("the run's last outcome: completed"),
         "{}",
@@ -1542,11 +1562,6 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
     let (_guard, dir) = prepared();
     let expected = reference_losses(&dir);
     let store = format!("file://{}", dir.join("store").display());
-    let slurm = |program: &str| {
-        let mut command = Command::new(program);
-        command.env("SLURM_CONF", &conf);
-        command
-    };
     // The layout from the environment (the reference's: one rank per node, data parallel,
     // one micro-batch), through the script's flags.
     let batch = BatchJob::submit(
@@ -1601,23 +1616,11 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
     assert!(ctl.committed("preempted").contains(&step));
 
     // The job requeues itself.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let shown = slurm("scontrol")
-            .args(["show", "job", &job])
-            .output()
-            .unwrap();
-        let shown = text_of(&shown);
-        if shown.contains("Restarts=1") && shown.contains("JobState=PENDING") {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not requeued: {shown}\n{}",
-            job_log()
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    batch.wait_until(
+        |shown| shown.contains("Restarts=1") && shown.contains("JobState=PENDING"),
+        "not requeued",
+        job_log,
+    );
     let confirmed = runbook.run("Confirm", &env);
     assert!(
         confirmed.contains(&format!("step {step} is durable")),
@@ -1633,13 +1636,9 @@ fn preemption_makes_the_newest_step_durable_and_the_requeued_job_resumes() {
         2,
         Duration::from_secs(400),
         || {
-            let shown = slurm("scontrol")
-                .args(["show", "job", &job])
-                .output()
-                .unwrap();
             format!(
                 "the requeued job did not resume: {}\n{}",
-                text_of(&shown),
+                batch.shown(),
                 job_log()
             )
         },

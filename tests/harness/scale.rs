@@ -547,22 +547,21 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         )));
     }
     // Every node registered, and the leader knows every rank.
-    let status = || {
-        Command::new(bin("ckptctl"))
-            .args([
-                "--json",
-                "status",
-                "--leader",
-                &leader.address,
-                "--key-file",
-            ])
-            .arg(&leader.key_file)
-            .output()
+    // `ckptctl status` against the leader, as text or JSON.
+    let status = |json: bool| {
+        let mut command = Command::new(bin("ckptctl"));
+        if json {
+            command.arg("--json");
+        }
+        command
+            .args(["status", "--leader", &leader.address, "--key-file"])
+            .arg(&leader.key_file);
+        tokio::task::block_in_place(|| command.output())
     };
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         if shared.registered.load(Ordering::SeqCst) == load.nodes as u64 {
-            let output = tokio::task::block_in_place(status)?;
+            let output = status(true)?;
             let json: serde_json::Value =
                 serde_json::from_slice(&output.stdout).unwrap_or_default();
             let known = json["runs"][0]["ranks"].as_array().map_or(0, |r| r.len());
@@ -633,12 +632,7 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
     }
 
     let timed = Instant::now();
-    let output = tokio::task::block_in_place(|| {
-        Command::new(bin("ckptctl"))
-            .args(["status", "--leader", &leader.address, "--key-file"])
-            .arg(&leader.key_file)
-            .output()
-    })?;
+    let output = status(false)?;
     let status_ms = timed.elapsed().as_secs_f64() * 1e3;
     if !output.status.success() {
         bail!(
@@ -647,7 +641,7 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         );
     }
     let status_bytes = output.stdout.len();
-    let status_json_bytes = tokio::task::block_in_place(status)?.stdout.len();
+    let status_json_bytes = status(true)?.stdout.len();
     let leader_rss_mib = status_mib(leader.pid(), "VmRSS:")?;
     let leader_peak_rss_mib = status_mib(leader.pid(), "VmHWM:")?;
 
