@@ -9,6 +9,15 @@
 //! `LAZARUS_BENCH_NODES` (default 64,256,1024,4096) sets the sizes, `LAZARUS_BENCH_STEPS`
 //! (default 20) the steps of each.
 //!
+//! Then the store at that scale (`lazarus_tests::store_scale`), in time and requests to the
+//! backend, on a `file://` store and on a real S3 server (`LAZARUS_BENCH_BACKENDS`, default
+//! `file,s3`): committing a step of `LAZARUS_BENCH_MANIFESTS` (default
+//! 32,768) shard manifests and opening it; `latest` and the catalog (`ckptctl list`) over
+//! `LAZARUS_BENCH_HISTORY` (default 10,000) steps of 8 ranks; gc over `LAZARUS_BENCH_CHUNKS`
+//! (default 1,000,000) chunks in 1,000 steps, keeping the newest 100 (on `file://` only:
+//! the S3 test server's listing walks every object for each page).
+//! `LAZARUS_BENCH_PARTS` (default `leader,store`) picks the parts.
+//!
 //! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench scale
 
 // A benchmark program: a panic with its message is the failure report.
@@ -17,8 +26,73 @@
 use std::time::Duration;
 
 use lazarus_tests::scale::{self, Figures, Load};
+use lazarus_tests::store_scale::{self, Backend, Measured};
+use lazarus_tests::S3Server;
+
+fn setting(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .map_or(default, |v| v.parse().expect("a count"))
+}
 
 fn main() {
+    let parts = std::env::var("LAZARUS_BENCH_PARTS").unwrap_or_else(|_| "leader,store".into());
+    if parts.contains("leader") {
+        leader();
+    }
+    if parts.contains("store") {
+        store();
+    }
+}
+
+fn store() {
+    let manifests = setting("LAZARUS_BENCH_MANIFESTS", 32_768) as u32;
+    let history = setting("LAZARUS_BENCH_HISTORY", 10_000);
+    let chunks = setting("LAZARUS_BENCH_CHUNKS", 1_000_000);
+    let backends = std::env::var("LAZARUS_BENCH_BACKENDS").unwrap_or_else(|_| "file,s3".into());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    for name in backends.split(',') {
+        let dir = tempfile::tempdir().unwrap();
+        let server;
+        let backend = match name.trim() {
+            "file" => Backend::File(dir.path()),
+            "s3" => {
+                server = S3Server::start();
+                Backend::S3(&server)
+            }
+            other => panic!("LAZARUS_BENCH_BACKENDS: {other} is not file or s3"),
+        };
+        println!("\nthe store at scale on {name} (requests as S3 would count them):");
+        println!("{}", Measured::header());
+        let show = |figures: Vec<Measured>| {
+            for figure in figures {
+                println!("{}", figure.row());
+            }
+        };
+        show(
+            runtime
+                .block_on(store_scale::commit(backend, manifests))
+                .unwrap(),
+        );
+        show(
+            runtime
+                .block_on(store_scale::history(backend, history, 8))
+                .unwrap(),
+        );
+        if let Backend::S3(_) = backend {
+            // s3s-fs walks every object of the bucket for each page of a listing.
+            println!("gc: not measured on s3s-fs, whose listing walks every object per page");
+        } else {
+            show(
+                runtime
+                    .block_on(store_scale::gc(backend, chunks, 1000))
+                    .unwrap(),
+            );
+        }
+    }
+}
+
+fn leader() {
     let sizes: Vec<usize> = std::env::var("LAZARUS_BENCH_NODES")
         .unwrap_or_else(|_| "64,256,1024,4096".into())
         .split(',')

@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 
+use futures::stream::{self, StreamExt};
 use serde::Serialize;
 
 use super::{layout, now_unix_ms, RunStore};
@@ -106,17 +107,39 @@ impl RunStore {
         Ok(self.rollbacks().await?.last().map_or(0, |r| r.seq))
     }
 
+    async fn load_commit_of(&self, step: StepKey) -> (StepKey, Result<CommitRecord, StoreError>) {
+        (step, self.load_commit(step).await)
+    }
+
+    async fn list_step(
+        &self,
+        step: StepKey,
+    ) -> (StepKey, Result<Vec<object_store::ObjectMeta>, StoreError>) {
+        let listing = self.store.list(&layout::shard_dir(&self.run, step)).await;
+        (step, listing)
+    }
+
     pub async fn catalog(&self) -> Result<Catalog, StoreError> {
         self.info().await?;
         let rollbacks = self.rollbacks().await?;
-        let mut steps: BTreeMap<StepKey, StepStatus> = BTreeMap::new();
-        for meta in self.store.list(&layout::commits_prefix(&self.run)).await? {
-            let Some(step) =
+        let committed: Vec<StepKey> = self
+            .store
+            .list(&layout::commits_prefix(&self.run))
+            .await?
+            .iter()
+            .filter_map(|meta| {
                 layout::file_stem(&meta.location, ".json").and_then(StepKey::parse_object_name)
-            else {
-                continue;
-            };
-            let status = match self.load_commit(step).await {
+            })
+            .collect();
+        // Commit records read concurrently: a long run has tens of thousands.
+        let loaded = stream::iter(committed)
+            .map(|step| self.load_commit_of(step))
+            .buffered(self.store.options.metadata_concurrency.max(1))
+            .collect::<Vec<_>>()
+            .await;
+        let mut steps: BTreeMap<StepKey, StepStatus> = BTreeMap::new();
+        for (step, loaded) in loaded {
+            let status = match loaded {
                 Ok(record) => StepStatus {
                     step,
                     state: match rollbacks.iter().find(|r| r.hides(step)) {
@@ -142,23 +165,48 @@ impl RunStore {
             };
             steps.insert(step, status);
         }
-        for meta in self.store.list(&layout::shards_prefix(&self.run)).await? {
-            let Some((step, rank)) = layout::parse_shard(&meta.location) else {
-                continue;
-            };
-            let status = steps.entry(step).or_insert_with(|| StepStatus {
-                step,
-                state: StepState::Incomplete {
-                    ranks_present: Vec::new(),
-                },
-                world_size: None,
-                raw_bytes: 0,
-                uploaded_bytes: 0,
-                created_unix_ms: Some(meta.last_modified.timestamp_millis().max(0) as u64),
-            });
-            if let StepState::Incomplete { ranks_present } = &mut status.state {
+        // Steps with manifests but no commit record are incomplete. Their folders come from
+        // one delimited listing (a page per 1,000 steps); only theirs are listed for the ranks
+        // present, not the manifests of every committed step.
+        let uncommitted: Vec<StepKey> = self
+            .store
+            .list_folders(&layout::shards_prefix(&self.run))
+            .await?
+            .iter()
+            .filter_map(|folder| StepKey::parse_object_name(folder.filename()?))
+            .filter(|step| !steps.contains_key(step))
+            .collect();
+        let listed = stream::iter(uncommitted)
+            .map(|step| self.list_step(step))
+            .buffered(self.store.options.metadata_concurrency.max(1))
+            .collect::<Vec<_>>()
+            .await;
+        for (step, listing) in listed {
+            let mut ranks_present = Vec::new();
+            let mut created_unix_ms = None;
+            for meta in listing? {
+                let Some((_, rank)) = layout::parse_shard(&meta.location) else {
+                    continue;
+                };
                 ranks_present.push(rank);
+                created_unix_ms.get_or_insert(meta.last_modified.timestamp_millis().max(0) as u64);
             }
+            // A folder emptied by gc is not a step.
+            if ranks_present.is_empty() {
+                continue;
+            }
+            ranks_present.sort_unstable();
+            steps.insert(
+                step,
+                StepStatus {
+                    step,
+                    state: StepState::Incomplete { ranks_present },
+                    world_size: None,
+                    raw_bytes: 0,
+                    uploaded_bytes: 0,
+                    created_unix_ms,
+                },
+            );
         }
         let latest = steps
             .values()

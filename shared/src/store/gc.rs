@@ -22,9 +22,16 @@ use super::{layout, now_unix_ms, Progress, RunStore, StepState};
 use crate::error::StoreError;
 use crate::format::ShardManifest;
 use crate::hash::ChunkHash;
-use crate::ids::StepKey;
+use crate::ids::{Rank, StepKey};
 
 pub(crate) const GC_LOCK: &str = "gc";
+
+/// Steps whose manifests are read, or which are deleted, at once.
+const STEPS_AT_ONCE: usize = 8;
+/// Chunks deleted in one request where the backend takes many (S3 takes up to 1,000).
+const DELETE_BATCH: usize = super::DELETE_BATCH_OBJECTS as usize;
+/// Batches of chunks being deleted at once.
+const BATCHES_AT_ONCE: usize = 4;
 
 #[derive(Clone, Debug)]
 pub struct GcPolicy {
@@ -124,8 +131,12 @@ impl RunStore {
         }
         // Everything retained manifests reference, bases included.
         let mut referenced: HashSet<ChunkHash> = HashSet::new();
-        for (step, _) in &retained_manifests {
-            for manifest in self.manifests_of(*step).await? {
+        let retained: Vec<StepKey> = retained_manifests.iter().map(|(step, _)| *step).collect();
+        let mut manifests = stream::iter(retained)
+            .map(|step| self.manifests_of(step))
+            .buffered(STEPS_AT_ONCE);
+        while let Some(manifests) = manifests.next().await {
+            for manifest in manifests? {
                 for chunk in manifest.chunk_refs() {
                     referenced.insert(chunk.hash);
                     referenced.extend(chunk.bases.iter().copied());
@@ -133,25 +144,17 @@ impl RunStore {
             }
         }
         if !policy.dry_run {
-            for step in report
+            let dropped: Vec<StepKey> = report
                 .deleted_steps
                 .iter()
                 .chain(&report.deleted_incomplete)
-            {
-                self.store.delete(&layout::commit(&self.run, *step)).await?;
-                for meta in self
-                    .store
-                    .list(&layout::shard_dir(&self.run, *step))
-                    .await?
-                {
-                    if let (Some(index), Some((step, rank))) =
-                        (self.store.index(), layout::parse_shard(&meta.location))
-                    {
-                        index.remove_manifest(&self.run, step, rank)?;
-                    }
-                    self.store.delete(&meta.location).await?;
-                }
-            }
+                .copied()
+                .collect();
+            stream::iter(dropped)
+                .map(|step| self.delete_step(step))
+                .buffer_unordered(STEPS_AT_ONCE)
+                .try_collect::<()>()
+                .await?;
         }
         let chunks = self.store.list(&layout::chunks_prefix(&self.run)).await?;
         let mut doomed = Vec::new();
@@ -171,23 +174,14 @@ impl RunStore {
         report.deleted_chunks = doomed.len() as u64;
         progress.set_total(doomed.len() as u64);
         if !policy.dry_run {
-            let lock_margin_ms = 30_000.min(self.store.options.lock_ttl_ms / 4);
-            stream::iter(doomed)
-                .map(|(hash, path)| async move {
-                    if !lock.is_valid(lock_margin_ms) {
-                        return Err(StoreError::BadRequest {
-                            reason: "gc lock is about to expire; stopping (run gc again to finish)"
-                                .into(),
-                        });
-                    }
-                    self.store.delete(&path).await?;
-                    if let Some(index) = self.store.index() {
-                        index.remove_chunk(&self.run, &hash)?;
-                    }
-                    progress.advance(1);
-                    Ok(())
-                })
-                .buffer_unordered(self.store.options.upload_concurrency.max(1))
+            let mut batches = Vec::new();
+            let mut doomed = doomed.into_iter().peekable();
+            while doomed.peek().is_some() {
+                batches.push(doomed.by_ref().take(DELETE_BATCH).collect::<Vec<_>>());
+            }
+            stream::iter(batches)
+                .map(|batch| self.delete_chunks(batch, lock, progress))
+                .buffer_unordered(BATCHES_AT_ONCE)
                 .try_collect::<()>()
                 .await?;
         }
@@ -253,21 +247,76 @@ impl RunStore {
         Ok(removed)
     }
 
+    /// Deletes unreferenced chunks (one request on S3), unless the gc lock is about to expire.
+    async fn delete_chunks(
+        &self,
+        batch: Vec<(ChunkHash, object_store::path::Path)>,
+        lock: &super::LockGuard,
+        progress: &dyn Progress,
+    ) -> Result<(), StoreError> {
+        let lock_margin_ms = 30_000.min(self.store.options.lock_ttl_ms / 4);
+        if !lock.is_valid(lock_margin_ms) {
+            return Err(StoreError::BadRequest {
+                reason: "gc lock is about to expire; stopping (run gc again to finish)".into(),
+            });
+        }
+        let count = batch.len() as u64;
+        let (hashes, paths): (Vec<_>, Vec<_>) = batch.into_iter().unzip();
+        self.store
+            .delete_all(paths, &layout::chunks_prefix(&self.run))
+            .await?;
+        if let Some(index) = self.store.index() {
+            for hash in &hashes {
+                index.remove_chunk(&self.run, hash)?;
+            }
+        }
+        progress.advance(count);
+        Ok(())
+    }
+
+    /// Deletes a dropped step: its commit record first, then its manifests, so that a crash in
+    /// between leaves an incomplete step, never a commit that points at nothing.
+    async fn delete_step(&self, step: StepKey) -> Result<(), StoreError> {
+        self.store.delete(&layout::commit(&self.run, step)).await?;
+        let folder = layout::shard_dir(&self.run, step);
+        let manifests = self.store.list(&folder).await?;
+        if let Some(index) = self.store.index() {
+            for meta in &manifests {
+                if let Some((step, rank)) = layout::parse_shard(&meta.location) {
+                    index.remove_manifest(&self.run, step, rank)?;
+                }
+            }
+        }
+        let paths = manifests.into_iter().map(|meta| meta.location).collect();
+        self.store.delete_all(paths, &folder).await
+    }
+
     /// Every shard manifest stored for `step` (committed or not); a damaged one is an error.
     pub(crate) async fn manifests_of(
         &self,
         step: StepKey,
     ) -> Result<Vec<ShardManifest>, StoreError> {
-        let mut manifests = Vec::new();
-        for meta in self.store.list(&layout::shard_dir(&self.run, step)).await? {
-            let Some((_, rank)) = layout::parse_shard(&meta.location) else {
-                continue;
-            };
-            let bytes = self.store.get(&meta.location).await?;
-            let (manifest, _): (ShardManifest, _) =
-                self.open_object(&bytes, &meta.location, &step.to_string(), &rank.to_string())?;
-            manifests.push(manifest);
-        }
-        Ok(manifests)
+        let listing = self.store.list(&layout::shard_dir(&self.run, step)).await?;
+        let manifests: Vec<_> = listing
+            .into_iter()
+            .filter_map(|meta| Some((layout::parse_shard(&meta.location)?.1, meta.location)))
+            .collect();
+        stream::iter(manifests)
+            .map(|(rank, location)| self.load_manifest(step, rank, location))
+            .buffered(self.store.options.metadata_concurrency.max(1))
+            .try_collect()
+            .await
+    }
+
+    async fn load_manifest(
+        &self,
+        step: StepKey,
+        rank: Rank,
+        location: object_store::path::Path,
+    ) -> Result<ShardManifest, StoreError> {
+        let bytes = self.store.get(&location).await?;
+        let (manifest, _): (ShardManifest, _) =
+            self.open_object(&bytes, &location, &step.to_string(), &rank.to_string())?;
+        Ok(manifest)
     }
 }

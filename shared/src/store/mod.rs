@@ -14,6 +14,7 @@
 
 mod backend;
 mod catalog;
+mod counted;
 mod events;
 mod gc;
 mod index;
@@ -33,7 +34,7 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use futures::TryStreamExt;
+use futures::stream::{self, StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{
     ObjectMeta, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, WriteMultipart,
@@ -41,6 +42,7 @@ use object_store::{
 
 pub use backend::{OpenMode, S3Settings};
 pub use catalog::{Catalog, StepState, StepStatus};
+pub use counted::{RequestCounts, DELETE_BATCH_OBJECTS, LIST_PAGE_OBJECTS};
 pub use gc::{GcPolicy, GcReport};
 pub use index::{ChunkIndex, ChunkInfo, IndexStats};
 pub use lock::LockGuard;
@@ -65,6 +67,9 @@ pub struct StoreOptions {
     pub upload_concurrency: usize,
     /// Chunks being downloaded and verified at once.
     pub download_concurrency: usize,
+    /// Small objects (manifests, commit records) read or deleted at once: a step of
+    /// thousands of ranks is that many manifests, and each costs a round trip.
+    pub metadata_concurrency: usize,
     /// Objects larger than this are uploaded with multipart.
     pub multipart_threshold_bytes: usize,
     pub multipart_part_bytes: usize,
@@ -88,6 +93,7 @@ impl Default for StoreOptions {
             chunk_bytes: 4 << 20,
             upload_concurrency: 8,
             download_concurrency: 8,
+            metadata_concurrency: 64,
             multipart_threshold_bytes: 16 << 20,
             multipart_part_bytes: 8 << 20,
             retries: 4,
@@ -119,6 +125,7 @@ pub struct Store {
     index: Option<Arc<ChunkIndex>>,
     /// The directory of a `file://` store, for cleanup that `object_store` cannot see.
     local_root: Option<PathBuf>,
+    requests: Arc<counted::Counters>,
 }
 
 impl std::fmt::Debug for Store {
@@ -148,6 +155,11 @@ impl Store {
         url: &str,
         options: StoreOptions,
     ) -> Result<Self, StoreError> {
+        let requests = Arc::new(counted::Counters::default());
+        let objects: Arc<dyn ObjectStore> = Arc::new(counted::Counted {
+            inner: objects,
+            counters: Arc::clone(&requests),
+        });
         let probe = Path::from(layout::RUNS);
         if options.check_reachable {
             objects
@@ -191,7 +203,13 @@ impl Store {
             options: Arc::new(options),
             index,
             local_root: None,
+            requests,
         })
+    }
+
+    /// Requests made of the backend since the store was opened, by every clone of it.
+    pub fn requests(&self) -> RequestCounts {
+        self.requests.snapshot()
     }
 
     pub fn url(&self) -> &str {
@@ -333,6 +351,31 @@ impl Store {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
             Err(e) => Err(StoreError::backend("delete", path, e)),
         }
+    }
+
+    /// Deletes `paths` (those already gone count as deleted). S3 takes up to 1,000 in one
+    /// request; `what` names them in an error.
+    pub(crate) async fn delete_all(&self, paths: Vec<Path>, what: &Path) -> Result<(), StoreError> {
+        let mut deleted = self
+            .objects
+            .delete_stream(stream::iter(paths.into_iter().map(Ok)).boxed());
+        while let Some(result) = deleted.next().await {
+            match result {
+                Ok(_) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(StoreError::backend("delete", what, e)),
+            }
+        }
+        Ok(())
+    }
+
+    /// The folders directly under `prefix` (common prefixes of a delimited listing).
+    pub(crate) async fn list_folders(&self, prefix: &Path) -> Result<Vec<Path>, StoreError> {
+        Ok(self
+            .objects
+            .list_with_delimiter(Some(prefix))
+            .await
+            .map_err(|e| StoreError::backend("list", prefix, e))?
+            .common_prefixes)
     }
 
     pub(crate) async fn list(&self, prefix: &Path) -> Result<Vec<ObjectMeta>, StoreError> {

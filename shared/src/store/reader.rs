@@ -43,13 +43,16 @@ impl RunStore {
     /// Opens committed step `step`, checking each manifest against its pinned hash.
     pub async fn open_checkpoint(&self, step: StepKey) -> Result<Checkpoint, StoreError> {
         let commit = self.load_commit(step).await?;
-        let mut manifests = Vec::with_capacity(commit.shards.len());
-        for shard in &commit.shards {
-            manifests.push(
-                self.load_pinned_manifest(step, shard.rank, shard.manifest_blake3)
-                    .await?,
-            );
-        }
+        let pinned: Vec<(Rank, ChunkHash)> = commit
+            .shards
+            .iter()
+            .map(|shard| (shard.rank, shard.manifest_blake3))
+            .collect();
+        let manifests = stream::iter(pinned)
+            .map(|(rank, hash)| self.load_pinned_manifest(step, rank, hash))
+            .buffered(self.store.options.metadata_concurrency.max(1))
+            .try_collect()
+            .await?;
         Ok(Checkpoint {
             run: self.clone(),
             commit,

@@ -757,6 +757,43 @@ impl RunStore {
         self.commit_with(step, world_size, Some(epoch)).await
     }
 
+    /// What the commit record of `step` pins of `rank`'s manifest; `Ok(Err(rank))` if it is
+    /// not stored.
+    async fn shard_ref(
+        &self,
+        step: StepKey,
+        rank: Rank,
+        world_size: u32,
+    ) -> Result<Result<ShardRef, Rank>, StoreError> {
+        let path = layout::shard(&self.run, step, rank);
+        let bytes = match self.store.get(&path).await {
+            Ok(bytes) => bytes,
+            Err(StoreError::NotFound { .. }) => return Ok(Err(rank)),
+            Err(e) => return Err(e),
+        };
+        let (manifest, hash): (ShardManifest, _) =
+            self.open_object(&bytes, &path, &step.to_string(), &rank.to_string())?;
+        if manifest.run != self.run
+            || manifest.step != step
+            || manifest.rank != rank
+            || manifest.world_size != world_size
+        {
+            return Err(StoreError::BadRequest {
+                reason: format!(
+                    "{path} belongs to run {} step {} rank {} of {}, not to this commit",
+                    manifest.run, manifest.step, manifest.rank, manifest.world_size
+                ),
+            });
+        }
+        Ok(Ok(ShardRef {
+            rank,
+            manifest_blake3: hash,
+            raw_bytes: manifest.raw_bytes(),
+            stored_bytes: manifest.stored_bytes(),
+            uploaded_bytes: manifest.uploaded_bytes,
+        }))
+    }
+
     async fn commit_with(
         &self,
         step: StepKey,
@@ -773,46 +810,19 @@ impl RunStore {
                 current,
             });
         }
+        // Every rank's manifest, read concurrently (a step of 32,768 ranks is 32,768 reads).
+        let read = stream::iter(0..world_size)
+            .map(|rank| self.shard_ref(step, rank, world_size))
+            .buffered(self.store.options.metadata_concurrency.max(1))
+            .try_collect::<Vec<_>>()
+            .await?;
         let mut shards = Vec::with_capacity(world_size as usize);
         let mut missing = Vec::new();
-        for rank in 0..world_size {
-            let path = layout::shard(&self.run, step, rank);
-            let bytes = match self.store.get(&path).await {
-                Ok(bytes) => bytes,
-                Err(StoreError::NotFound { .. }) => {
-                    missing.push(rank);
-                    continue;
-                }
-                Err(e) => return Err(e),
-            };
-            let (manifest, hash): (ShardManifest, _) =
-                self.open_object(&bytes, &path, &step.to_string(), &rank.to_string())?;
-            if manifest.run != self.run
-                || manifest.step != step
-                || manifest.rank != rank
-                || manifest.world_size != world_size
-            {
-                return Err(StoreError::BadRequest {
-                    reason: format!(
-                        "{path} belongs to run {} step {} rank {} of {}, not to this commit",
-                        manifest.run, manifest.step, manifest.rank, manifest.world_size
-                    ),
-                });
+        for shard in read {
+            match shard {
+                Ok(shard) => shards.push(shard),
+                Err(rank) => missing.push(rank),
             }
-            shards.push(ShardRef {
-                rank,
-                manifest_blake3: hash,
-                raw_bytes: manifest.raw_bytes(),
-                stored_bytes: manifest.stored_bytes(),
-                uploaded_bytes: manifest.uploaded_bytes,
-            });
-        }
-        if !missing.is_empty() {
-            return Err(StoreError::IncompleteStep {
-                run: self.run.clone(),
-                step,
-                missing,
-            });
         }
         let record = CommitRecord {
             run: self.run.clone(),
