@@ -9,10 +9,14 @@ use lazarus_tests::scale::{self, Load};
 #[test]
 fn at_256_nodes_of_8_ranks_every_step_is_memory_committed_exactly_once_on_every_node() {
     let dir = test_dir();
-    let load = Load::new(256, 8).steps(20, Duration::from_millis(250));
+    let load = Load::new(256, 8)
+        .steps(20, Duration::from_millis(250))
+        .with_takeover();
     let figures = scale::run(dir.path(), &load).unwrap();
     println!("{}\n{}", scale::Figures::header(), figures.row());
-    assert_eq!(figures.commits.len(), 20);
+    // 20 steps, then 3 more committed by the successor after the leader was killed.
+    assert_eq!(figures.commits.len(), 23);
+    assert!(figures.takeover_s.is_some(), "{figures:?}");
     assert_eq!(
         figures.commit_faults(),
         Vec::new(),

@@ -4,7 +4,9 @@
 //! from a step's last report to each node's receipt (p50, p99), the time from a node's last
 //! frame to the leader declaring it lost (heartbeat timeout 1.5 s), the leader's CPU seconds
 //! per step at one step per second, its resident memory (now and peak), the bytes per
-//! second into and out of the leader, and `ckptctl status` time and size.
+//! second into and out of the leader, `ckptctl status` time and size, and the takeover: the
+//! leader is killed, and the time to a candidate daemon's election and to its adoption of
+//! the world (after which it must commit 3 more steps exactly once on every node).
 //!
 //! `LAZARUS_BENCH_NODES` (default 64,256,1024,4096) sets the sizes, `LAZARUS_BENCH_STEPS`
 //! (default 20) the steps of each.
@@ -105,7 +107,9 @@ fn leader() {
     let mut rows: Vec<Figures> = Vec::new();
     for nodes in sizes {
         let dir = tempfile::tempdir().unwrap();
-        let load = Load::new(nodes, 8).steps(steps, Duration::from_secs(1));
+        let load = Load::new(nodes, 8)
+            .steps(steps, Duration::from_secs(1))
+            .with_takeover();
         let figures = scale::run(dir.path(), &load).unwrap();
         let faults = figures.commit_faults();
         assert!(

@@ -1,7 +1,8 @@
 //! The leader at scale: a real `ckptd --lead` process against N simulated nodes of R ranks
 //! each, all tasks of this one process, speaking the real wire protocol (authenticated
 //! frames): a hello and a `RankUp` per rank, a `Replicated` report per rank and step, a
-//! heartbeat every 500 ms. Used by the scale benchmark and by a small run in the tests.
+//! heartbeat every 500 ms. A second daemon may stand by as a leader candidate, to take over
+//! when the leader is killed. Used by the scale benchmark and by a small run in the tests.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -30,6 +31,9 @@ pub struct Load {
     pub heartbeat: Duration,
     /// The leader's `heartbeat_timeout_seconds`: a node silent this long is lost.
     pub heartbeat_timeout: Duration,
+    /// Whether a second daemon stands by as a leader candidate, and the leader is killed
+    /// after the steps: the candidate takes over and adopts the world.
+    pub takeover: bool,
 }
 
 impl Load {
@@ -41,7 +45,13 @@ impl Load {
             step_interval: Duration::from_secs(1),
             heartbeat: Duration::from_millis(500),
             heartbeat_timeout: Duration::from_millis(1500),
+            takeover: false,
         }
+    }
+
+    pub fn with_takeover(mut self) -> Self {
+        self.takeover = true;
+        self
     }
 
     pub fn steps(mut self, steps: u64, interval: Duration) -> Self {
@@ -83,6 +93,10 @@ pub struct Figures {
     /// From a node's last frame to the leader's `fault` event naming it lost, in ms
     /// (`heartbeat_timeout` of it is the timeout itself).
     pub lost_after_ms: f64,
+    /// With a takeover: from the leader's SIGKILL to its successor's `elected` event, and to
+    /// its `adopted` event (every rank registered with it again), in seconds.
+    pub elected_s: Option<f64>,
+    pub takeover_s: Option<f64>,
 }
 
 /// Memory commits of one step, over the nodes.
@@ -124,7 +138,7 @@ impl Figures {
     /// The columns of [`Figures::row`].
     pub fn header() -> String {
         format!(
-            "{:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>10} {:>10} {:>9} {:>10} {:>9}",
+            "{:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>10} {:>10} {:>9} {:>10} {:>9} {:>9} {:>9}",
             "nodes",
             "ranks",
             "commit50",
@@ -137,17 +151,19 @@ impl Figures {
             "out",
             "status",
             "status",
-            "connect"
+            "connect",
+            "elected",
+            "takeover"
         ) + &format!(
-            "\n{:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>10} {:>10} {:>9} {:>10} {:>9}",
-            "", "", "ms", "ms", "ms", "cpu s", "MiB", "MiB", "MB/s", "MB/s", "ms", "KiB", "s"
+            "\n{:>6} {:>6} {:>9} {:>9} {:>9} {:>9} {:>10} {:>8} {:>10} {:>10} {:>9} {:>10} {:>9} {:>9} {:>9}",
+            "", "", "ms", "ms", "ms", "cpu s", "MiB", "MiB", "MB/s", "MB/s", "ms", "KiB", "s", "s", "s"
         )
     }
 
     /// One line of figures.
     pub fn row(&self) -> String {
         format!(
-            "{:>6} {:>6} {:>9.1} {:>9.1} {:>9.0} {:>9.4} {:>10.1} {:>8.1} {:>10.2} {:>10.2} {:>9.0} {:>10.0} {:>9.2}",
+            "{:>6} {:>6} {:>9.1} {:>9.1} {:>9.0} {:>9.4} {:>10.1} {:>8.1} {:>10.2} {:>10.2} {:>9.0} {:>10.0} {:>9.2} {:>9} {:>9}",
             self.load.nodes,
             self.load.nodes * self.load.ranks_per_node,
             self.commit_ms.p50,
@@ -160,7 +176,9 @@ impl Figures {
             self.bytes_out_per_s / 1e6,
             self.status_ms,
             self.status_bytes as f64 / 1024.0,
-            self.connect_s
+            self.connect_s,
+            self.elected_s.map_or("-".into(), |s| format!("{s:.2}")),
+            self.takeover_s.map_or("-".into(), |s| format!("{s:.2}")),
         )
     }
 
@@ -174,7 +192,17 @@ impl Figures {
     }
 }
 
-/// A leading `ckptd` for the generator, killed when dropped.
+/// Whether a daemon of the generator leads from the start or stands by.
+#[derive(Clone, Copy, Debug)]
+enum Role<'a> {
+    Lead,
+    /// A leader candidate following the leader at this address.
+    Candidate {
+        leader: &'a str,
+    },
+}
+
+/// A `ckptd` of the generator that leads or may lead, killed when dropped.
 struct LeaderProcess {
     child: Child,
     address: String,
@@ -186,18 +214,24 @@ impl LeaderProcess {
     /// A leader that supervises the simulated world: the run's timeline names its nodes, so
     /// the leader adopts it once every rank registered. It can launch nothing (no launcher
     /// on its PATH): after the measured fault, its relaunches fail harmlessly.
-    fn start(dir: &Path, run: &str, load: &Load) -> Result<Self> {
+    fn start(dir: &Path, run: &str, load: &Load, role: Role) -> Result<Self> {
         let port = free_port();
         let address = format!("127.0.0.1:{port}");
         let key_file = dir.join("job.key");
-        std::fs::write(&key_file, format!("{:064x}", rand::random::<u128>()))?;
+        if !key_file.exists() {
+            std::fs::write(&key_file, format!("{:064x}", rand::random::<u128>()))?;
+        }
+        let (name, leader, lead) = match role {
+            Role::Lead => ("leader", address.as_str(), true),
+            Role::Candidate { leader } => ("candidate", leader, false),
+        };
         let config = dir.join("ckptd.toml");
         // Memory commits only: the simulated nodes hold no data to upload.
         std::fs::write(
             &config,
             "durable_every_steps = 1000000000\ndurable_every_seconds = 1000000000.0\n",
         )?;
-        let log = dir.join("leader.log");
+        let log = dir.join(format!("{name}.log"));
         let no_launcher = dir.join("no-launcher");
         std::fs::create_dir_all(&no_launcher)?;
         let mut command = Command::new("/bin/bash");
@@ -206,19 +240,19 @@ impl LeaderProcess {
             .arg("-c")
             .arg("ulimit -n \"$(ulimit -Hn)\" 2>/dev/null; exec \"$0\" \"$@\"")
             .arg(bin("ckptd"))
-            .args(["--node", "leader", "--run", run])
+            .args(["--node", name, "--run", run])
             .arg("--store")
             .arg(format!("file://{}", dir.join("store").display()))
             .arg("--shm-dir")
-            .arg(dir.join("shm"))
+            .arg(dir.join(format!("shm-{name}")))
             .arg("--socket")
-            .arg(dir.join("leader.sock"))
-            .args(["--listen", &address, "--leader", &address])
+            .arg(dir.join(format!("{name}.sock")))
+            .args(["--listen", &address, "--leader", leader])
             .arg("--key-file")
             .arg(&key_file)
             .arg("--config")
             .arg(&config)
-            .arg("--lead")
+            .arg(if lead { "--lead" } else { "--leader-candidate" })
             .args([
                 "--supervise",
                 "mpiexec",
@@ -302,6 +336,9 @@ struct Shared {
     silent: Vec<std::sync::atomic::AtomicBool>,
     /// When each node last sent a frame, in Unix milliseconds.
     last_frame_ms: Vec<AtomicU64>,
+    /// The leadership the nodes follow, (epoch, address): what a daemon finds in the
+    /// store when its leader is lost.
+    leadership: tokio::sync::watch::Sender<(u64, String)>,
 }
 
 impl Shared {
@@ -324,133 +361,174 @@ impl Shared {
 }
 
 /// One simulated node: hello, its ranks, then a report per rank and step and a heartbeat.
-async fn node(shared: Arc<Shared>, index: usize, address: String) -> Result<()> {
+/// When its link to the leader breaks, it links to the next leader the store names and
+/// says hello again, as a daemon does.
+async fn node(shared: Arc<Shared>, index: usize) -> Result<()> {
     let name = node_name(index);
     let load = &shared.load;
     let first_rank = (index * load.ranks_per_node) as u32;
     let ranks: Vec<u32> = (first_rank..first_rank + load.ranks_per_node as u32).collect();
     let send = |message: Message| wire::encode(&message, &[], Some(&shared.key));
-    let mut hello = send(Message::NodeHello {
-        node: name.clone(),
-        address: format!("127.0.0.1:{}", 20_000 + index),
-        buddy: None,
-        socket: String::new(),
-        t0: Vec::new(),
-        epoch: 0,
-        candidate: false,
-        replicas: Vec::new(),
-    });
-    for rank in &ranks {
-        hello.extend(send(Message::RankUp {
+    let hello = |epoch: u64| {
+        let mut hello = send(Message::NodeHello {
             node: name.clone(),
-            run: shared.run.clone(),
-            rank: *rank,
-            world_size: load.world_size(),
-            pid: fake_pid(*rank),
-        }));
-    }
-    // Connected once the leader's first frame came back; a node retries as the daemon's
-    // uplink does (thousands of nodes connecting at once can overflow the accept queue).
-    let mut attempt = 0;
-    let (mut reader, mut writer) = loop {
-        attempt += 1;
-        let linked = async {
-            let stream = TcpStream::connect(&address).await?;
-            stream.set_nodelay(true)?;
-            let (mut reader, mut writer) = stream.into_split();
-            shared.send(index, &mut writer, &hello).await?;
-            wire::read_frame(&mut reader, Some(&shared.key)).await?;
-            anyhow::Ok((reader, writer))
-        };
-        match linked.await {
-            Ok(halves) => break halves,
-            Err(error) if attempt >= 20 => {
-                return Err(error.context(format!("node {name} linking to {address}")))
-            }
-            Err(_) => tokio::time::sleep(Duration::from_millis(100 * attempt)).await,
+            address: format!("127.0.0.1:{}", 20_000 + index),
+            buddy: None,
+            socket: String::new(),
+            t0: Vec::new(),
+            epoch,
+            candidate: false,
+            replicas: Vec::new(),
+        });
+        for rank in &ranks {
+            hello.extend(send(Message::RankUp {
+                node: name.clone(),
+                run: shared.run.clone(),
+                rank: *rank,
+                world_size: load.world_size(),
+                pid: fake_pid(*rank),
+            }));
         }
+        hello
     };
-    shared.registered.fetch_add(1, Ordering::SeqCst);
-
-    let receiver = {
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            loop {
-                let frame = match wire::read_frame(&mut reader, Some(&shared.key)).await {
-                    Ok(frame) => frame,
-                    Err(_) => return,
-                };
-                let size = wire::encode(&frame.message, &frame.payload, Some(&shared.key)).len();
-                shared.bytes_out.fetch_add(size as u64, Ordering::Relaxed);
-                if let Message::MemoryCommitted { step, .. } = frame.message {
-                    shared.received[index]
-                        .lock()
-                        .expect("not poisoned")
-                        .push((step, Instant::now()));
-                }
-            }
-        })
-    };
-
+    let mut leadership = shared.leadership.subscribe();
     let mut steps = shared.step.subscribe();
     let mut heartbeat = tokio::time::interval(load.heartbeat);
     let mut reported = 0;
-    let result: Result<()> = async {
+    let mut registered = false;
+    loop {
+        let (epoch, address) = leadership.borrow_and_update().clone();
+        // Linked once the leader's first frame came back; a node retries as the daemon's
+        // uplink does (thousands of nodes connecting at once can overflow the accept queue).
+        let mut attempt = 0;
+        let (mut reader, mut writer) = loop {
+            attempt += 1;
+            let linked = async {
+                let stream = TcpStream::connect(&address).await?;
+                stream.set_nodelay(true)?;
+                let (mut reader, mut writer) = stream.into_split();
+                shared.send(index, &mut writer, &hello(epoch)).await?;
+                wire::read_frame(&mut reader, Some(&shared.key)).await?;
+                anyhow::Ok((reader, writer))
+            };
+            match linked.await {
+                Ok(halves) => break halves,
+                Err(error) if attempt >= 20 => {
+                    return Err(error.context(format!("node {name} linking to {address}")))
+                }
+                Err(_) => tokio::time::sleep(Duration::from_millis(100 * attempt)).await,
+            }
+        };
+        if !registered {
+            registered = true;
+            shared.registered.fetch_add(1, Ordering::SeqCst);
+        }
+        let mut receiver = {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                loop {
+                    let frame = match wire::read_frame(&mut reader, Some(&shared.key)).await {
+                        Ok(frame) => frame,
+                        Err(_) => return,
+                    };
+                    let size =
+                        wire::encode(&frame.message, &frame.payload, Some(&shared.key)).len();
+                    shared.bytes_out.fetch_add(size as u64, Ordering::Relaxed);
+                    if let Message::MemoryCommitted { step, .. } = frame.message {
+                        shared.received[index]
+                            .lock()
+                            .expect("not poisoned")
+                            .push((step, Instant::now()));
+                    }
+                }
+            })
+        };
+        // Ok(true): the run is over; Ok(false): the link broke.
+        let linked: Result<bool> = async {
+            loop {
+                tokio::select! {
+                    changed = steps.changed() => {
+                        if changed.is_err() {
+                            return Ok(true);
+                        }
+                        let step = *steps.borrow_and_update();
+                        if step == u64::MAX {
+                            return Ok(true);
+                        }
+                        let mut frames = Vec::new();
+                        for rank in &ranks {
+                            frames.extend(send(Message::Replicated {
+                                node: name.clone(),
+                                run: shared.run.clone(),
+                                rank: *rank,
+                                world_size: load.world_size(),
+                                step,
+                                durable_requested: false,
+                            }));
+                        }
+                        match shared.send(index, &mut writer, &frames).await {
+                            Err(_) => return Ok(false),
+                            Ok(false) => continue,
+                            Ok(true) => {}
+                        }
+                        let now = Instant::now();
+                        if let Some(sent) = shared.sent.lock().expect("not poisoned").get_mut(&step) {
+                            sent[index] = Some(now);
+                        }
+                        reported = step;
+                    }
+                    _ = heartbeat.tick() => {
+                        let beat = send(Message::NodeHeartbeat {
+                            node: name.clone(),
+                            ranks: ranks
+                                .iter()
+                                .map(|rank| RankBeat {
+                                    rank: *rank,
+                                    pid: fake_pid(*rank),
+                                    step: reported,
+                                    seen_ms_ago: 0,
+                                    compute_us: 900_000,
+                                    process_state: None,
+                                    restored_from: None,
+                                })
+                                .collect(),
+                        });
+                        if shared.send(index, &mut writer, &beat).await.is_err() {
+                            return Ok(false);
+                        }
+                    }
+                    _ = &mut receiver => return Ok(false),
+                }
+            }
+        }
+        .await;
+        receiver.abort();
+        if linked? {
+            return Ok(());
+        }
+        // The leader is gone: wait for the store to name the next one.
         loop {
             tokio::select! {
-                changed = steps.changed() => {
+                changed = leadership.changed() => {
                     if changed.is_err() {
                         return Ok(());
                     }
-                    let step = *steps.borrow_and_update();
-                    if step == u64::MAX {
+                    if leadership.borrow().1 != address {
+                        break;
+                    }
+                }
+                changed = steps.changed() => {
+                    if changed.is_err() || *steps.borrow_and_update() == u64::MAX {
                         return Ok(());
                     }
-                    let mut frames = Vec::new();
-                    for rank in &ranks {
-                        frames.extend(send(Message::Replicated {
-                            node: name.clone(),
-                            run: shared.run.clone(),
-                            rank: *rank,
-                            world_size: load.world_size(),
-                            step,
-                            durable_requested: false,
-                        }));
-                    }
-                    if !shared.send(index, &mut writer, &frames).await? {
-                        continue;
-                    }
-                    let now = Instant::now();
-                    if let Some(sent) = shared.sent.lock().expect("not poisoned").get_mut(&step) {
-                        sent[index] = Some(now);
-                    }
-                    reported = step;
-                }
-                _ = heartbeat.tick() => {
-                    let beat = send(Message::NodeHeartbeat {
-                        node: name.clone(),
-                        ranks: ranks
-                            .iter()
-                            .map(|rank| RankBeat {
-                                rank: *rank,
-                                pid: fake_pid(*rank),
-                                step: reported,
-                                seen_ms_ago: 0,
-                                compute_us: 900_000,
-                                process_state: None,
-                                restored_from: None,
-                            })
-                            .collect(),
-                    });
-                    shared.send(index, &mut writer, &beat).await?;
                 }
             }
         }
     }
-    .await;
-    receiver.abort();
-    result
 }
+
+/// Steps simulated after a takeover, committed by the successor.
+const STEPS_AFTER_TAKEOVER: u64 = 3;
 
 /// The process id a simulated rank reports (no such process runs).
 fn fake_pid(rank: u32) -> u32 {
@@ -461,16 +539,17 @@ fn node_name(index: usize) -> String {
     format!("s{index:05}")
 }
 
-/// The first event of `kind` in the run's timeline, once it is there.
+/// The first event of `kind` in the run's timeline that `also` accepts, once it is there.
 async fn event(
     timeline: &lazarus_shared::store::RunStore,
     kind: &str,
+    also: impl Fn(&wire::Event) -> bool,
     within: Duration,
 ) -> Option<wire::Event> {
     let deadline = Instant::now() + within;
     while Instant::now() < deadline {
         if let Ok(events) = timeline.events().await {
-            if let Some(found) = events.into_iter().find(|e| e.kind == kind) {
+            if let Some(found) = events.into_iter().find(|e| e.kind == kind && also(e)) {
                 return Some(found);
             }
         }
@@ -509,7 +588,7 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         epoch: 0,
     };
     timeline.put_event(&launch, 0).await?;
-    let leader = LeaderProcess::start(dir, run, load)?;
+    let mut leader = LeaderProcess::start(dir, run, load, Role::Lead)?;
     let key = JobKey::from_file(&leader.key_file)?;
     // The leader listens once it is ready.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -519,14 +598,32 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The successor-to-be: it links to the leader as a node and stands by.
+    let successor = if load.takeover {
+        let address = leader.address.clone();
+        Some(LeaderProcess::start(
+            dir,
+            run,
+            load,
+            Role::Candidate { leader: &address },
+        )?)
+    } else {
+        None
+    };
     let (step, _) = tokio::sync::watch::channel(0u64);
+    let (leadership, _) = tokio::sync::watch::channel((0, leader.address.clone()));
+    let after_takeover = if load.takeover {
+        STEPS_AFTER_TAKEOVER
+    } else {
+        0
+    };
     let shared = Arc::new(Shared {
         key,
         run: run_id,
         load: load.clone(),
         step,
         sent: Mutex::new(
-            (1..=load.steps)
+            (1..=load.steps + after_takeover)
                 .map(|s| (s, vec![None; load.nodes]))
                 .collect(),
         ),
@@ -536,15 +633,30 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         registered: AtomicU64::new(0),
         silent: (0..load.nodes).map(|_| Default::default()).collect(),
         last_frame_ms: (0..load.nodes).map(|_| AtomicU64::new(0)).collect(),
+        leadership,
     });
+    // What a daemon does when its leader is lost: find the newest leader in the store.
+    let watcher = {
+        let (shared, timeline) = (shared.clone(), timeline.clone());
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                if let Ok(Some(record)) = timeline.leadership().await {
+                    shared.leadership.send_if_modified(|known| {
+                        let newer = record.epoch > known.0;
+                        if newer {
+                            *known = (record.epoch, record.address.clone());
+                        }
+                        newer
+                    });
+                }
+            }
+        })
+    };
     let connecting = Instant::now();
     let mut tasks = Vec::new();
     for index in 0..load.nodes {
-        tasks.push(tokio::spawn(node(
-            shared.clone(),
-            index,
-            leader.address.clone(),
-        )));
+        tasks.push(tokio::spawn(node(shared.clone(), index)));
     }
     // Every node registered, and the leader knows every rank.
     // `ckptctl status` against the leader, as text or JSON.
@@ -595,13 +707,31 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    if event(&timeline, "adopted", Duration::from_secs(60))
+    if event(&timeline, "adopted", |_| true, Duration::from_secs(60))
         .await
         .is_none()
     {
         bail!("the leader did not adopt the world:\n{}", leader.log());
     }
     let connect_s = connecting.elapsed().as_secs_f64();
+    if load.takeover {
+        // The leader names the candidate as its successor.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let json: serde_json::Value =
+                serde_json::from_slice(&status(true)?.stdout).unwrap_or_default();
+            let named = json["succession"]
+                .as_array()
+                .is_some_and(|s| s.iter().any(|s| s["node"] == "candidate"));
+            if named {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the candidate never joined the succession: {json}");
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
 
     // Training: a step every interval.
     let cpu_before = cpu_seconds(leader.pid())?;
@@ -645,9 +775,57 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
     let leader_rss_mib = status_mib(leader.pid(), "VmRSS:")?;
     let leader_peak_rss_mib = status_mib(leader.pid(), "VmHWM:")?;
 
+    // The leader is killed: its successor takes over, adopts the world and commits on.
+    let (mut elected_s, mut takeover_s) = (None, None);
+    if let Some(successor) = successor {
+        let killed_ms = lazarus_shared::store::now_unix_ms();
+        leader.child.kill()?;
+        leader.child.wait()?;
+        let since_kill = |at: u64| at.saturating_sub(killed_ms) as f64 / 1e3;
+        let successor_epoch = |e: &wire::Event| e.epoch >= 2;
+        let Some(adopted) = event(
+            &timeline,
+            "adopted",
+            successor_epoch,
+            Duration::from_secs(120),
+        )
+        .await
+        else {
+            bail!(
+                "the successor did not adopt the world:\n{}",
+                successor.log()
+            );
+        };
+        takeover_s = Some(since_kill(adopted.unix_ms));
+        elected_s = event(
+            &timeline,
+            "elected",
+            successor_epoch,
+            Duration::from_secs(5),
+        )
+        .await
+        .map(|e| since_kill(e.unix_ms));
+        leader = successor;
+        // One step per interval again (not the burst of ticks missed meanwhile).
+        tick.reset();
+        for step in load.steps + 1..=load.steps + after_takeover {
+            tick.tick().await;
+            shared.step.send_replace(step);
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline
+            && shared.received.iter().any(|r| {
+                r.lock().expect("not poisoned").len() < (load.steps + after_takeover) as usize
+            })
+        {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     // A node falls silent: the leader declares it lost.
     shared.silent[0].store(true, Ordering::SeqCst);
-    let Some(fault) = event(&timeline, "fault", Duration::from_secs(60)).await else {
+    let named = |e: &wire::Event| e.detail.contains(&node_name(0));
+    let Some(fault) = event(&timeline, "fault", named, Duration::from_secs(60)).await else {
         bail!("no node was declared lost:\n{}", leader.log());
     };
     let lost_after_ms = fault
@@ -663,10 +841,11 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         task.await??;
     }
 
+    watcher.abort();
     let sent = shared.sent.lock().expect("not poisoned").clone();
     let mut latencies = Vec::new();
     let mut commits: BTreeMap<u64, CommitCount> = BTreeMap::new();
-    for step in 1..=load.steps {
+    for step in 1..=load.steps + after_takeover {
         let last = sent[&step].iter().flatten().max().copied();
         let count = commits.entry(step).or_default();
         for received in &shared.received {
@@ -681,7 +860,8 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
                 1 => count.once += 1,
                 _ => count.repeated += 1,
             }
-            if let (Some(last), Some(first)) = (last, times.first()) {
+            // Latency over the measured steps only, with the leader the figures are about.
+            if let (true, Some(last), Some(first)) = (step <= load.steps, last, times.first()) {
                 latencies.push(first.saturating_duration_since(last).as_secs_f64() * 1e3);
             }
         }
@@ -700,5 +880,7 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         status_json_bytes,
         connect_s,
         lost_after_ms,
+        elected_s,
+        takeover_s,
     })
 }

@@ -7,7 +7,7 @@
 //! restarts rebuilds what it needs from the nodes' hellos: each node lists the T0 step of
 //! each of its ranks, and re-sends what is pending.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -81,6 +81,19 @@ pub struct RankView {
     pub restored_from: Option<wire::Tier>,
 }
 
+/// What the supervisor checks of the ranks on every tick, counted without copying them (a
+/// world of 32,768 ranks, 20 times a second).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RanksSummary {
+    pub count: usize,
+    pub alive: usize,
+    pub done: usize,
+    /// The lowest step of any rank (0 when there are none).
+    pub min_step: u64,
+    /// How long ago the rank that progressed last did (zero when there are none).
+    pub progressed_ago_min: Duration,
+}
+
 /// What the supervisor sees of a node.
 #[derive(Clone, Debug)]
 pub struct NodeView {
@@ -130,6 +143,34 @@ struct State {
     /// When the ranks were last compared for stragglers (a pass over all of them, so not
     /// on every one of thousands of heartbeats a second).
     stragglers_checked: Option<Instant>,
+}
+
+fn nodes_of(state: &State) -> Vec<NodeView> {
+    state
+        .nodes
+        .iter()
+        .map(|(name, info)| NodeView {
+            node: name.clone(),
+            socket: info.socket.clone(),
+            connected: info.connected,
+            seen_ago: info.seen.elapsed(),
+        })
+        .collect()
+}
+
+impl State {
+    /// Connected nodes neither active nor drained while supervising.
+    fn spares(&self) -> Vec<&String> {
+        let Some((_, active, drained)) = &self.supervision else {
+            return Vec::new();
+        };
+        let taken: HashSet<&String> = active.iter().chain(drained).collect();
+        self.nodes
+            .iter()
+            .filter(|(name, info)| info.connected && !taken.contains(name))
+            .map(|(name, _)| name)
+            .collect()
+    }
 }
 
 /// How often the leader compares the ranks' compute times for stragglers.
@@ -527,17 +568,30 @@ impl Leader {
             })
             .collect();
         ranks.sort_by_key(|r| r.rank);
-        let nodes = state
-            .nodes
-            .iter()
-            .map(|(name, info)| NodeView {
-                node: name.clone(),
-                socket: info.socket.clone(),
-                connected: info.connected,
-                seen_ago: info.seen.elapsed(),
-            })
-            .collect();
-        (ranks, nodes)
+        (ranks, nodes_of(&state))
+    }
+
+    pub async fn nodes(&self) -> Vec<NodeView> {
+        nodes_of(&*self.state.lock().await)
+    }
+
+    pub async fn ranks_summary(&self) -> RanksSummary {
+        let state = self.state.lock().await;
+        let mut summary = RanksSummary {
+            count: state.ranks.len(),
+            ..RanksSummary::default()
+        };
+        let mut min_step = None;
+        let mut progressed = None;
+        for info in state.ranks.values() {
+            summary.alive += usize::from(info.alive);
+            summary.done += usize::from(info.done);
+            min_step = Some(min_step.map_or(info.step, |m: u64| m.min(info.step)));
+            progressed = progressed.max(Some(info.progressed));
+        }
+        summary.min_step = min_step.unwrap_or(0);
+        summary.progressed_ago_min = progressed.map_or(Duration::ZERO, |at| at.elapsed());
+        summary
     }
 
     pub async fn set_supervision(&self, generation: u32, active: &[String], drained: &[String]) {
@@ -549,15 +603,8 @@ impl Leader {
     /// Sets the spare-node gauge: connected nodes neither active nor drained.
     pub async fn count_spares(&self) {
         let state = self.state.lock().await;
-        if let Some((_, active, drained)) = &state.supervision {
-            let spares = state
-                .nodes
-                .iter()
-                .filter(|(name, info)| {
-                    info.connected && !active.contains(name) && !drained.contains(name)
-                })
-                .count();
-            self.metrics.spare_nodes.set(spares as i64);
+        if state.supervision.is_some() {
+            self.metrics.spare_nodes.set(state.spares().len() as i64);
         }
     }
 
@@ -1146,6 +1193,13 @@ impl Leader {
             })
             .collect();
         ranks.sort_by_key(|r| r.rank);
+        let mut ranks_of: HashMap<String, Vec<Rank>> = HashMap::new();
+        for rank in &ranks {
+            ranks_of
+                .entry(rank.node.clone())
+                .or_default()
+                .push(rank.rank);
+        }
         ClusterStatus {
             leader: self.cfg.node.clone(),
             epoch: self.epoch,
@@ -1157,11 +1211,7 @@ impl Leader {
                     node: name.clone(),
                     address: info.address.clone(),
                     last_seen_ms_ago: info.seen.elapsed().as_millis() as u64,
-                    ranks: ranks
-                        .iter()
-                        .filter(|r| r.node == *name)
-                        .map(|r| r.rank)
-                        .collect(),
+                    ranks: ranks_of.remove(name.as_str()).unwrap_or_default(),
                     t0_steps: info.t0.iter().map(|e| (e.run.clone(), e.step)).collect(),
                 })
                 .collect(),
@@ -1171,14 +1221,7 @@ impl Leader {
                 .map(|(generation, active, drained)| wire::SupervisionStatus {
                     generation: *generation,
                     active: active.clone(),
-                    spares: state
-                        .nodes
-                        .iter()
-                        .filter(|(name, info)| {
-                            info.connected && !active.contains(name) && !drained.contains(name)
-                        })
-                        .map(|(name, _)| name.clone())
-                        .collect(),
+                    spares: state.spares().into_iter().cloned().collect(),
                     drained: drained.clone(),
                 }),
             runs: vec![RunStatus {

@@ -12,6 +12,7 @@
 //!
 //! Every phase is an event with a timestamp (`ckptctl events RUN`).
 
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -627,10 +628,16 @@ async fn watch(
         };
         // A lost node first, then a dead rank, then the launcher's own exit: the most
         // specific cause names the fault.
-        let (ranks, nodes) = leader.view().await;
+        let ranks = leader.ranks_summary().await;
+        let nodes: HashMap<String, NodeView> = leader
+            .nodes()
+            .await
+            .into_iter()
+            .map(|n| (n.node.clone(), n))
+            .collect();
         let lost = active
             .iter()
-            .any(|name| !nodes.iter().any(|n| n.node == *name && alive(n, plan)));
+            .any(|name| !nodes.get(name.as_str()).is_some_and(|n| alive(n, plan)));
         // A leader that hears from too few of its nodes may be the one cut off: while a
         // successor could take over, it gives one the time to, rather than stop a world
         // the others still run. A successor deposes it meanwhile; if none does, the nodes
@@ -645,7 +652,7 @@ async fn watch(
             cut_off_since = None;
         }
         for name in active {
-            let node = nodes.iter().find(|n| n.node == *name);
+            let node = nodes.get(name.as_str());
             if !node.is_some_and(|n| alive(n, plan)) {
                 return Outcome::Fault {
                     kind: "fault",
@@ -666,9 +673,9 @@ async fn watch(
             return rank_died(leader, downs).await;
         }
         if child.is_none()
-            && !ranks.is_empty()
-            && ranks.len() >= active.len()
-            && ranks.iter().all(|r| r.done)
+            && ranks.count > 0
+            && ranks.count >= active.len()
+            && ranks.done == ranks.count
         {
             return ended;
         }
@@ -701,9 +708,10 @@ async fn watch(
         } else {
             plan.startup_timeout_seconds.max(plan.hang_timeout_seconds)
         };
-        let everyone = ranks.len() >= active.len() && ranks.iter().all(|r| r.alive);
+        let everyone = ranks.count >= active.len() && ranks.alive == ranks.count;
         if !everyone && !first_step && !stopping && launched.elapsed().as_secs_f64() > limit_seconds
         {
+            let (ranks, _) = leader.view().await;
             let registered: Vec<String> = ranks
                 .iter()
                 .filter(|r| r.alive)
@@ -726,12 +734,7 @@ async fn watch(
         if everyone {
             let asked = leader.chosen_step().await;
             let chosen = asked.unwrap_or(0);
-            if !restored
-                && asked.is_some()
-                && ranks
-                    .iter()
-                    .all(|r| r.step >= chosen && r.step > 0 || chosen == 0)
-            {
+            if !restored && asked.is_some() && (chosen == 0 || ranks.min_step >= chosen) {
                 restored = true;
                 leader
                     .record(
@@ -740,12 +743,12 @@ async fn watch(
                         format!(
                             "every rank is at step {chosen} ({:.2} s after launch){}",
                             launched.elapsed().as_secs_f64(),
-                            tiers(&ranks)
+                            tiers(&leader.view().await.0)
                         ),
                     )
                     .await;
             }
-            if restored && !first_step && ranks.iter().all(|r| r.step > chosen) {
+            if restored && !first_step && ranks.min_step > chosen {
                 first_step = true;
                 leader
                     .record(
@@ -759,12 +762,12 @@ async fn watch(
                     )
                     .await;
             }
-            let stalled = ranks
-                .iter()
-                .filter(|r| r.progressed_ago.as_secs_f64() > limit_seconds)
-                .map(|r| format!("{} on {}", r.rank, r.node))
-                .collect::<Vec<_>>();
-            if !stalled.is_empty() && stalled.len() == ranks.len() {
+            if ranks.count > 0 && ranks.progressed_ago_min.as_secs_f64() > limit_seconds {
+                let (ranks, _) = leader.view().await;
+                let stalled = ranks
+                    .iter()
+                    .map(|r| format!("{} on {}", r.rank, r.node))
+                    .collect::<Vec<_>>();
                 // In lockstep training every rank stalls behind one that stopped; the
                 // process states point at the one that did.
                 let culprits: Vec<String> = ranks
