@@ -824,6 +824,13 @@ impl RunStore {
                 Err(rank) => missing.push(rank),
             }
         }
+        if !missing.is_empty() {
+            return Err(StoreError::IncompleteStep {
+                run: self.run.clone(),
+                step,
+                missing,
+            });
+        }
         let record = CommitRecord {
             run: self.run.clone(),
             step,
