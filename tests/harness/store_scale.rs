@@ -222,6 +222,26 @@ async fn write_step(
     Ok(())
 }
 
+/// Writes and commits steps `1..=steps` of `world_size` ranks, `at_once` steps at a time.
+async fn write_committed(
+    writer: &RunStore,
+    steps: u64,
+    world_size: u32,
+    shape: Shape,
+    at_once: usize,
+) -> anyhow::Result<()> {
+    stream::iter(1..=steps)
+        .map(|step| async move {
+            write_step(writer, step, world_size, shape).await?;
+            writer.commit(StepKey::new(step, 0), world_size).await?;
+            anyhow::Ok(())
+        })
+        .buffer_unordered(at_once)
+        .try_collect::<Vec<_>>()
+        .await?;
+    Ok(())
+}
+
 /// Committing a step of `manifests` shard manifests (one per rank), then opening it as a
 /// restore does; each one manifest at a time, then as the store does it.
 pub async fn commit(backend: Backend<'_>, manifests: u32) -> anyhow::Result<Vec<Measured>> {
@@ -275,23 +295,13 @@ pub async fn history(
     let run = run_id("history");
     let writer = setup.run(&run);
     writer.create(serde_json::Value::Null).await?;
-    stream::iter(1..=steps)
-        .map(|step| {
-            let writer = writer.clone();
-            async move {
-                let shape = Shape {
-                    tensors: 1,
-                    floats: 16,
-                    unique: false,
-                };
-                write_step(&writer, step, world_size, shape).await?;
-                writer.commit(StepKey::new(step, 0), world_size).await?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(SETUP_CONCURRENCY / world_size.max(1) as usize + 1)
-        .try_collect::<Vec<_>>()
-        .await?;
+    let shape = Shape {
+        tensors: 1,
+        floats: 16,
+        unique: false,
+    };
+    let at_once = SETUP_CONCURRENCY / world_size.max(1) as usize + 1;
+    write_committed(&writer, steps, world_size, shape, at_once).await?;
     let mut figures = Vec::new();
     for (store, how) in [(&serial, "one at a time"), (&store, "concurrently")] {
         let run = store.run(&run);
@@ -330,18 +340,7 @@ pub async fn gc(backend: Backend<'_>, chunks: u64, steps: u64) -> anyhow::Result
     let run = run_id("gc");
     let writer = setup.run(&run);
     writer.create(serde_json::Value::Null).await?;
-    stream::iter(1..=steps)
-        .map(|step| {
-            let writer = writer.clone();
-            async move {
-                write_step(&writer, step, 1, shape).await?;
-                writer.commit(StepKey::new(step, 0), 1).await?;
-                anyhow::Ok(())
-            }
-        })
-        .buffer_unordered(4)
-        .try_collect::<Vec<_>>()
-        .await?;
+    write_committed(&writer, steps, 1, shape, 4).await?;
     let keep_last = (steps / 10).max(1) as usize;
     let policy = GcPolicy {
         keep_last,
