@@ -270,6 +270,9 @@ pub enum Message {
         held: Vec<u32>,
         busy: bool,
         accepted: bool,
+        /// The step of the rank's T0 on this node (its newest memory-committed snapshot).
+        #[serde(default)]
+        committed: Option<u64>,
     },
     Refused {
         reason: String,

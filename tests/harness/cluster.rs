@@ -301,14 +301,20 @@ impl Cluster {
 
     /// `mpiexec` with one rank per node, each pointed at its node's daemon.
     pub fn mpiexec(&self, trainer_args: &[String]) -> Command {
+        let all: Vec<usize> = (0..self.nodes.len()).collect();
+        self.mpiexec_on(&all, trainer_args)
+    }
+
+    /// `mpiexec` with one rank on each of `nodes` (indices), in that order.
+    pub fn mpiexec_on(&self, nodes: &[usize], trainer_args: &[String]) -> Command {
         let mut command = Command::new("mpiexec");
-        for (i, node) in self.nodes.iter().enumerate() {
-            if i > 0 {
+        for (k, i) in nodes.iter().enumerate() {
+            if k > 0 {
                 command.arg(":");
             }
             command
                 .args(["-n", "1", "-env", "LAZARUS_CKPTD_SOCKET"])
-                .arg(&node.socket)
+                .arg(&self.nodes[*i].socket)
                 .arg(bin("trainer"))
                 .args(trainer_args);
         }

@@ -381,6 +381,23 @@ impl Ckptd {
         }
     }
 
+    /// The step of this rank's T0 at its daemon (its newest memory-committed snapshot).
+    pub fn committed(&mut self, step: u64) -> Result<Option<u64>> {
+        let poll = Message::Poll {
+            step,
+            compute_us: 0,
+        };
+        match self.call(&poll, &[])?.message {
+            Message::Held {
+                held, committed, ..
+            } => {
+                self.held.answer(&held);
+                Ok(committed)
+            }
+            other => bail!("ckptd answered {other:?} to Poll"),
+        }
+    }
+
     /// Tells the daemon this rank finished normally (so its exit is not taken for a crash).
     pub fn bye(&mut self) -> Result<()> {
         self.call(&Message::Bye, &[]).map(|_| ())
@@ -530,6 +547,7 @@ mod tests {
             held: held.to_vec(),
             busy,
             accepted,
+            committed: None,
         }
     }
 

@@ -462,9 +462,29 @@ impl Session {
         if let Saver::Store { .. } = self.saver {
             return Ok(if due { Some(self.checkpoint()?) } else { None });
         }
-        let saved = due && self.snapshot(true, None)?;
+        let mut saved = due && self.snapshot(true, None)?;
         // Leave once the daemon has the last snapshot in T0 and T1 and, as asked, in T2.
         self.drain_ckptd();
+        // A daemon drops a snapshot no memory commit came for (no leader at that moment, a
+        // buddy that went away): then the last step is handed over again. A rank that said
+        // goodbye without its last step committed would end a run whose end is lost.
+        let deadline = Instant::now() + FINAL_COMMIT_WITHIN;
+        while step > 0 && self.final_uncommitted(step) {
+            let expired = Instant::now() >= deadline;
+            if self.world.sum_u64(Group::World, &[u64::from(expired)])[0] > 0 {
+                bail!(
+                    "step {step}, the run's last, was not committed by ckptd within {} s: exiting with an error, so that the supervisor relaunches from the newest committed step",
+                    FINAL_COMMIT_WITHIN.as_secs()
+                );
+            }
+            writeln!(
+                log,
+                "ckptd: the last step {step} was not committed; handing it over again"
+            )?;
+            std::thread::sleep(std::time::Duration::from_secs(1));
+            saved = self.snapshot(true, None)? || saved;
+            self.drain_ckptd();
+        }
         self.world.barrier();
         if let Saver::Ckptd(saver) = &mut self.saver {
             let _ = saver.client.bye();
@@ -475,6 +495,20 @@ impl Session {
             )?;
         }
         Ok(saved.then_some(step))
+    }
+
+    /// Whether any rank's daemon answers that it lacks `step` in its T0 (summed over the
+    /// ranks, so every rank decides the same). A daemon that does not answer cannot take
+    /// the step again: its node is lost, which the supervisor sees for itself.
+    fn final_uncommitted(&mut self, step: u64) -> bool {
+        let Saver::Ckptd(saver) = &mut self.saver else {
+            return false;
+        };
+        let lacking = saver
+            .client
+            .committed(step)
+            .is_ok_and(|committed| committed != Some(step));
+        self.world.sum_u64(Group::World, &[u64::from(lacking)])[0] > 0
     }
 
     /// What a checkpoint is, for the stall summary.
@@ -585,6 +619,10 @@ impl Session {
         Ok(Some(total / c.train.val_batches as f64))
     }
 }
+
+/// How long a rank keeps handing its run's last step to ckptd (once a second) until its
+/// daemon has it committed, before it gives up with an error.
+const FINAL_COMMIT_WITHIN: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// The store calls a rank makes at start. Under ckptd, whose daemons checked the store when
 /// they started, they are best effort: the first that fails or gets no answer within

@@ -258,6 +258,7 @@ async fn session(
                 (
                     Message::Held {
                         held: state.held(),
+                        committed: state.t0.as_ref().map(|t| t.step),
                         busy: state.busy(),
                         accepted: false,
                     },
@@ -272,6 +273,7 @@ async fn session(
                 (
                     Message::Held {
                         held: state.held(),
+                        committed: state.t0.as_ref().map(|t| t.step),
                         busy: state.busy(),
                         accepted: false,
                     },
@@ -291,6 +293,7 @@ async fn session(
                 (
                     Message::Held {
                         held: state.held(),
+                        committed: state.t0.as_ref().map(|t| t.step),
                         busy: state.busy(),
                         accepted: false,
                     },

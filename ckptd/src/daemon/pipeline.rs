@@ -42,6 +42,7 @@ pub async fn snapshot(
             daemon.metrics.snapshots_skipped.inc();
             return Ok(Message::Held {
                 held: state.held(),
+                committed: state.t0.as_ref().map(|t| t.step),
                 busy: true,
                 accepted: false,
             });
@@ -51,6 +52,7 @@ pub async fn snapshot(
     daemon.metrics.snapshots.inc();
     let reply = Message::Held {
         held: state.held(),
+        committed: state.t0.as_ref().map(|t| t.step),
         busy: true,
         accepted: true,
     };
