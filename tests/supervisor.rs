@@ -971,6 +971,13 @@ fn a_leader_cut_off_from_its_nodes_is_replaced_and_stays_harmless_when_the_cut_h
     println!(
         "orders of the old epoch refused: {refused}; late reports of an earlier world's ranks ignored: {stale_ranks}"
     );
+    // n1's beats and orders held by the cut reach the nodes that follow n2 by then: they
+    // listen on their old link, refuse and count them.
+    assert!(
+        refused >= 1.0,
+        "no late order was refused\n{}",
+        cluster.logs()
+    );
 
     // No commit of the old epoch after the new one began.
     let epochs = commit_epochs(&dir, "partition");

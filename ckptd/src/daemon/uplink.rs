@@ -55,11 +55,17 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
             continue;
         }
         tracing::info!(leader = %target, "linked to the leader");
+        // Set once this node follows a newer leader: the link then only listens, for a
+        // while, to refuse and count what the deposed leader still sends.
+        let deposed = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let pushes = {
-            let daemon = daemon.clone();
+            let (daemon, deposed) = (daemon.clone(), deposed.clone());
             tokio::spawn(async move {
                 loop {
                     match wire::read_frame(&mut reader, Some(&daemon.key)).await {
+                        Ok(frame) if deposed.load(std::sync::atomic::Ordering::SeqCst) => {
+                            refuse_late(&daemon, &frame.message);
+                        }
                         Ok(frame) => {
                             if !pushed(&daemon, frame.message).await {
                                 break;
@@ -85,7 +91,16 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
                 _ = daemon.heartbeat_now.notified() => heartbeat_message(&daemon).await,
                 _ = wait_finished(&pushes) => break,
                 changed = leadership.changed() => {
-                    if changed.is_err() || leadership.borrow().address != target {
+                    if changed.is_err() {
+                        break;
+                    }
+                    if leadership.borrow().address != target {
+                        deposed.store(true, std::sync::atomic::Ordering::SeqCst);
+                        let listening = pushes.abort_handle();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(DEPOSED_LISTEN).await;
+                            listening.abort();
+                        });
                         break;
                     }
                     continue;
@@ -102,9 +117,28 @@ pub async fn link(daemon: Arc<Daemon>, mut outbox: mpsc::UnboundedReceiver<Messa
                 break;
             }
         }
-        pushes.abort();
-        tracing::warn!(leader = %target, "lost the link to the leader; reconnecting");
+        if deposed.load(std::sync::atomic::Ordering::SeqCst) {
+            tracing::info!(old = %target, "following a new leader; the old one's link only listens now");
+        } else {
+            pushes.abort();
+            tracing::warn!(leader = %target, "lost the link to the leader; reconnecting");
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// How long a node keeps listening on its link to a leader it no longer follows (the link
+/// ends sooner when that leader closes it). Whatever arrives there meanwhile, say held by a
+/// partition that healed, is refused and counted.
+const DEPOSED_LISTEN: Duration = Duration::from_secs(30);
+
+/// A message on the link to a leader this node no longer follows: never applied; an order
+/// of an older epoch than this node knows is counted as refused.
+fn refuse_late(daemon: &Daemon, message: &Message) {
+    let known = daemon.leadership.borrow().epoch;
+    if let Some(epoch) = message.leader_epoch().filter(|e| *e < known) {
+        daemon.metrics.rejected("stale_epoch");
+        tracing::warn!(epoch, known, "refused a late message of a deposed leader");
     }
 }
 
