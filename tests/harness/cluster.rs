@@ -277,14 +277,21 @@ impl Cluster {
 
     /// The text of node `i`'s /metrics.
     pub fn metrics(&self, i: usize) -> String {
-        let mut stream = std::net::TcpStream::connect(("127.0.0.1", self.nodes[i].metrics))
-            .expect("metrics endpoint answers");
-        stream
-            .write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-            .expect("metrics request");
+        self.try_metrics(i)
+            .unwrap_or_else(|error| panic!("node {i}'s metrics endpoint: {error}"))
+    }
+
+    /// [`Self::metrics`], or why it did not answer within 5 s (a stopped daemon does not).
+    pub fn try_metrics(&self, i: usize) -> std::io::Result<String> {
+        let limit = Some(Duration::from_secs(5));
+        let address = std::net::SocketAddr::from(([127, 0, 0, 1], self.nodes[i].metrics));
+        let mut stream = std::net::TcpStream::connect_timeout(&address, Duration::from_secs(5))?;
+        stream.set_read_timeout(limit)?;
+        stream.set_write_timeout(limit)?;
+        stream.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")?;
         let mut text = String::new();
-        stream.read_to_string(&mut text).expect("metrics response");
-        text
+        stream.read_to_string(&mut text)?;
+        Ok(text)
     }
 
     /// One sample of node `i`'s metrics, by its full name with labels (0 if absent).

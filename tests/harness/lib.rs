@@ -91,6 +91,31 @@ impl Ctl {
         self.command(args).output().expect("ckptctl runs")
     }
 
+    /// [`Self::run`], or None when it did not end within `limit` (it is killed then): for
+    /// callers that must not wait on a hung store or a stopped leader.
+    pub fn run_within(&self, args: &[&str], limit: Duration) -> Option<Output> {
+        let child = self
+            .command(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("ckptctl runs");
+        let pid = child.id();
+        let (sender, receiver) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = sender.send(child.wait_with_output());
+        });
+        match receiver.recv_timeout(limit) {
+            Ok(output) => output.ok(),
+            Err(_) => {
+                let _ = Command::new("kill")
+                    .args(["-KILL", &pid.to_string()])
+                    .status();
+                None
+            }
+        }
+    }
+
     /// Runs and asserts the exit code; returns stdout.
     pub fn expect(&self, code: i32, args: &[&str]) -> String {
         let output = self.run(args);

@@ -84,10 +84,11 @@ pub fn supervised_by(
     (cluster, ctl)
 }
 
-/// Sends `signal` to `pid`; whether it was delivered.
+/// Sends `signal` to `pid`; whether it was delivered (a process already gone is no news).
 pub fn kill(signal: &str, pid: impl ToString) -> bool {
     Command::new("kill")
         .args([&format!("-{signal}"), &pid.to_string()])
+        .stderr(std::process::Stdio::null())
         .status()
         .is_ok_and(|s| s.success())
 }
