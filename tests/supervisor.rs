@@ -432,6 +432,85 @@ fn a_world_stuck_before_its_first_step_is_hung_after_the_startup_timeout() {
     assert!(ctl.committed("stuck").contains(&STEPS), "{why}");
 }
 
+/// A configuration error is the trainer's exit 2 on every rank: a relaunch would refuse it
+/// too, so the leader records `failed` once, relaunches nothing, raises its alert gauge and
+/// ends supervision (its daemon exits non-zero).
+#[test]
+fn a_trainer_that_refuses_its_configuration_is_reported_once_and_never_relaunched() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    // A learning rate below the minimum one: `trainer train` refuses the config (exit 2).
+    let args = small_args(&dir, "refused", &store)
+        .set("train.lr", "0.00001")
+        .set("train.min_lr", "0.001")
+        .build();
+    let flags = [
+        "--supervise",
+        "mpiexec",
+        "--active-nodes",
+        "2",
+        "--exit-when-done",
+    ];
+    let (mut cluster, ctl) = supervised_with(&dir, "refused", 2, &flags, &args, Vec::new());
+    wait_for_event(&ctl, "refused", "failed", 1, &cluster);
+    let failed_at = Instant::now();
+    let timeline = events(&ctl, "refused");
+    let why = format!("{timeline:#?}\n{}", cluster.logs());
+    let failed = timeline.iter().find(|e| e["kind"] == "failed").unwrap();
+    assert!(
+        failed["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("the trainer refused its configuration or data"),
+        "{why}"
+    );
+    // The leader's log holds the ranks' own words.
+    assert!(cluster.log(0).contains("invalid config"), "{why}");
+    // Once, and nothing after it: no relaunch, however long one waits.
+    let deadline = failed_at + Duration::from_secs(5);
+    loop {
+        if cluster.node_exited(0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the leader kept running after the run failed\n{why}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let kinds = kinds(&events(&ctl, "refused"));
+    assert_eq!(kinds, ["launch", "failed"], "{why}");
+    assert!(
+        cluster
+            .log(0)
+            .contains("the run failed and was not relaunched"),
+        "{why}"
+    );
+    // The runbook's confirmation shows the cause.
+    let runbook = Runbook::load("run-failed.md");
+    let env = runbook_env(&cluster, "refused");
+    let confirmed = runbook.run("Confirm", &env);
+    assert!(confirmed.contains("failed"), "{confirmed}");
+}
+
+/// The leader's alert gauge for a failed run: 1 after it gave up (read from a leader that
+/// stays up, without `--exit-when-done`).
+#[test]
+fn a_failed_run_raises_the_leaders_alert_gauge() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let args = small_args(&dir, "gauge", &store)
+        .set("train.lr", "0.00001")
+        .set("train.min_lr", "0.001")
+        .build();
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let (cluster, ctl) = supervised_with(&dir, "gauge", 2, &flags, &args, Vec::new());
+    assert_eq!(cluster.metric(0, "lazarus_ckptd_run_failed"), 0.0);
+    wait_for_event(&ctl, "gauge", "failed", 1, &cluster);
+    assert_eq!(cluster.metric(0, "lazarus_ckptd_run_failed"), 1.0);
+}
+
 #[test]
 fn a_rank_killed_while_the_store_hangs_restores_from_memory_in_seconds() {
     let (_guard, dir) = prepared();

@@ -469,6 +469,9 @@ pub enum Message {
     RunEnded {
         run: RunId,
         preempted: bool,
+        /// Supervision stopped relaunching the world (event `failed`).
+        #[serde(default)]
+        failed: bool,
         epoch: u64,
     },
     /// The answer to `StatusRequest`: a [`ClusterStatus`] as zstd-compressed JSON of

@@ -126,6 +126,10 @@ pub struct Cli {
     /// The shrink policy never goes below this many nodes (it waits instead).
     #[arg(long)]
     pub min_active_nodes: Option<usize>,
+    /// A world that fails this many times in a row at the same step (its ranks dead or hung,
+    /// no node lost) is not relaunched again: the run stops with a `failed` event (default 2).
+    #[arg(long)]
+    pub same_step_failures: Option<u32>,
     /// Exit once the run completed or was preempted (the batch script's leader does).
     #[arg(long)]
     pub exit_when_done: bool,
@@ -171,6 +175,7 @@ pub struct Supervision {
     pub startup_timeout_seconds: f64,
     pub when_no_spare: NoSpare,
     pub min_active_nodes: usize,
+    pub same_step_failures: u32,
     pub exit_when_done: bool,
 }
 
@@ -210,6 +215,7 @@ struct File {
     startup_timeout_seconds: Option<f64>,
     when_no_spare: Option<NoSpare>,
     min_active_nodes: Option<usize>,
+    same_step_failures: Option<u32>,
     exit_when_done: Option<bool>,
     straggler_margin: Option<f64>,
     straggler_seconds: Option<f64>,
@@ -427,9 +433,17 @@ impl Config {
                         "min_active_nodes must be 1 to active_nodes".into(),
                     ));
                 }
+                let same_step_failures = cli
+                    .same_step_failures
+                    .or(file.same_step_failures)
+                    .unwrap_or(2);
+                if same_step_failures == 0 {
+                    return Err(ConfigError("same_step_failures must be at least 1".into()));
+                }
                 Some(Supervision {
                     when_no_spare: cli.when_no_spare.or(file.when_no_spare).unwrap_or_default(),
                     min_active_nodes,
+                    same_step_failures,
                     exit_when_done: cli.exit_when_done || file.exit_when_done.unwrap_or(false),
                     launcher,
                     trainer,

@@ -260,9 +260,7 @@ pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) 
             if ending == super::supervisor::Ending::Deposed {
                 return;
             }
-            leader
-                .announce_end(ending == super::supervisor::Ending::Preempted)
-                .await;
+            leader.announce_end(ending).await;
             if exit_when_done {
                 let _ = daemon.done.send(ending).await;
             }

@@ -657,10 +657,11 @@ impl Leader {
 
     /// Tells every connected node that supervision is over, and gives the links a moment to
     /// carry it before this daemon exits.
-    pub async fn announce_end(&self, preempted: bool) {
+    pub async fn announce_end(&self, ending: super::supervisor::Ending) {
         self.push_all(Message::RunEnded {
             run: self.cfg.run.clone(),
-            preempted,
+            preempted: ending == super::supervisor::Ending::Preempted,
+            failed: ending == super::supervisor::Ending::Failed,
             epoch: self.epoch,
         })
         .await;

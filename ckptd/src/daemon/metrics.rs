@@ -49,6 +49,7 @@ pub struct Metrics {
     pub leader_epoch: Gauge,
     pub takeovers: Counter,
     pub supervising: Gauge,
+    pub run_failed: Gauge,
 }
 
 impl Metrics {
@@ -80,6 +81,7 @@ impl Metrics {
             leader_epoch: Gauge::default(),
             takeovers: Counter::default(),
             supervising: Gauge::default(),
+            run_failed: Gauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -173,6 +175,11 @@ impl Metrics {
             "supervising",
             "1 on a leader that supervises the training world, else 0",
             m.supervising.clone(),
+        );
+        registry.register(
+            "run_failed",
+            "1 once the leader stopped relaunching the world: the trainer refused its input, or the world failed at the same step again",
+            m.run_failed.clone(),
         );
         registry.register(
             "durable_commit_timestamp_seconds",

@@ -269,11 +269,13 @@ pub async fn run(cfg: Config) -> Result<()> {
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .context("installing the SIGTERM handler")?;
+    let mut ended = None;
     tokio::select! {
         _ = term.recv() => {}
         _ = tokio::signal::ctrl_c() => {}
         Some(ending) = done.recv() => {
             tracing::info!(?ending, "supervision ended; exiting");
+            ended = Some(ending);
         }
     }
     tracing::info!("stopping: letting uploads and event records in flight finish (up to 60 s)");
@@ -291,6 +293,12 @@ pub async fn run(cfg: Config) -> Result<()> {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    if ended == Some(supervisor::Ending::Failed) {
+        anyhow::bail!(
+            "the run failed and was not relaunched: `ckptctl events {}` says why",
+            daemon.cfg.run
+        );
     }
     Ok(())
 }

@@ -39,6 +39,8 @@ enum Outcome {
         detail: String,
         lost_node: Option<String>,
     },
+    /// The trainer refused its configuration or data (exit 2): a relaunch would too.
+    RefusedInput(String),
 }
 
 /// How supervision ended.
@@ -48,7 +50,14 @@ pub enum Ending {
     Preempted,
     /// Another daemon leads now.
     Deposed,
+    /// The world is not relaunched: the trainer refused its input, or the world failed at the
+    /// same step again and again (event `failed`).
+    Failed,
 }
+
+/// The trainer's exit code for a configuration or data error (`trainer/src/cli.rs`); the
+/// launchers pass it on.
+const BAD_INPUT_EXIT: i32 = 2;
 
 /// What a leader that starts with the run's timeline already written finds.
 enum Found {
@@ -93,6 +102,8 @@ pub async fn supervise(
     let mut target = plan.active_nodes;
     let mut active: Vec<String> = Vec::new();
     let mut adopted = None;
+    // The step the world had reached at its last faults, and how many in a row there.
+    let mut repeated: (Option<u64>, u32) = (None, 0);
     if !history.is_empty() {
         // A restarted leader (or a requeued job): a world may still be running.
         match adopt(&leader, &plan, took_over).await {
@@ -194,6 +205,13 @@ pub async fn supervise(
         }
         let outcome = watch(&leader, child.as_mut(), &plan, &active, generation).await;
         match outcome {
+            Outcome::RefusedInput(detail) => {
+                leader.count_fault();
+                stop(&leader, child.as_mut(), &plan, run).await;
+                leader.record(generation, "failed", detail).await;
+                daemon.metrics.run_failed.set(1);
+                return Ending::Failed;
+            }
             Outcome::Deposed => {
                 // The world (and its launcher, not killed on drop) is the new leader's now.
                 return Ending::Deposed;
@@ -213,6 +231,10 @@ pub async fn supervise(
                 lost_node,
             } => {
                 leader.count_fault();
+                // A lost node says nothing about the training; a world that dies or hangs at
+                // the step where it did before will do so again from the same restore.
+                let reached = leader.ranks_summary().await.min_step;
+                repeated = repeat_count(repeated, lost_node.is_some(), reached);
                 leader.record(generation, kind, detail).await;
                 stop(&leader, child.as_mut(), &plan, run).await;
                 leader
@@ -222,6 +244,20 @@ pub async fn supervise(
                         "every rank of the world is gone".into(),
                     )
                     .await;
+                if repeated.1 >= plan.same_step_failures {
+                    leader
+                        .record(
+                            generation,
+                            "failed",
+                            format!(
+                                "the world failed {} times in a row at step {reached} (same_step_failures = {}): relaunched from the same step it would fail again, so it is not; find the cause in the ranks' output, then roll back or fix and resubmit",
+                                repeated.1, plan.same_step_failures
+                            ),
+                        )
+                        .await;
+                    daemon.metrics.run_failed.set(1);
+                    return Ending::Failed;
+                }
                 if let Some(lost) = lost_node {
                     let (ranks, nodes) = leader.view().await;
                     // Under Slurm the node stays out until an operator resumes it; without
@@ -670,7 +706,11 @@ async fn watch(
         }
         let downs = leader.take_downs().await;
         if !downs.is_empty() {
-            return rank_died(leader, downs).await;
+            let outcome = rank_died(leader, downs).await;
+            if let Some(detail) = refused_input(leader, child.as_deref_mut()).await {
+                return Outcome::RefusedInput(detail);
+            }
+            return outcome;
         }
         if child.is_none()
             && ranks.count > 0
@@ -683,6 +723,9 @@ async fn watch(
         if let Some(status) = exited {
             if status.success() {
                 return ended;
+            }
+            if status.code() == Some(BAD_INPUT_EXIT) {
+                return Outcome::RefusedInput(refused_detail(status));
             }
             // The launcher often notices a dead rank first; give the daemon's report a
             // moment to name it.
@@ -847,6 +890,40 @@ fn describe_process_state(state: char) -> String {
 /// is the fault. Each node reports a death the moment its process exits, so a report of an
 /// earlier death does not come much later; survivors that live on (srun leaves a rank stuck
 /// in a collective until its kill timeout) are not waited for past that.
+/// The step of the world's last faults and how many in a row there, after one more fault
+/// that found the world at step `reached`. A lost node starts the count over.
+fn repeat_count(last: (Option<u64>, u32), lost_node: bool, reached: u64) -> (Option<u64>, u32) {
+    match (lost_node, last) {
+        (true, _) => (None, 0),
+        (false, (Some(step), times)) if step == reached => (Some(step), times + 1),
+        (false, _) => (Some(reached), 1),
+    }
+}
+
+/// After ranks died, whether the trainer refused its input: once every rank is down, the
+/// launcher's exit code says so (it is given half a second to exit). A world whose other
+/// ranks still run had a crash, not a refusal.
+async fn refused_input(leader: &Leader, child: Option<&mut Child>) -> Option<String> {
+    let child = child?;
+    let deadline = Instant::now() + Duration::from_millis(500);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            return (status.code() == Some(BAD_INPUT_EXIT)).then(|| refused_detail(status));
+        }
+        if Instant::now() >= deadline || leader.ranks_summary().await.alive > 0 {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The `failed` event's words for a launcher that passed on the trainer's exit 2.
+fn refused_detail(status: std::process::ExitStatus) -> String {
+    format!(
+        "the trainer refused its configuration or data (the launcher {status}): a relaunch would refuse it too, so there is none; the ranks' error is in the leader's log"
+    )
+}
+
 async fn rank_died(leader: &Leader, mut downs: Vec<super::leader::RankDown>) -> Outcome {
     let started = Instant::now();
     loop {
@@ -1003,8 +1080,19 @@ async fn drain(plan: &Supervision, node: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{death_detail, socket_template};
+    use super::{death_detail, repeat_count, socket_template};
     use crate::daemon::leader::RankDown;
+
+    #[test]
+    fn faults_count_in_a_row_at_one_step_and_a_lost_node_starts_over() {
+        let first = repeat_count((None, 0), false, 120);
+        assert_eq!(first, (Some(120), 1));
+        let again = repeat_count(first, false, 120);
+        assert_eq!(again, (Some(120), 2));
+        assert_eq!(repeat_count(again, false, 121), (Some(121), 1));
+        assert_eq!(repeat_count(again, true, 120), (None, 0));
+        assert_eq!(repeat_count((None, 0), false, 0), (Some(0), 1));
+    }
 
     fn down(rank: u32, node: &str, unix_us: u64) -> RankDown {
         RankDown {

@@ -219,9 +219,16 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
             tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
         }
         Message::RunEnded {
-            run: r, preempted, ..
+            run: r,
+            preempted,
+            failed,
+            ..
         } if r == *run => {
-            tracing::info!(preempted, "the leader says supervision of the run is over");
+            tracing::info!(
+                preempted,
+                failed,
+                "the leader says supervision of the run is over"
+            );
             daemon
                 .run_ended
                 .store(true, std::sync::atomic::Ordering::SeqCst);
@@ -231,7 +238,9 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                 .as_ref()
                 .is_some_and(|plan| plan.exit_when_done)
             {
-                let ending = if preempted {
+                let ending = if failed {
+                    super::supervisor::Ending::Failed
+                } else if preempted {
                     super::supervisor::Ending::Preempted
                 } else {
                     super::supervisor::Ending::Completed
@@ -513,6 +522,7 @@ mod tests {
         let run_ended = |epoch| Message::RunEnded {
             run: daemon.cfg.run.clone(),
             preempted: true,
+            failed: false,
             epoch,
         };
         // A deposed leader cannot end the run.
