@@ -5,7 +5,7 @@
 # storage stalls, partitions, gc racing the writers), checks after each run that every commit
 # verifies and every loss equals the uninterrupted run's, and prints a table of faults,
 # recoveries and time lost per kind of fault. Not part of the test suite: 1,000 faults take
-# about an hour on 2 cores. SEED replays a schedule; STEPS sets the steps of each run.
+# about 80 minutes on 2 cores. SEED replays a schedule; STEPS sets the steps of each run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
