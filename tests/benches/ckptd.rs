@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
 use lazarus_tests::train::TrainerArgs;
-use lazarus_tests::{bin, python, shared_data, Ctl};
+use lazarus_tests::{bin, python, Ctl};
 
 const STEPS: u64 = 10;
 
@@ -102,14 +102,7 @@ fn dcp_stall(bytes: u64, dir: &Path) -> Option<(f64, f64)> {
 fn main() {
     let dir = tempfile::tempdir().unwrap();
     let dir = dir.path();
-    let output = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(dir.join("data"))
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
+    lazarus_tests::train::prepare_data(dir);
 
     println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step)");
     println!(

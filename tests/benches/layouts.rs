@@ -17,8 +17,8 @@
 use std::path::Path;
 use std::process::Command;
 
+use lazarus_tests::bin;
 use lazarus_tests::train::{line_with, mean_tokens_per_second, TrainerArgs};
-use lazarus_tests::{bin, shared_data};
 
 const RANKS: usize = 4;
 const GLOBAL_BATCH: usize = 8;
@@ -106,14 +106,7 @@ fn layout_table(text: &str) -> Vec<&str> {
 
 fn main() {
     let dir = tempfile::tempdir().unwrap();
-    let prepared = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(dir.path().join("data"))
-        .output()
-        .unwrap();
-    assert!(prepared.status.success());
+    lazarus_tests::train::prepare_data(dir.path());
     println!(
         "parallel layouts benchmark: preset tiny, {RANKS} ranks of 1 thread, global batch \
          {GLOBAL_BATCH} x 256 tokens, {STEPS} steps, tokens/s averaged after {WARMUP}"

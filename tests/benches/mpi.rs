@@ -13,8 +13,8 @@
 use std::path::Path;
 use std::process::Command;
 
+use lazarus_tests::bin;
 use lazarus_tests::train::{line_with, mean_tokens_per_second, TrainerArgs};
-use lazarus_tests::{bin, shared_data};
 
 const STEPS: u64 = 6;
 const WARMUP: u64 = 2;
@@ -54,14 +54,7 @@ fn train(dir: &Path, ranks: usize, ep: usize) -> (f64, String) {
 
 fn main() {
     let dir = tempfile::tempdir().unwrap();
-    let prepared = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(dir.path().join("data"))
-        .output()
-        .unwrap();
-    assert!(prepared.status.success());
+    lazarus_tests::train::prepare_data(dir.path());
     println!("distributed trainer benchmark: preset tiny, global batch 8 x 256 tokens, {STEPS} steps, tokens/s averaged after {WARMUP}");
     let (one, _) = train(dir.path(), 1, 1);
     let (dp2, dp2_text) = train(dir.path(), 2, 1);

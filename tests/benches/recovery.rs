@@ -17,15 +17,13 @@
 #![allow(clippy::unwrap_used)]
 
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use lazarus_tests::cluster::{text_of, Cluster};
+use lazarus_tests::cluster::Cluster;
 use lazarus_tests::supervision::{
     events, kill, now_ms, supervised_with, wait_for_event_or, Status,
 };
 use lazarus_tests::train::{loss_texts, TrainerArgs};
-use lazarus_tests::{bin, shared_data};
 
 fn trainer_args(dir: &Path, run: &str) -> Vec<String> {
     TrainerArgs::small(dir)
@@ -178,14 +176,7 @@ fn goodput_run(root: &Path, name: &str, minutes: f64, every: Option<f64>) -> (u6
 fn main() {
     let root = tempfile::tempdir().unwrap();
     let root = root.path();
-    let output = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(root.join("data"))
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
+    lazarus_tests::train::prepare_data(root);
 
     println!(
         "1. recovery by scenario (2 ranks on 127.0.0.1 daemons; ms; fault injected at step > 60)"

@@ -40,14 +40,13 @@ use std::collections::BTreeMap;
 use std::io::{Read, Seek, SeekFrom};
 use std::panic::AssertUnwindSafe;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::deadline::{kill_processes_naming, logs_under, test_dir_within};
 use lazarus_tests::supervision::{kill, now_ms, supervised_by, Daemons};
 use lazarus_tests::train::{reference_run, TrainerArgs};
-use lazarus_tests::{bin, shared_data, Ctl, S3Server};
+use lazarus_tests::{Ctl, S3Server};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -938,14 +937,7 @@ fn main() {
     let mut rng = StdRng::seed_from_u64(seed);
     let root = tempfile::tempdir().unwrap();
     let root = root.path();
-    let output = Command::new(bin("trainer"))
-        .args(["prepare", "--input"])
-        .arg(shared_data("tinyshakespeare.txt"))
-        .arg("--out")
-        .arg(root.join("data"))
-        .output()
-        .unwrap();
-    assert!(output.status.success(), "{}", text_of(&output));
+    lazarus_tests::train::prepare_data(root);
     let reference_store = format!("file://{}", root.join("reference-store").display());
     let reference = reference_run(
         root,

@@ -17,11 +17,18 @@ pub fn prepared() -> (TestDir, PathBuf) {
 /// [`prepared`], with a deadline of `limit`.
 pub fn prepared_within(limit: std::time::Duration) -> (TestDir, PathBuf) {
     let dir = test_dir_within(limit);
+    prepare_data(dir.path());
+    let path = dir.path().to_path_buf();
+    (dir, path)
+}
+
+/// `tinyshakespeare` tokenised into `dir/data` (what tests and benchmarks train on).
+pub fn prepare_data(dir: &Path) {
     let output = Command::new(bin("trainer"))
         .args(["prepare", "--input"])
         .arg(shared_data("tinyshakespeare.txt"))
         .arg("--out")
-        .arg(dir.path().join("data"))
+        .arg(dir.join("data"))
         .output()
         .expect("trainer prepare runs");
     assert!(
@@ -29,8 +36,6 @@ pub fn prepared_within(limit: std::time::Duration) -> (TestDir, PathBuf) {
         "{}",
         crate::cluster::text_of(&output)
     );
-    let path = dir.path().to_path_buf();
-    (dir, path)
 }
 
 /// Arguments of `trainer train`, built up: a config (a preset's name or a file), where the
