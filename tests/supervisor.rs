@@ -432,18 +432,23 @@ fn a_world_stuck_before_its_first_step_is_hung_after_the_startup_timeout() {
     assert!(ctl.committed("stuck").contains(&STEPS), "{why}");
 }
 
+/// The trainer's arguments with a learning rate below the minimum one: `trainer train`
+/// refuses the config (exit 2).
+fn refused_config_args(dir: &Path, run: &str) -> Vec<String> {
+    let store = format!("file://{}", dir.join("store").display());
+    small_args(dir, run, &store)
+        .set("train.lr", "0.00001")
+        .set("train.min_lr", "0.001")
+        .build()
+}
+
 /// A configuration error is the trainer's exit 2 on every rank: a relaunch would refuse it
 /// too, so the leader records `failed` once, relaunches nothing, raises its alert gauge and
 /// ends supervision (its daemon exits non-zero).
 #[test]
 fn a_trainer_that_refuses_its_configuration_is_reported_once_and_never_relaunched() {
     let (_guard, dir) = prepared();
-    let store = format!("file://{}", dir.join("store").display());
-    // A learning rate below the minimum one: `trainer train` refuses the config (exit 2).
-    let args = small_args(&dir, "refused", &store)
-        .set("train.lr", "0.00001")
-        .set("train.min_lr", "0.001")
-        .build();
+    let args = refused_config_args(&dir, "refused");
     let flags = [
         "--supervise",
         "mpiexec",
@@ -499,11 +504,7 @@ fn a_trainer_that_refuses_its_configuration_is_reported_once_and_never_relaunche
 #[test]
 fn a_failed_run_raises_the_leaders_alert_gauge() {
     let (_guard, dir) = prepared();
-    let store = format!("file://{}", dir.join("store").display());
-    let args = small_args(&dir, "gauge", &store)
-        .set("train.lr", "0.00001")
-        .set("train.min_lr", "0.001")
-        .build();
+    let args = refused_config_args(&dir, "gauge");
     let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
     let (cluster, ctl) = supervised_with(&dir, "gauge", 2, &flags, &args, Vec::new());
     assert_eq!(cluster.metric(0, "lazarus_ckptd_run_failed"), 0.0);
@@ -840,18 +841,7 @@ fn nothing_lost(
 
 /// The epoch each commit record names, by step (read from the store's files).
 fn commit_epochs(dir: &Path, run: &str) -> BTreeMap<u64, Option<u64>> {
-    let commits = dir.join("store/runs").join(run).join("commits");
-    let mut epochs = BTreeMap::new();
-    for entry in std::fs::read_dir(&commits).expect("the run has commits") {
-        let bytes = std::fs::read(entry.expect("a directory entry").path()).expect("readable");
-        let record: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
-        let body = &record["body"];
-        epochs.insert(
-            body["step"]["step"].as_u64().expect("a step"),
-            body["leader_epoch"].as_u64(),
-        );
-    }
-    epochs
+    lazarus_tests::supervision::commit_epochs(&dir.join("store/runs").join(run).join("commits"))
 }
 
 #[test]

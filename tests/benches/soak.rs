@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::deadline::{kill_processes_naming, logs_under, test_dir_within};
-use lazarus_tests::supervision::{kill, now_ms, supervised_by, Daemons};
+use lazarus_tests::supervision::{commit_epochs, kill, now_ms, supervised_by, Daemons};
 use lazarus_tests::train::{reference_run, TrainerArgs};
 use lazarus_tests::{Ctl, S3Server};
 use rand::rngs::StdRng;
@@ -844,14 +844,7 @@ fn check(round: &mut Round, reference: &BTreeMap<u64, String>, report: &mut Roun
         )
         .expect("verify ends within 600 s");
     assert!(verified.status.success(), "verify: {}", text_of(&verified));
-    let listed = round.ctl.json(&["list", &round.run]);
-    let committed: Vec<u64> = listed["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|s| s["state"] == "committed")
-        .filter_map(|s| s["step"]["step"].as_u64())
-        .collect();
+    let committed = round.ctl.committed(&round.run);
     assert!(
         committed.contains(&round.steps),
         "the last step is not committed: {committed:?}"
@@ -887,34 +880,18 @@ fn check(round: &mut Round, reference: &BTreeMap<u64, String>, report: &mut Roun
         .join("runs")
         .join(&round.run)
         .join("commits");
-    let mut epochs = BTreeMap::new();
-    for entry in std::fs::read_dir(&commits).unwrap().flatten() {
-        let Ok(bytes) = std::fs::read(entry.path()) else {
-            continue;
-        };
-        let Ok(record) = serde_json::from_slice::<serde_json::Value>(&bytes) else {
-            continue;
-        };
-        if let Some(step) = record["body"]["step"]["step"].as_u64() {
-            epochs.insert(step, record["body"]["leader_epoch"].as_u64().unwrap_or(0));
-        }
-    }
-    let order: Vec<u64> = epochs.values().copied().collect();
+    let epochs = commit_epochs(&commits);
+    let order: Vec<Option<u64>> = epochs.values().copied().collect();
     assert!(
         order.windows(2).all(|w| w[0] <= w[1]),
         "a commit of an older epoch after a newer one: {epochs:?}"
     );
     report.stale_refused = (0..NODES)
-        .filter_map(|i| round.cluster.try_metrics(i).ok())
-        .map(|text| {
-            text.lines()
-                .find_map(|line| {
-                    line.strip_prefix(
-                        "lazarus_ckptd_peer_messages_rejected_total{cause=\"stale_epoch\"} ",
-                    )
-                    .and_then(|v| v.trim().parse::<f64>().ok())
-                })
-                .unwrap_or(0.0)
+        .filter_map(|i| {
+            round.cluster.try_metric(
+                i,
+                "lazarus_ckptd_peer_messages_rejected_total{cause=\"stale_epoch\"}",
+            )
         })
         .sum();
 }

@@ -296,14 +296,12 @@ impl Cluster {
 
     /// One sample of node `i`'s metrics, by its full name with labels (0 if absent).
     pub fn metric(&self, i: usize, name: &str) -> f64 {
-        self.metrics(i)
-            .lines()
-            .find_map(|line| {
-                line.strip_prefix(name)
-                    .and_then(|rest| rest.strip_prefix(' '))
-                    .and_then(|value| value.trim().parse().ok())
-            })
-            .unwrap_or(0.0)
+        sample(&self.metrics(i), name)
+    }
+
+    /// [`Self::metric`], or None when node `i`'s endpoint does not answer.
+    pub fn try_metric(&self, i: usize, name: &str) -> Option<f64> {
+        self.try_metrics(i).ok().map(|text| sample(&text, name))
     }
 
     /// `mpiexec` with one rank per node, each pointed at its node's daemon.
@@ -381,4 +379,15 @@ impl Drop for Cluster {
             std::thread::sleep(Duration::from_millis(50));
         }
     }
+}
+
+/// One sample of a metrics text, by its full name with labels (0 if absent).
+fn sample(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|line| {
+            line.strip_prefix(name)
+                .and_then(|rest| rest.strip_prefix(' '))
+                .and_then(|value| value.trim().parse().ok())
+        })
+        .unwrap_or(0.0)
 }

@@ -257,6 +257,31 @@ pub fn first_dead(fault: &serde_json::Value) -> Vec<u64> {
         .collect()
 }
 
+/// The epoch each commit record in `commits` (a run's `commits` folder, read as files:
+/// `<step>.json`, whatever else a server keeps beside them) names, by step; `None` for a
+/// record that names none.
+pub fn commit_epochs(commits: &Path) -> std::collections::BTreeMap<u64, Option<u64>> {
+    let mut epochs = std::collections::BTreeMap::new();
+    for entry in std::fs::read_dir(commits).expect("the run has commits") {
+        let path = entry.expect("a directory entry").path();
+        let name = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default();
+        if name.starts_with('.') || !name.ends_with(".json") {
+            continue;
+        }
+        let bytes = std::fs::read(&path).expect("readable");
+        let record: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+        let body = &record["body"];
+        epochs.insert(
+            body["step"]["step"].as_u64().expect("a step"),
+            body["leader_epoch"].as_u64(),
+        );
+    }
+    epochs
+}
+
 #[cfg(test)]
 mod tests {
     use super::first_dead;
