@@ -499,6 +499,87 @@ fn a_trainer_that_refuses_its_configuration_is_reported_once_and_never_relaunche
     assert!(confirmed.contains("failed"), "{confirmed}");
 }
 
+/// A trainer that crashes every time it reaches step 80: the world fails there, is
+/// relaunched from its memory-committed step and fails there again; the leader then rolls it
+/// back once to the newest older durable step (about 50, from storage), and when it fails at the
+/// same step a third time, stops with `failed`, raises its alert and exits non-zero. Three
+/// launches in all, however long one waits.
+#[test]
+fn a_trainer_that_crashes_at_the_same_step_is_rolled_back_once_then_stopped() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let args = small_args(&dir, "crashing", &store)
+        .set("test_faults.crash_at_step", 80)
+        .set("test_faults.crash_rank", 1)
+        .build();
+    let flags = [
+        "--supervise",
+        "mpiexec",
+        "--active-nodes",
+        "2",
+        "--exit-when-done",
+    ];
+    let envs = vec![("LAZARUS_ALLOW_TEST_FAULTS".to_string(), "1".to_string())];
+    let (mut cluster, ctl) = supervised_with(&dir, "crashing", 2, &flags, &args, envs);
+    wait_for_event(&ctl, "crashing", "failed", 1, &cluster);
+    let failed_at = Instant::now();
+    let deadline = failed_at + Duration::from_secs(5);
+    while !cluster.node_exited(0) {
+        assert!(
+            Instant::now() < deadline,
+            "the leader kept running after the run failed\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(1));
+    let timeline = events(&ctl, "crashing");
+    let why = format!("{timeline:#?}\n{}", cluster.logs());
+    let kinds = kinds(&timeline);
+    let count = |kind: &str| kinds.iter().filter(|k| *k == kind).count();
+    assert_eq!(count("launch") + count("relaunch"), 3, "{why}");
+    assert_eq!(count("fault"), 3, "{why}");
+    assert_eq!(count("rolled_back"), 1, "{why}");
+    assert_eq!(kinds.last().map(String::as_str), Some("failed"), "{why}");
+    assert!(cluster.log(0).contains("crash_at_step = 80"), "{why}");
+    let detail = |kind: &str| {
+        timeline
+            .iter()
+            .find(|e| e["kind"] == kind)
+            .and_then(|e| e["detail"].as_str())
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert!(
+        detail("failed").contains("failed there again after the supervisor rolled it back"),
+        "{why}"
+    );
+    // Each world got to step 79; the third restored step 50 from storage (the second died
+    // before every rank had said it restored).
+    let restored = timeline
+        .iter()
+        .filter(|e| e["kind"] == "restored")
+        .filter_map(|e| e["detail"].as_str())
+        .next_back()
+        .unwrap_or_default();
+    // The durable step is the first at or past 50 (a snapshot skipped while a daemon was busy
+    // moves it on by one).
+    let back_to: u64 = restored
+        .strip_prefix("every rank is at step ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|step| step.parse().ok())
+        .unwrap_or_else(|| panic!("{why}"));
+    assert!((50..60).contains(&back_to), "{why}");
+    assert!(restored.contains("from T2"), "{why}");
+    assert!(
+        detail("rolled_back").contains(&format!("relaunched from durable step {back_to},")),
+        "{why}"
+    );
+    // The run stopped where it was: nothing past the crash was logged or committed.
+    assert_eq!(losses(&dir, "crashing").len(), 79, "{why}");
+    ctl.expect(0, &["verify", "crashing", "--all", "--read-data"]);
+}
+
 /// The leader's alert gauge for a failed run: 1 after it gave up (read from a leader that
 /// stays up, without `--exit-when-done`).
 #[test]

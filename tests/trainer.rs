@@ -98,6 +98,16 @@ fn bad_configs_and_missing_data_exit_2_with_the_reason() {
         ),
         (
             vec![
+                "train",
+                "--config",
+                "tiny",
+                "--set",
+                "test_faults.crash_at_step=5",
+            ],
+            "[test_faults] injects faults for tests and is refused in a real run",
+        ),
+        (
+            vec![
                 "prepare",
                 "--input",
                 "/no/such/text",

@@ -345,6 +345,9 @@ pub enum Message {
         /// The same in microseconds: the leader orders deaths by it (0 from older nodes).
         #[serde(default)]
         unix_us: u64,
+        /// The rank's last step, as it last told its daemon: where its world failed.
+        #[serde(default)]
+        step: u64,
     },
     /// A rank said `Bye`: it finished (or stopped on a signal after its last checkpoint).
     RankDone {
@@ -464,6 +467,14 @@ pub enum Message {
         #[serde(default)]
         epoch: u64,
     },
+    /// The supervisor rolled `run` back to step `to` (`None`: to a fresh start): forget every
+    /// snapshot, pending commit and replica of a later step, so that none is restored, made
+    /// durable or offered to a later leader.
+    RolledBack {
+        run: RunId,
+        to: Option<u64>,
+        epoch: u64,
+    },
     /// Supervision of `run` is over (completed, or `preempted` and made durable): a daemon
     /// that exits when the run is done exits; no other takes over.
     RunEnded {
@@ -495,6 +506,7 @@ impl Message {
             | Message::StopRanks { epoch, .. }
             | Message::MakeDurable { epoch, .. }
             | Message::UploadReplica { epoch, .. }
+            | Message::RolledBack { epoch, .. }
             | Message::RunEnded { epoch, .. } => Some(*epoch),
             _ => None,
         }

@@ -38,6 +38,24 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     #[serde(default)]
     pub parallel: ParallelConfig,
+    /// Faults the trainer injects into itself, for tests of the supervisor. Refused unless
+    /// the environment sets `LAZARUS_ALLOW_TEST_FAULTS=1`, so a config file that carries it
+    /// into a real run fails to load instead of crashing the run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub test_faults: Option<TestFaults>,
+}
+
+/// The environment variable that lets a config carry `[test_faults]`.
+pub const ALLOW_TEST_FAULTS: &str = "LAZARUS_ALLOW_TEST_FAULTS";
+
+/// The `[test_faults]` section (see [`Config::test_faults`]). Zero turns a fault off.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TestFaults {
+    /// Rank `crash_rank` exits with status 70 (a crash) each time it is about to compute
+    /// this step.
+    pub crash_at_step: u64,
+    pub crash_rank: u32,
 }
 
 /// How ranks split the work when launched under MPI (`mpiexec -n N`): see [`crate::layout`].
@@ -196,12 +214,27 @@ impl Config {
         let mut table: toml::Table = text
             .parse()
             .map_err(|e: toml::de::Error| parse_error(e.to_string()))?;
+        // `--set test_faults.KEY=V` on a config without the section: it starts from the
+        // defaults (every fault off), and goes again if no override changed them.
+        let seeded = !table.contains_key("test_faults");
+        if seeded {
+            let defaults = toml::Value::try_from(TestFaults::default()).expect("plain fields");
+            table.insert("test_faults".into(), defaults);
+        }
         for assignment in overrides {
             apply_override(&mut table, assignment)?;
         }
-        let config: Config = toml::Value::Table(table)
+        let mut config: Config = toml::Value::Table(table)
             .try_into()
             .map_err(|e: toml::de::Error| parse_error(e.to_string()))?;
+        if seeded && config.test_faults == Some(TestFaults::default()) {
+            config.test_faults = None;
+        }
+        if config.test_faults.is_some() && std::env::var(ALLOW_TEST_FAULTS).as_deref() != Ok("1") {
+            return Err(ConfigError::Invalid(format!(
+                "[test_faults] injects faults for tests and is refused in a real run; remove it (a test sets {ALLOW_TEST_FAULTS}=1)"
+            )));
+        }
         config.validate()?;
         Ok(config)
     }

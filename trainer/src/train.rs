@@ -936,6 +936,15 @@ pub fn train(
             break;
         }
         let step = session.state.step + 1;
+        if let Some(faults) = &config.test_faults {
+            if faults.crash_at_step == step && faults.crash_rank as usize == world.rank {
+                eprintln!(
+                    "rank {}: test_faults.crash_at_step = {step}: crashing",
+                    world.rank
+                );
+                std::process::exit(70);
+            }
+        }
         // This rank's part of the global batch: the same global sample order for any N.
         // Micro-batch j of the global batch is its j-th run of samples, split over the
         // data-parallel ranks: the same micro-batches (and router statistics) for any dp.

@@ -12,7 +12,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use lazarus_shared::store::{RestoreChoice, RunStore};
 use lazarus_shared::wire::{
     self, ClusterStatus, Message, NodeStatus, RankStatus, ReplicaEntry, RunStatus, Successor,
@@ -90,6 +90,9 @@ pub struct RanksSummary {
     pub done: usize,
     /// The lowest step of any rank (0 when there are none).
     pub min_step: u64,
+    /// The highest: where a world that failed had got to (its ranks move in lockstep, and a
+    /// dead rank's last step comes with its death, so the highest is the freshest).
+    pub max_step: u64,
     /// How long ago the rank that progressed last did (zero when there are none).
     pub progressed_ago_min: Duration,
 }
@@ -143,6 +146,10 @@ struct State {
     /// When the ranks were last compared for stragglers (a pass over all of them, so not
     /// on every one of thousands of heartbeats a second).
     stragglers_checked: Option<Instant>,
+    /// The step the supervisor last rolled the run back to (0: a fresh start). An upload of
+    /// a later step that ends before the new world memory-commits that step again is the
+    /// abandoned trajectory's, and is not committed.
+    rolled_back_to: Option<u64>,
 }
 
 fn nodes_of(state: &State) -> Vec<NodeView> {
@@ -232,6 +239,7 @@ impl Leader {
                 succession_told: true,
                 sessions: 0,
                 stragglers_checked: None,
+                rolled_back_to: None,
             }),
             events: Mutex::new((Vec::new(), 0)),
             events_unstored: Arc::default(),
@@ -587,6 +595,7 @@ impl Leader {
             summary.alive += usize::from(info.alive);
             summary.done += usize::from(info.done);
             min_step = Some(min_step.map_or(info.step, |m: u64| m.min(info.step)));
+            summary.max_step = summary.max_step.max(info.step);
             progressed = progressed.max(Some(info.progressed));
         }
         summary.min_step = min_step.unwrap_or(0);
@@ -676,6 +685,58 @@ impl Leader {
         for node in state.nodes.values().filter(|n| n.connected) {
             let _ = node.sender.send(message.clone());
         }
+    }
+
+    /// Rolls the run back to its newest durable step older than `before`, or to a fresh
+    /// start when it has no durable step at all, for a world that keeps failing from a newer
+    /// one. The store hides the later steps (a new timeline) when there are any, this leader
+    /// forgets its memory commits, and every node forgets its snapshots and replicas of later
+    /// steps. Answers the step rolled back to (`None`: a fresh start); an error when every
+    /// durable step is `before` or newer, or the store cannot say.
+    pub async fn roll_back(&self, before: u64, reason: &str) -> Result<Option<StepKey>> {
+        let visible: Vec<StepKey> = match self.run.catalog().await {
+            Ok(catalog) => catalog.visible_commits().map(|s| s.step).collect(),
+            Err(lazarus_shared::StoreError::NoSuchRun { .. }) => Vec::new(),
+            Err(error) => return Err(error).context("reading the run's committed steps"),
+        };
+        let to = visible.iter().filter(|s| s.step < before).max().copied();
+        if to.is_none() && !visible.is_empty() {
+            bail!(
+                "the run has no durable step older than step {before} to roll back to (its oldest is {})",
+                visible.iter().min().expect("not empty")
+            );
+        }
+        if let Some(to) = to.filter(|_| visible.iter().any(|s| s.step >= before)) {
+            self.run
+                .rollback(
+                    to,
+                    reason,
+                    &format!("the supervisor (leader epoch {})", self.epoch),
+                )
+                .await
+                .with_context(|| format!("rolling the run back to step {to}"))?;
+        }
+        {
+            let mut state = self.state.lock().await;
+            state.memory_step = None;
+            state.replicated.clear();
+            state.stored.clear();
+            state.memory_at.clear();
+            state.replica_holder.clear();
+            state.replica_steps.clear();
+            state.last_durable_step = to.map(|k| k.step);
+            state.rolled_back_to = Some(to.map_or(0, |k| k.step));
+        }
+        *self.durable.lock().unwrap_or_else(|e| e.into_inner()) = to;
+        self.metrics.memory_step.set(0);
+        self.metrics.rollbacks.inc();
+        self.push_all(Message::RolledBack {
+            run: self.cfg.run.clone(),
+            to: to.map(|k| k.step),
+            epoch: self.epoch,
+        })
+        .await;
+        Ok(to)
     }
 
     /// Rank deaths reported since the last call.
@@ -971,11 +1032,13 @@ impl Leader {
                 pid,
                 unix_ms,
                 unix_us,
+                step,
                 ..
             } => {
                 self.check_run(&run)?;
                 if let Some(info) = state.ranks.get_mut(&rank).filter(|i| i.pid == pid) {
                     info.alive = false;
+                    info.step = info.step.max(step);
                     state.downs.push(RankDown {
                         rank,
                         node: node.to_string(),
@@ -1020,6 +1083,13 @@ impl Leader {
             } => {
                 self.check_run(&run)?;
                 if world_size != state.world_size {
+                    return Ok(());
+                }
+                let abandoned = state.rolled_back_to.is_some_and(|to| step.step > to)
+                    && state.memory_step.is_none_or(|m| m < step.step);
+                if abandoned {
+                    self.metrics.rejected("rolled_back_step");
+                    tracing::warn!(%step, "ignored an upload of a step the run was rolled back from");
                     return Ok(());
                 }
                 let ranks = state.stored.entry(step).or_default();

@@ -170,6 +170,7 @@ async fn rank_gone(daemon: &Arc<Daemon>, rank: Rank, pid: u32, unix_us: u64) {
             pid,
             unix_ms: unix_us / 1000,
             unix_us,
+            step: state.last_step,
         });
     }
 }
@@ -268,8 +269,13 @@ async fn session(
             (Message::Skipped { step }, Some(r)) => {
                 daemon.metrics.snapshots_skipped.inc();
                 tracing::debug!(rank = r, step, "snapshot skipped");
-                let ranks = daemon.ranks.lock().await;
-                let state = ranks.get(&r).ok_or_else(|| anyhow!("rank {r} vanished"))?;
+                let mut ranks = daemon.ranks.lock().await;
+                let state = ranks
+                    .get_mut(&r)
+                    .ok_or_else(|| anyhow!("rank {r} vanished"))?;
+                if state.saw_step(step) {
+                    daemon.heartbeat_now.notify_one();
+                }
                 (
                     Message::Held {
                         held: state.held(),

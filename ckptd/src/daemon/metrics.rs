@@ -50,6 +50,7 @@ pub struct Metrics {
     pub takeovers: Counter,
     pub supervising: Gauge,
     pub run_failed: Gauge,
+    pub rollbacks: Counter,
 }
 
 impl Metrics {
@@ -82,6 +83,7 @@ impl Metrics {
             takeovers: Counter::default(),
             supervising: Gauge::default(),
             run_failed: Gauge::default(),
+            rollbacks: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -180,6 +182,11 @@ impl Metrics {
             "run_failed",
             "1 once the leader stopped relaunching the world: the trainer refused its input, or the world failed at the same step again",
             m.run_failed.clone(),
+        );
+        registry.register(
+            "supervisor_rollbacks",
+            "Supervising leader: times it rolled the run back to an older step rather than relaunch from the one it kept failing after",
+            m.rollbacks.clone(),
         );
         registry.register(
             "durable_commit_timestamp_seconds",

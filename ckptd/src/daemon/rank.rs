@@ -324,6 +324,24 @@ impl RankState {
         Ok(true)
     }
 
+    /// The run was rolled back to `to` (`None`: a fresh start): T0, a pending commit and a
+    /// waiting upload of a later step belong to the abandoned trajectory, and go.
+    pub fn forget_after(&mut self, to: Option<u64>) -> Result<()> {
+        let later = |step: u64| to.is_none_or(|to| step > to);
+        if self.pending.as_ref().is_some_and(|p| later(p.step)) {
+            self.pending = None;
+        }
+        self.durable_waiting = self.durable_waiting.filter(|&step| !later(step));
+        if self.stored.is_some_and(|k| later(k.step)) {
+            self.stored = None;
+        }
+        if self.t0.as_ref().is_some_and(|t0| later(t0.step)) {
+            self.t0 = None;
+            self.persist()?;
+        }
+        Ok(())
+    }
+
     /// The leader wants `step` durable: true when it is T0 (now marked for upload).
     pub fn request_durable(&mut self, step: u64) -> bool {
         match self.t0.as_mut().filter(|t0| t0.step == step) {

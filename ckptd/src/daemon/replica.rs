@@ -185,6 +185,33 @@ async fn write_chunk(
     .await?
 }
 
+/// Removes the replicas held here of steps after `to` (`None`: all of them): the run was
+/// rolled back, and they belong to the abandoned trajectory.
+pub async fn forget_after(daemon: &Daemon, to: Option<u64>) -> Result<()> {
+    let root = daemon
+        .cfg
+        .shm_dir
+        .join(daemon.cfg.run.as_str())
+        .join("replicas");
+    tokio::task::spawn_blocking(move || {
+        for rank_dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {
+            for step_dir in std::fs::read_dir(rank_dir.path())?.flatten() {
+                let name = step_dir.file_name();
+                let step = name
+                    .to_str()
+                    .and_then(|n| n.strip_prefix("step-"))
+                    .and_then(|n| n.parse::<u64>().ok());
+                if step.is_some_and(|step| to.is_none_or(|to| step > to)) {
+                    std::fs::remove_dir_all(step_dir.path())
+                        .with_context(|| format!("removing {}", step_dir.path().display()))?;
+                }
+            }
+        }
+        Ok(())
+    })
+    .await?
+}
+
 /// The complete replica of `rank`'s `step` held here: its data file and description.
 pub fn held(daemon: &Daemon, rank: Rank, step: u64) -> Result<Option<(PathBuf, ReplicaMeta)>> {
     let dir = replica_dir(daemon, rank).join(format!("step-{step}"));

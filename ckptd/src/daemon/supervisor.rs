@@ -104,6 +104,8 @@ pub async fn supervise(
     let mut adopted = None;
     // The step the world had reached at its last faults, and how many in a row there.
     let mut repeated: (Option<u64>, u32) = (None, 0);
+    // The step the world had reached when this leader last rolled it back.
+    let mut rolled_back_at: Option<u64> = None;
     if !history.is_empty() {
         // A restarted leader (or a requeued job): a world may still be running.
         match adopt(&leader, &plan, took_over).await {
@@ -233,7 +235,10 @@ pub async fn supervise(
                 leader.count_fault();
                 // A lost node says nothing about the training; a world that dies or hangs at
                 // the step where it did before will do so again from the same restore.
-                let reached = leader.ranks_summary().await.min_step;
+                // Where the world got to: a world that died before its first step after a
+                // restore got to the restored step.
+                let restored = leader.chosen_step().await;
+                let reached = (leader.ranks_summary().await.max_step).max(restored.unwrap_or(0));
                 repeated = repeat_count(repeated, lost_node.is_some(), reached);
                 leader.record(generation, kind, detail).await;
                 stop(&leader, child.as_mut(), &plan, run).await;
@@ -245,18 +250,48 @@ pub async fn supervise(
                     )
                     .await;
                 if repeated.1 >= plan.same_step_failures {
-                    leader
-                        .record(
-                            generation,
-                            "failed",
-                            format!(
-                                "the world failed {} times in a row at step {reached} (same_step_failures = {}): relaunched from the same step it would fail again, so it is not; find the cause in the ranks' output, then roll back or fix and resubmit",
-                                repeated.1, plan.same_step_failures
-                            ),
-                        )
-                        .await;
-                    daemon.metrics.run_failed.set(1);
-                    return Ending::Failed;
+                    let failed = format!(
+                        "the world failed {} times in a row at step {reached} (same_step_failures = {})",
+                        repeated.1, plan.same_step_failures
+                    );
+                    // Once, the next older step: what fails after a restore may be the
+                    // restored state. Then a clear stop.
+                    let from = restored.unwrap_or(reached);
+                    let verdict = if rolled_back_at == Some(reached) {
+                        Err("it failed there again after the supervisor rolled it back, so it is not relaunched; find the cause in the ranks' output, then roll back further or fix and resubmit".to_string())
+                    } else if from == 0 {
+                        Err("it started fresh, so there is no older step to try; find the cause in the ranks' output, then fix and resubmit".to_string())
+                    } else {
+                        leader
+                            .roll_back(from, &format!("{failed}, restored from step {from}"))
+                            .await
+                            .map_err(|error| format!("it cannot be rolled back ({error:#}), so it is not relaunched; find the cause in the ranks' output, then roll back or fix and resubmit"))
+                    };
+                    match verdict {
+                        Ok(to) => {
+                            rolled_back_at = Some(reached);
+                            leader
+                                .record(
+                                    generation,
+                                    "rolled_back",
+                                    format!(
+                                        "{failed} after restoring step {from}: relaunched from {}",
+                                        match to {
+                                            Some(key) => format!("durable step {key}, the newest older one; later steps are hidden, not deleted"),
+                                            None => "a fresh start, the run having no older durable step".to_string(),
+                                        }
+                                    ),
+                                )
+                                .await;
+                        }
+                        Err(why) => {
+                            leader
+                                .record(generation, "failed", format!("{failed}: {why}"))
+                                .await;
+                            daemon.metrics.run_failed.set(1);
+                            return Ending::Failed;
+                        }
+                    }
                 }
                 if let Some(lost) = lost_node {
                     let (ranks, nodes) = leader.view().await;

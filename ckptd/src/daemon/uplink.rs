@@ -218,6 +218,20 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
         } if r == *run => {
             tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
         }
+        Message::RolledBack { run: r, to, .. } if r == *run => {
+            tracing::warn!(
+                ?to,
+                "the supervisor rolled the run back; forgetting later snapshots"
+            );
+            for state in daemon.ranks.lock().await.values_mut() {
+                if let Err(error) = state.forget_after(to) {
+                    tracing::error!(rank = state.rank, error = %format!("{error:#}"), "cannot forget a rolled-back snapshot");
+                }
+            }
+            if let Err(error) = super::replica::forget_after(daemon, to).await {
+                tracing::error!(error = %format!("{error:#}"), "cannot forget rolled-back replicas");
+            }
+        }
         Message::RunEnded {
             run: r,
             preempted,
