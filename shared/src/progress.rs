@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 pub const TRAINER_BLOB: &str = "trainer.json";
 
 /// What a trainer checkpoint stores besides its tensors.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainerProgress {
     /// The last step trained.
     pub step: u64,
@@ -19,6 +19,21 @@ pub struct TrainerProgress {
     /// was recorded.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layout: Option<WrittenLayout>,
+    /// Data windows skipped so far, oldest first: a resume keeps the data position they
+    /// moved, and this says why it differs from the step count.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped: Vec<SkippedData>,
+    /// The losses of the last steps, oldest first, for the health check's spike rule.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub recent_losses: Vec<f64>,
+}
+
+/// `batches` global batches skipped right after `after_step` (a rollback past bad data, or
+/// an operator's `--skip-batches`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SkippedData {
+    pub after_step: u64,
+    pub batches: u64,
 }
 
 /// A parallel layout as a checkpoint records it.
@@ -59,6 +74,11 @@ mod tests {
                 micro_batches: 1,
                 ranks: vec![[0, 0, 0, 0], [1, 0, 0, 0]],
             }),
+            skipped: vec![SkippedData {
+                after_step: 150,
+                batches: 20,
+            }],
+            recent_losses: vec![4.25, 4.125],
             ..old
         };
         let text = serde_json::to_string(&new).unwrap();

@@ -249,6 +249,13 @@ pub enum Message {
     Skipped {
         step: u64,
     },
+    /// The rank's health check failed at `step` (a non-finite loss or gradient norm, or a
+    /// loss spike): it snapshots nothing more and waits for the supervisor to stop the world
+    /// and roll it back. Answer: `Held`.
+    Unhealthy {
+        step: u64,
+        reason: String,
+    },
     /// The rank finished its run and is exiting normally. Answer: `Held`.
     Bye,
 
@@ -432,6 +439,9 @@ pub enum Message {
         durable: Option<StepKey>,
         /// The daemon that holds the rank's latest replica (T1), if the leader knows.
         replica: Option<String>,
+        /// Data to skip after restoring a step the supervisor rolled back to.
+        #[serde(default)]
+        skip: Option<DataSkip>,
     },
     /// From now on, replicate to this daemon (the supervisor pairs the active nodes).
     SetBuddy {
@@ -555,6 +565,24 @@ pub struct RankBeat {
     /// Where this process's restore came from, once it restored a step.
     #[serde(default)]
     pub restored_from: Option<Tier>,
+    /// The rank's health check failed.
+    #[serde(default)]
+    pub unhealthy: Option<BadStep>,
+}
+
+/// A step a rank's health check failed, and why.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BadStep {
+    pub step: u64,
+    pub reason: String,
+}
+
+/// After restoring `after_step`, the ranks skip the next `batches` global batches of their
+/// data order: the window that made the run go bad.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataSkip {
+    pub after_step: u64,
+    pub batches: u64,
 }
 
 /// One entry of the supervisor's timeline.

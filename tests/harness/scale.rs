@@ -489,6 +489,7 @@ async fn node(shared: Arc<Shared>, index: usize) -> Result<()> {
                                     seen_ms_ago: 0,
                                     compute_us: 900_000,
                                     process_state: None,
+                                    unhealthy: None,
                                     restored_from: None,
                                 })
                                 .collect(),

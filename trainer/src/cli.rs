@@ -75,6 +75,11 @@ pub enum Command {
         /// Where `<run id>/metrics.jsonl` is written.
         #[arg(long, default_value = "lazarus-runs")]
         metrics_dir: PathBuf,
+        /// Skip this many global batches of data right after the step this start resumes
+        /// (recorded in the checkpoints): for a manual restart past data that made the loss
+        /// spike. Once: not for a supervisor's trainer arguments, which it would repeat.
+        #[arg(long, default_value_t = 0)]
+        skip_batches: u64,
     },
 }
 
@@ -187,6 +192,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             mut overrides,
             resume,
             metrics_dir,
+            skip_batches,
         } => {
             if let Some(resume) = resume {
                 overrides.push(format!("checkpoint.resume={resume}"));
@@ -210,6 +216,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                     world.clone(),
                     stop,
                     &metrics_dir,
+                    skip_batches,
                     &mut std::io::stdout(),
                 )
             }))

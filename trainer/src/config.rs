@@ -38,11 +38,40 @@ pub struct Config {
     pub checkpoint: CheckpointConfig,
     #[serde(default)]
     pub parallel: ParallelConfig,
+    #[serde(default)]
+    pub health: HealthConfig,
     /// Faults the trainer injects into itself, for tests of the supervisor. Refused unless
     /// the environment sets `LAZARUS_ALLOW_TEST_FAULTS=1`, so a config file that carries it
     /// into a real run fails to load instead of crashing the run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub test_faults: Option<TestFaults>,
+}
+
+/// The `[health]` section: what makes a step bad. A non-finite loss or gradient norm always
+/// does; a loss spike does when `spike_sigma` is above 0.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// A loss above the mean of the previous `spike_window` steps' by more than this many
+    /// of their standard deviations is a spike (0: no spike rule).
+    pub spike_sigma: f64,
+    pub spike_window: usize,
+    /// No spike rule before this step (the loss falls fast early on).
+    pub spike_after_step: u64,
+    /// A bad step under ckptd: how long the ranks wait for the supervisor to stop the world
+    /// and roll it back before they exit with an error.
+    pub stop_wait_seconds: f64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            spike_sigma: 0.0,
+            spike_window: 100,
+            spike_after_step: 200,
+            stop_wait_seconds: 60.0,
+        }
+    }
 }
 
 /// The environment variable that lets a config carry `[test_faults]`.
@@ -56,6 +85,14 @@ pub struct TestFaults {
     /// this step.
     pub crash_at_step: u64,
     pub crash_rank: u32,
+    /// Rank `nan_rank` puts a NaN into its gradient at the step that trains the data of this
+    /// step of the run's first data order (a rollback that skips that data skips the fault).
+    pub nan_at_step: u64,
+    pub nan_rank: u32,
+    /// The data of `garbage_steps` steps from this one (of the first data order) is replaced
+    /// by random tokens: a loss spike.
+    pub garbage_at_step: u64,
+    pub garbage_steps: u64,
 }
 
 /// How ranks split the work when launched under MPI (`mpiexec -n N`): see [`crate::layout`].
@@ -214,8 +251,13 @@ impl Config {
         let mut table: toml::Table = text
             .parse()
             .map_err(|e: toml::de::Error| parse_error(e.to_string()))?;
-        // `--set test_faults.KEY=V` on a config without the section: it starts from the
-        // defaults (every fault off), and goes again if no override changed them.
+        // `--set SECTION.KEY=V` on a config without an optional section: it starts from the
+        // section's defaults (`[test_faults]`: every fault off, and it goes again if no
+        // override changed them).
+        if !table.contains_key("health") {
+            let defaults = toml::Value::try_from(HealthConfig::default()).expect("plain fields");
+            table.insert("health".into(), defaults);
+        }
         let seeded = !table.contains_key("test_faults");
         if seeded {
             let defaults = toml::Value::try_from(TestFaults::default()).expect("plain fields");
@@ -326,6 +368,11 @@ impl Config {
             t.log_every > 0 && t.val_every > 0 && t.val_batches > 0,
             "train.log_every, val_every and val_batches must be positive".into(),
         );
+        let h = &self.health;
+        require(
+            h.spike_sigma >= 0.0 && h.spike_window >= 2 && h.stop_wait_seconds >= 0.0,
+            "health.spike_sigma and stop_wait_seconds must not be negative, health.spike_window at least 2".into(),
+        );
         let p = &self.parallel;
         require(
             p.tp > 0 && p.pp > 0 && p.ep > 0 && p.micro_batches > 0 && p.virtual_stages > 0,
@@ -399,6 +446,11 @@ fn apply_override(table: &mut toml::Table, assignment: &str) -> Result<(), Confi
     let parsed = match (existing, parsed) {
         // Let `lr=1` set a float key.
         (toml::Value::Float(_), toml::Value::Integer(i)) => toml::Value::Float(i as f64),
+        // A bare word for a string key is the string, even one TOML reads otherwise
+        // (`run.id=nan`, `run.id=2024`).
+        (toml::Value::String(_), parsed) if !parsed.is_str() => {
+            toml::Value::String(raw.trim().to_string())
+        }
         (_, parsed) => parsed,
     };
     if existing.type_str() != parsed.type_str() {

@@ -9,6 +9,7 @@ mod custom_op;
 pub mod data;
 pub mod dist;
 pub mod experts;
+pub mod health;
 pub mod kernels;
 pub mod layout;
 pub mod loss;

@@ -311,6 +311,13 @@ impl AdamW {
         Ok(())
     }
 
+    /// Puts a NaN into the gradient of the coming update (`test_faults.nan_at_step`).
+    pub fn poison_gradient(&mut self) {
+        if let Some(first) = self.grads.first_mut() {
+            *first = f32::NAN;
+        }
+    }
+
     /// The gradient accumulated for the coming update, flat, in placement order.
     pub fn gradient(&self) -> &[f32] {
         &self.grads

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
-use lazarus_shared::wire::{self, Message, SlotTensor, Tier};
+use lazarus_shared::wire::{self, DataSkip, Message, SlotTensor, Tier};
 
 enum Buffer {
     Heap(Vec<f32>),
@@ -327,11 +327,16 @@ impl Ckptd {
     }
 
     /// The steps this world could start from: (memory-committed, durable).
-    pub fn choose(&mut self) -> Result<(Option<u64>, Option<u64>)> {
+    /// The steps this world could restore (memory-committed, durable), and data to skip
+    /// after the step a supervisor rolled the run back to.
+    pub fn choose(&mut self) -> Result<(Option<u64>, Option<u64>, Option<DataSkip>)> {
         match self.call(&Message::Choose, &[])?.message {
             Message::StepChoice {
-                memory, durable, ..
-            } => Ok((memory, durable.map(|d| d.step))),
+                memory,
+                durable,
+                skip,
+                ..
+            } => Ok((memory, durable.map(|d| d.step), skip)),
             Message::Refused { reason } => bail!("ckptd could not choose a step: {reason}"),
             other => bail!("ckptd answered {other:?} to Choose"),
         }
@@ -378,6 +383,18 @@ impl Ckptd {
                 Ok(busy)
             }
             other => bail!("ckptd answered {other:?} to Poll"),
+        }
+    }
+
+    /// Tells the daemon that `step` failed the health check: it tells the supervisor.
+    pub fn unhealthy(&mut self, step: u64, reason: &str) -> Result<()> {
+        let message = Message::Unhealthy {
+            step,
+            reason: reason.to_string(),
+        };
+        match self.call(&message, &[])?.message {
+            Message::Held { .. } => Ok(()),
+            other => bail!("ckptd answered {other:?} to Unhealthy"),
         }
     }
 

@@ -25,7 +25,7 @@ use lazarus_shared::store::{
 };
 use lazarus_shared::{RunId, StepKey, StoreError};
 // The progress stored with every checkpoint (`trainer.json`), with the layout that wrote it.
-use lazarus_shared::progress::{TrainerProgress as TrainerState, TRAINER_BLOB};
+use lazarus_shared::progress::{SkippedData, TrainerProgress as TrainerState, TRAINER_BLOB};
 use serde::Serialize;
 
 use crate::config::Config;
@@ -36,7 +36,7 @@ use crate::optim::{learning_rate, AdamW, Part};
 use crate::pipeline::StepFigures;
 use crate::snapshot::{Ckptd, HeldSlots, StateMemory};
 use crate::steplog::{Phase, StepLog};
-use lazarus_shared::wire::SlotTensor;
+use lazarus_shared::wire::{DataSkip, SlotTensor};
 
 /// Bad configuration or a run that must not be touched (exit 2).
 #[derive(Debug, thiserror::Error)]
@@ -190,6 +190,8 @@ struct Session {
     /// (whose buffers that live on, such as the kernels' scratch, would count as activations).
     activation_bytes: Option<usize>,
     steps_run: u64,
+    /// The data the supervisor says to skip after the step it rolled the run back to.
+    skip_offered: Option<DataSkip>,
 }
 
 impl Session {
@@ -361,8 +363,11 @@ impl Session {
     /// Every rank restores the same step: the newest memory-committed step any daemon was
     /// told of (each rank has it in T0 or its buddy's T1), unless a durable step is newer. If
     /// any rank cannot get it, all fall back to the newest durable step (T2).
-    fn agree_and_restore(&self, ckptd: &mut Ckptd) -> Result<Option<crate::snapshot::Restored>> {
-        let (memory, durable) = ckptd.choose()?;
+    fn agree_and_restore(
+        &mut self,
+        ckptd: &mut Ckptd,
+    ) -> Result<Option<crate::snapshot::Restored>> {
+        let (memory, durable, skip) = ckptd.choose()?;
         let encode = |step: Option<u64>| step.map_or(0.0, |s| s as f64 + 1.0);
         let newest = |value: Option<u64>| -> Option<u64> {
             let all = self.world.all_gather_f64(Group::World, &[encode(value)]);
@@ -370,6 +375,14 @@ impl Session {
             (max > 0.0).then(|| max as u64 - 1)
         };
         let (memory, durable) = (newest(memory), newest(durable));
+        let after_step = newest(skip.map(|s| s.after_step));
+        let batches = newest(skip.map(|s| s.batches));
+        self.skip_offered = after_step
+            .zip(batches)
+            .map(|(after_step, batches)| DataSkip {
+                after_step,
+                batches,
+            });
         let memory = RestoreChoice::new(memory, durable).memory();
         let failed = |result: &Result<_>| -> bool {
             let mine = f64::from(u8::from(result.is_err()));
@@ -406,6 +419,26 @@ impl Session {
             self.activation_bytes = Some(peak.max(figures.activation_bytes));
         }
         Ok(figures)
+    }
+
+    /// Step `step` failed the health check: nothing of it is saved. Under ckptd the daemon
+    /// tells the supervisor, which stops the world and rolls it back; the rank waits for
+    /// that (`health.stop_wait_seconds`), and gives up with the error.
+    fn went_bad(&mut self, step: u64, reason: &str, log: &mut dyn Write) -> anyhow::Error {
+        let error = anyhow::anyhow!(
+            "step {step} failed the health check: {reason}; lower train.lr or check the data"
+        );
+        if let Saver::Ckptd(saver) = &mut self.saver {
+            let wait = self.config.health.stop_wait_seconds;
+            let _ = writeln!(
+                log,
+                "step {step} failed the health check ({reason}); waiting up to {wait} s for the supervisor to roll the run back"
+            );
+            if saver.client.unhealthy(step, reason).is_ok() {
+                std::thread::sleep(std::time::Duration::from_secs_f64(wait));
+            }
+        }
+        error
     }
 
     /// Asks `ckptd` which slots it holds before an update writes one. Once a step, so it
@@ -814,6 +847,7 @@ pub fn train(
     world: Arc<World>,
     stop: Arc<AtomicBool>,
     metrics_dir: &Path,
+    skip_batches: u64,
     log: &mut dyn Write,
 ) -> Result<Summary> {
     let layout = &world.layout;
@@ -862,6 +896,8 @@ pub fn train(
             samples_seen: 0,
             optimizer_step: 0,
             layout: Some(layout.written()),
+            skipped: Vec::new(),
+            recent_losses: Vec::new(),
         },
         saver: Saver::Store { bases: None },
         stalls: Vec::new(),
@@ -869,6 +905,7 @@ pub fn train(
         pipeline_wait: 0.0,
         activation_bytes: None,
         steps_run: 0,
+        skip_offered: None,
     };
     let mut restored_tier = None;
     let resumed_from = match config.checkpoint.ckptd_socket() {
@@ -920,6 +957,28 @@ pub fn train(
     }
     let mut step_log = StepLog::open(config, world.size, world.rank == 0, metrics_dir, log)?;
     let batch = config.train.micro_batch;
+    let global_batch = (batch * layout.dp) as u64;
+    // Data to skip right after the step this start resumed: the supervisor's, once it rolled
+    // the run back past data that made it go bad, and the operator's `--skip-batches`.
+    let resumed_step = session.state.step;
+    let skip = session
+        .skip_offered
+        .filter(|s| s.after_step == resumed_step)
+        .map_or(0, |s| s.batches)
+        + skip_batches;
+    if skip > 0 {
+        session.state.samples_seen += skip * global_batch;
+        session.state.skipped.push(SkippedData {
+            after_step: resumed_step,
+            batches: skip,
+        });
+        writeln!(
+            log,
+            "skipping {skip} global batches of data after step {resumed_step}: step {} trains the data step {} did before",
+            resumed_step + 1,
+            session.state.samples_seen / global_batch + 1
+        )?;
+    }
     let first_step = session.state.step + 1;
     let mut losses = Vec::new();
     let mut last_checkpoint = resumed_from;
@@ -936,7 +995,11 @@ pub fn train(
             break;
         }
         let step = session.state.step + 1;
-        if let Some(faults) = &config.test_faults {
+        // The step of the run's first data order whose data this step trains (they differ
+        // once data was skipped).
+        let data_step = session.state.samples_seen / global_batch + 1;
+        let faults = config.test_faults.as_ref();
+        if let Some(faults) = faults {
             if faults.crash_at_step == step && faults.crash_rank as usize == world.rank {
                 eprintln!(
                     "rank {}: test_faults.crash_at_step = {step}: crashing",
@@ -957,7 +1020,24 @@ pub fn train(
             })
             .flat_map(|sample| sampler.sample(&dataset.train, sample))
             .collect();
+        let tokens = match faults {
+            Some(f)
+                if (f.garbage_at_step..f.garbage_at_step + f.garbage_steps)
+                    .contains(&data_step) =>
+            {
+                garbage(
+                    tokens.len(),
+                    dataset.index.vocab_size,
+                    data_step,
+                    world.rank,
+                )
+            }
+            _ => tokens,
+        };
         let figures = session.gradients(&tokens, batch, &mut step_log)?;
+        if faults.is_some_and(|f| f.nan_at_step == data_step && f.nan_rank as usize == world.rank) {
+            session.optim.poison_gradient();
+        }
         session.heartbeat();
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
@@ -1013,9 +1093,13 @@ pub fn train(
         session.state.samples_seen += (batch * layout.dp) as u64;
         session.state.optimizer_step = session.optim.step;
         losses.push((step, loss));
-        if !loss.is_finite() {
-            bail!("the loss became {loss} at step {step}; lower train.lr or check the data");
+        let recent = &session.state.recent_losses;
+        if let Some(reason) =
+            crate::health::verdict(&config.health, recent, step, loss, update.grad_norm)
+        {
+            return Err(session.went_bad(step, &reason, log));
         }
+        crate::health::remember(&config.health, &mut session.state.recent_losses, loss);
         let val_loss = if step % config.train.val_every == 0 {
             session.validate(&dataset)?
         } else {
@@ -1117,6 +1201,16 @@ pub fn train(
 }
 
 /// This process's peak resident memory so far (Linux's `VmHWM`), in bytes.
+/// `len` random tokens below `vocab`, the same for the same data step and rank: the
+/// garbage data of `test_faults.garbage_at_step`.
+fn garbage(len: usize, vocab: usize, data_step: u64, rank: usize) -> Vec<u32> {
+    use rand::{Rng, SeedableRng};
+    let mut rng = rand::rngs::StdRng::seed_from_u64(data_step << 16 | rank as u64);
+    (0..len)
+        .map(|_| rng.random_range(0..vocab as u32))
+        .collect()
+}
+
 fn peak_resident_bytes() -> Option<f64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;

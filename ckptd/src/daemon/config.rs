@@ -130,6 +130,15 @@ pub struct Cli {
     /// no node lost) is not relaunched again: the run stops with a `failed` event (default 2).
     #[arg(long)]
     pub same_step_failures: Option<u32>,
+    /// A rank whose health check fails (a non-finite loss or gradient norm, a loss spike)
+    /// has the world rolled back to the newest durable step at least this many steps before
+    /// the bad one (default 0: any older durable step).
+    #[arg(long)]
+    pub rollback_steps: Option<u64>,
+    /// ... and the ranks skip this many global batches after it, at least up to the bad
+    /// step's (default 0: just those).
+    #[arg(long)]
+    pub skip_batches: Option<u64>,
     /// Exit once the run completed or was preempted (the batch script's leader does).
     #[arg(long)]
     pub exit_when_done: bool,
@@ -176,6 +185,8 @@ pub struct Supervision {
     pub when_no_spare: NoSpare,
     pub min_active_nodes: usize,
     pub same_step_failures: u32,
+    pub rollback_steps: u64,
+    pub skip_batches: u64,
     pub exit_when_done: bool,
 }
 
@@ -216,6 +227,8 @@ struct File {
     when_no_spare: Option<NoSpare>,
     min_active_nodes: Option<usize>,
     same_step_failures: Option<u32>,
+    rollback_steps: Option<u64>,
+    skip_batches: Option<u64>,
     exit_when_done: Option<bool>,
     straggler_margin: Option<f64>,
     straggler_seconds: Option<f64>,
@@ -444,6 +457,8 @@ impl Config {
                     when_no_spare: cli.when_no_spare.or(file.when_no_spare).unwrap_or_default(),
                     min_active_nodes,
                     same_step_failures,
+                    rollback_steps: cli.rollback_steps.or(file.rollback_steps).unwrap_or(0),
+                    skip_batches: cli.skip_batches.or(file.skip_batches).unwrap_or(0),
                     exit_when_done: cli.exit_when_done || file.exit_when_done.unwrap_or(false),
                     launcher,
                     trainer,

@@ -46,6 +46,8 @@ struct RankInfo {
     /// Since when it has been slower than the median by more than the margin.
     slow_since: Option<Instant>,
     straggler: bool,
+    /// Its health check failed.
+    unhealthy: Option<wire::BadStep>,
 }
 
 #[derive(Debug)]
@@ -95,6 +97,8 @@ pub struct RanksSummary {
     pub max_step: u64,
     /// How long ago the rank that progressed last did (zero when there are none).
     pub progressed_ago_min: Duration,
+    /// A rank whose health check failed (the lowest, when several did).
+    pub unhealthy: Option<Rank>,
 }
 
 /// What the supervisor sees of a node.
@@ -150,6 +154,8 @@ struct State {
     /// a later step that ends before the new world memory-commits that step again is the
     /// abandoned trajectory's, and is not committed.
     rolled_back_to: Option<u64>,
+    /// The data a world that restores the step rolled back to skips after it.
+    skip: Option<wire::DataSkip>,
 }
 
 fn nodes_of(state: &State) -> Vec<NodeView> {
@@ -240,6 +246,7 @@ impl Leader {
                 sessions: 0,
                 stragglers_checked: None,
                 rolled_back_to: None,
+                skip: None,
             }),
             events: Mutex::new((Vec::new(), 0)),
             events_unstored: Arc::default(),
@@ -591,7 +598,10 @@ impl Leader {
         };
         let mut min_step = None;
         let mut progressed = None;
-        for info in state.ranks.values() {
+        for (rank, info) in &state.ranks {
+            if info.unhealthy.is_some() && summary.unhealthy.is_none_or(|r| *rank < r) {
+                summary.unhealthy = Some(*rank);
+            }
             summary.alive += usize::from(info.alive);
             summary.done += usize::from(info.done);
             min_step = Some(min_step.map_or(info.step, |m: u64| m.min(info.step)));
@@ -737,6 +747,20 @@ impl Leader {
         })
         .await;
         Ok(to)
+    }
+
+    /// The health verdict of `rank`, when it failed.
+    pub async fn unhealthy(&self, rank: Rank) -> Option<wire::BadStep> {
+        let state = self.state.lock().await;
+        state
+            .ranks
+            .get(&rank)
+            .and_then(|info| info.unhealthy.clone())
+    }
+
+    /// A world that restores `skip.after_step` skips `skip.batches` after it.
+    pub async fn set_skip(&self, skip: wire::DataSkip) {
+        self.state.lock().await.skip = Some(skip);
     }
 
     /// Rank deaths reported since the last call.
@@ -1016,6 +1040,7 @@ impl Leader {
                         restored_from: None,
                         slow_since: None,
                         straggler: false,
+                        unhealthy: None,
                     },
                 );
             }
@@ -1149,6 +1174,9 @@ impl Leader {
                         if beat.restored_from.is_some() {
                             info.restored_from = beat.restored_from;
                         }
+                        if beat.unhealthy.is_some() {
+                            info.unhealthy = beat.unhealthy;
+                        }
                     }
                 }
                 if state
@@ -1234,16 +1262,20 @@ impl Leader {
             Some(_) => *self.durable.lock().unwrap_or_else(|e| e.into_inner()),
             None => self.durable_step().await,
         };
-        {
+        let (replica, skip) = {
             let mut state = self.state.lock().await;
             let chosen = RestoreChoice::new(memory, durable.map(|d| d.step)).step();
             state.chosen = Some(chosen);
-        }
-        let replica = self.state.lock().await.replica_holder.get(&rank).cloned();
+            let skip = state
+                .skip
+                .filter(|skip| skip.after_step == chosen.unwrap_or(0));
+            (state.replica_holder.get(&rank).cloned(), skip)
+        };
         Ok(Message::StepChoice {
             memory,
             durable,
             replica,
+            skip,
         })
     }
 

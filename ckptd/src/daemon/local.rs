@@ -205,11 +205,12 @@ async fn session(
                 Err(error) => (refused(&error), Vec::new()),
             },
             (Message::Choose, Some(r)) => match restore::choose(daemon, r).await {
-                Ok((memory, durable)) => (
+                Ok(offer) => (
                     Message::StepChoice {
-                        memory,
-                        durable,
+                        memory: offer.memory,
+                        durable: offer.durable,
                         replica: None,
+                        skip: offer.skip,
                     },
                     Vec::new(),
                 ),
@@ -256,6 +257,24 @@ async fn session(
                     pid: state.pid,
                 });
                 state.pid = 0;
+                (
+                    Message::Held {
+                        held: state.held(),
+                        committed: state.t0.as_ref().map(|t| t.step),
+                        busy: state.busy(),
+                        accepted: false,
+                    },
+                    Vec::new(),
+                )
+            }
+            (Message::Unhealthy { step, reason }, Some(r)) => {
+                tracing::warn!(rank = r, step, %reason, "the rank's health check failed");
+                let mut ranks = daemon.ranks.lock().await;
+                let state = ranks
+                    .get_mut(&r)
+                    .ok_or_else(|| anyhow!("rank {r} vanished"))?;
+                state.unhealthy = Some(wire::BadStep { step, reason });
+                daemon.heartbeat_now.notify_one();
                 (
                     Message::Held {
                         held: state.held(),

@@ -51,6 +51,7 @@ pub struct Metrics {
     pub supervising: Gauge,
     pub run_failed: Gauge,
     pub rollbacks: Counter,
+    pub unhealthy: Counter,
 }
 
 impl Metrics {
@@ -84,6 +85,7 @@ impl Metrics {
             supervising: Gauge::default(),
             run_failed: Gauge::default(),
             rollbacks: Counter::default(),
+            unhealthy: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -187,6 +189,11 @@ impl Metrics {
             "supervisor_rollbacks",
             "Supervising leader: times it rolled the run back to an older step rather than relaunch from the one it kept failing after",
             m.rollbacks.clone(),
+        );
+        registry.register(
+            "supervisor_unhealthy",
+            "Supervising leader: worlds stopped because a rank's health check failed (a non-finite loss or gradient norm, a loss spike)",
+            m.unhealthy.clone(),
         );
         registry.register(
             "durable_commit_timestamp_seconds",

@@ -99,6 +99,8 @@ pub struct RankState {
     pub early_beats: u8,
     /// Where this process's restore came from (`None`: fresh, or not restored yet).
     pub restored_from: Option<lazarus_shared::wire::Tier>,
+    /// The step this process's health check failed at, and why.
+    pub unhealthy: Option<lazarus_shared::wire::BadStep>,
 }
 
 /// The answer to a snapshot hand-over.
@@ -160,6 +162,7 @@ impl RankState {
             compute_us: 0,
             early_beats: 0,
             restored_from: None,
+            unhealthy: None,
         }
     }
 
@@ -221,6 +224,7 @@ impl RankState {
         self.last_step = 0;
         self.early_beats = EARLY_BEATS;
         self.restored_from = None;
+        self.unhealthy = None;
         self.persist()
     }
 

@@ -27,7 +27,7 @@ use super::{replica, Daemon};
 /// replication that takes longer is going to a buddy that is gone or cut off, and its step
 /// would not be committed anyway. A durable upload in flight is not waited for: it holds
 /// its own slot, and the memory step is newer.
-pub async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Option<StepKey>)> {
+pub async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<super::uplink::Offer> {
     let deadline = Instant::now() + Duration::from_secs(10);
     let world_size = loop {
         {
@@ -42,15 +42,18 @@ pub async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<(Option<u64>, Op
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     match super::uplink::which_step(daemon, world_size, rank).await {
-        Ok((memory, durable, replica)) => {
+        Ok(offer) => {
             if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
-                state.replica_at = replica.and_then(|a| a.parse().ok());
+                state.replica_at = offer.replica.as_ref().and_then(|a| a.parse().ok());
             }
-            Ok((memory, durable))
+            Ok(offer)
         }
         Err(error) => {
             tracing::warn!(error = %format!("{error:#}"), "the leader did not answer; offering the latest durable step");
-            Ok((None, daemon.run.latest().await?))
+            Ok(super::uplink::Offer {
+                durable: daemon.run.latest().await?,
+                ..Default::default()
+            })
         }
     }
 }

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use tokio::process::{Child, Command};
 
-use lazarus_shared::Rank;
+use lazarus_shared::{wire, Rank};
 
 use super::config::{Launcher, NoSpare, Supervision};
 use super::leader::{Leader, NodeView};
@@ -41,6 +41,11 @@ enum Outcome {
     },
     /// The trainer refused its configuration or data (exit 2): a relaunch would too.
     RefusedInput(String),
+    /// A rank's health check failed: the world is rolled back past the data that did it.
+    Unhealthy {
+        rank: Rank,
+        bad: wire::BadStep,
+    },
 }
 
 /// How supervision ended.
@@ -217,6 +222,88 @@ pub async fn supervise(
             Outcome::Deposed => {
                 // The world (and its launcher, not killed on drop) is the new leader's now.
                 return Ending::Deposed;
+            }
+            Outcome::Unhealthy { rank, bad } => {
+                daemon.metrics.unhealthy.inc();
+                leader
+                    .record(
+                        generation,
+                        "unhealthy",
+                        format!("rank {rank} at step {}: {}", bad.step, bad.reason),
+                    )
+                    .await;
+                stop(&leader, child.as_mut(), &plan, run).await;
+                leader
+                    .record(
+                        generation,
+                        "stopped",
+                        "every rank of the world is gone".into(),
+                    )
+                    .await;
+                repeated = repeat_count(repeated, false, bad.step);
+                let verdict = if repeated.1 >= plan.same_step_failures {
+                    Err(format!(
+                        "the world went bad at step {} {} times in a row (same_step_failures = {}), rolled back and past skipped data each time, so it is not relaunched; find the cause in the ranks' output, then roll back further or fix and resubmit",
+                        bad.step, repeated.1, plan.same_step_failures
+                    ))
+                } else {
+                    let before = bad.step.saturating_sub(plan.rollback_steps);
+                    leader
+                        .roll_back(
+                            before,
+                            &format!("rank {rank} went bad at step {}: {}", bad.step, bad.reason),
+                        )
+                        .await
+                        .map_err(|error| format!("it cannot be rolled back ({error:#}), so it is not relaunched; find the cause in the ranks' output, then roll back or fix and resubmit"))
+                };
+                let to = match verdict {
+                    Ok(to) => to,
+                    Err(why) => {
+                        leader.record(generation, "failed", why).await;
+                        daemon.metrics.run_failed.set(1);
+                        return Ending::Failed;
+                    }
+                };
+                let after_step = to.map_or(0, |key| key.step);
+                let batches = plan.skip_batches.max(bad.step - after_step);
+                leader
+                    .set_skip(wire::DataSkip {
+                        after_step,
+                        batches,
+                    })
+                    .await;
+                leader
+                    .record(
+                        generation,
+                        "rolled_back",
+                        format!(
+                            "to {}, at least rollback_steps = {} before the bad step {}",
+                            match to {
+                                Some(key) => format!("durable step {key}, the newest"),
+                                None => "a fresh start, the run having no durable step".into(),
+                            },
+                            plan.rollback_steps,
+                            bad.step
+                        ),
+                    )
+                    .await;
+                leader
+                    .record(
+                        generation,
+                        "skipped_data",
+                        format!(
+                            "after step {after_step} the ranks skip {batches} global batches: the data of steps {}-{} as first trained (skip_batches = {})",
+                            after_step + 1,
+                            after_step + batches,
+                            plan.skip_batches
+                        ),
+                    )
+                    .await;
+                leader
+                    .set_supervision(generation + 1, &active, &drained)
+                    .await;
+                leader.forget_ranks().await;
+                generation += 1;
             }
             Outcome::Completed | Outcome::Preempted => {
                 let (kind, ending) = match outcome {
@@ -737,6 +824,12 @@ async fn watch(
                     ),
                     lost_node: Some(name.clone()),
                 };
+            }
+        }
+        // A rank that went bad waits for the world to be stopped; it does not train on.
+        if let Some(rank) = ranks.unhealthy {
+            if let Some(bad) = leader.unhealthy(rank).await {
+                return Outcome::Unhealthy { rank, bad };
             }
         }
         let downs = leader.take_downs().await;

@@ -296,6 +296,7 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
             compute_us: s.compute_us,
             process_state: None,
             restored_from: s.restored_from,
+            unhealthy: s.unhealthy.clone(),
         })
         .collect();
     // Read from /proc without the ranks lock, which every training step's poll takes.
@@ -362,13 +363,19 @@ async fn hello(daemon: &Arc<Daemon>) -> (Message, Vec<Message>) {
     )
 }
 
-/// Asks the leader which step a world of `world_size` restores: (memory step, durable step,
-/// where `rank`'s replica is).
-pub async fn which_step(
-    daemon: &Daemon,
-    world_size: u32,
-    rank: Rank,
-) -> Result<(Option<u64>, Option<StepKey>, Option<String>)> {
+/// The leader's answer to which step a world restores.
+#[derive(Debug, Default)]
+pub struct Offer {
+    pub memory: Option<u64>,
+    pub durable: Option<StepKey>,
+    /// Where the asking rank's newest replica is.
+    pub replica: Option<String>,
+    pub skip: Option<wire::DataSkip>,
+}
+
+/// Asks the leader which step a world of `world_size` restores, and where `rank`'s replica
+/// is.
+pub async fn which_step(daemon: &Daemon, world_size: u32, rank: Rank) -> Result<Offer> {
     let leader = daemon.leadership.borrow().address;
     let reply = request(
         daemon,
@@ -385,7 +392,13 @@ pub async fn which_step(
             memory,
             durable,
             replica,
-        } => Ok((memory, durable, replica)),
+            skip,
+        } => Ok(Offer {
+            memory,
+            durable,
+            replica,
+            skip,
+        }),
         other => bail!("the leader answered {other:?}"),
     }
 }
