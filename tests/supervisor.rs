@@ -472,17 +472,7 @@ fn a_trainer_that_refuses_its_configuration_is_reported_once_and_never_relaunche
     // The leader's log holds the ranks' own words.
     assert!(cluster.log(0).contains("invalid config"), "{why}");
     // Once, and nothing after it: no relaunch, however long one waits.
-    let deadline = failed_at + Duration::from_secs(5);
-    loop {
-        if cluster.node_exited(0) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the leader kept running after the run failed\n{why}"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_leader_exit(&mut cluster, failed_at + Duration::from_secs(5));
     std::thread::sleep(Duration::from_secs(1));
     let kinds = kinds(&events(&ctl, "refused"));
     assert_eq!(kinds, ["launch", "failed"], "{why}");
@@ -499,6 +489,62 @@ fn a_trainer_that_refuses_its_configuration_is_reported_once_and_never_relaunche
     assert!(confirmed.contains("failed"), "{confirmed}");
 }
 
+/// The health tests' runs: long enough to go bad at step 70 or 80 and train on after it.
+const HEALTH_STEPS: u64 = 120;
+
+/// The step a `rolled_back` event's detail names ("to durable step N, ...").
+fn rolled_back_to(detail: &str) -> Option<u64> {
+    detail
+        .strip_prefix("to durable step ")?
+        .split(',')
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// Waits until the leader of `cluster` exits (it runs with `--exit-when-done`), at the
+/// latest by `deadline`.
+fn wait_leader_exit(cluster: &mut Cluster, deadline: Instant) {
+    while !cluster.node_exited(0) {
+        assert!(
+            Instant::now() < deadline,
+            "the leader kept running\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A run of `args` supervised on two nodes, test faults allowed, by a leader (with `extra`
+/// flags) that exits when supervision ends.
+fn supervised_with_faults(
+    dir: &Path,
+    run: &str,
+    args: &[String],
+    extra: &[&str],
+) -> (Cluster, Ctl) {
+    let mut flags = vec![
+        "--supervise",
+        "mpiexec",
+        "--active-nodes",
+        "2",
+        "--exit-when-done",
+    ];
+    flags.extend(extra);
+    let envs = vec![("LAZARUS_ALLOW_TEST_FAULTS".to_string(), "1".to_string())];
+    supervised_with(dir, run, 2, &flags, args, envs)
+}
+
+/// The detail of the first `kind` event of `timeline` ("" when there is none).
+fn detail_of(timeline: &[serde_json::Value], kind: &str) -> String {
+    timeline
+        .iter()
+        .find(|e| e["kind"] == kind)
+        .and_then(|e| e["detail"].as_str())
+        .unwrap_or_default()
+        .to_string()
+}
+
 /// A trainer that crashes every time it reaches step 80: the world fails there, is
 /// relaunched from its memory-committed step and fails there again; the leader then rolls it
 /// back once to the newest older durable step (about 50, from storage), and when it fails at the
@@ -512,26 +558,9 @@ fn a_trainer_that_crashes_at_the_same_step_is_rolled_back_once_then_stopped() {
         .set("test_faults.crash_at_step", 80)
         .set("test_faults.crash_rank", 1)
         .build();
-    let flags = [
-        "--supervise",
-        "mpiexec",
-        "--active-nodes",
-        "2",
-        "--exit-when-done",
-    ];
-    let envs = vec![("LAZARUS_ALLOW_TEST_FAULTS".to_string(), "1".to_string())];
-    let (mut cluster, ctl) = supervised_with(&dir, "crashing", 2, &flags, &args, envs);
+    let (mut cluster, ctl) = supervised_with_faults(&dir, "crashing", &args, &[]);
     wait_for_event(&ctl, "crashing", "failed", 1, &cluster);
-    let failed_at = Instant::now();
-    let deadline = failed_at + Duration::from_secs(5);
-    while !cluster.node_exited(0) {
-        assert!(
-            Instant::now() < deadline,
-            "the leader kept running after the run failed\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_leader_exit(&mut cluster, Instant::now() + Duration::from_secs(5));
     std::thread::sleep(Duration::from_secs(1));
     let timeline = events(&ctl, "crashing");
     let why = format!("{timeline:#?}\n{}", cluster.logs());
@@ -542,14 +571,7 @@ fn a_trainer_that_crashes_at_the_same_step_is_rolled_back_once_then_stopped() {
     assert_eq!(count("rolled_back"), 1, "{why}");
     assert_eq!(kinds.last().map(String::as_str), Some("failed"), "{why}");
     assert!(cluster.log(0).contains("crash_at_step = 80"), "{why}");
-    let detail = |kind: &str| {
-        timeline
-            .iter()
-            .find(|e| e["kind"] == kind)
-            .and_then(|e| e["detail"].as_str())
-            .unwrap_or_default()
-            .to_string()
-    };
+    let detail = |kind: &str| detail_of(&timeline, kind);
     assert!(
         detail("failed").contains("failed there again after the supervisor rolled it back"),
         "{why}"
@@ -580,32 +602,6 @@ fn a_trainer_that_crashes_at_the_same_step_is_rolled_back_once_then_stopped() {
     ctl.expect(0, &["verify", "crashing", "--all", "--read-data"]);
 }
 
-/// The health tests' runs: long enough to go bad at step 70 or 80 and train on after it.
-const HEALTH_STEPS: u64 = 120;
-
-/// The step a `rolled_back` event's detail names ("to durable step N, ...").
-fn rolled_back_to(detail: &str) -> Option<u64> {
-    detail
-        .strip_prefix("to durable step ")?
-        .split(',')
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// Waits until the leader of `cluster` exits (it runs with `--exit-when-done`).
-fn wait_leader_exit(cluster: &mut Cluster, within: Duration) {
-    let deadline = Instant::now() + within;
-    while !cluster.node_exited(0) {
-        assert!(
-            Instant::now() < deadline,
-            "the leader kept running\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
-
 /// A NaN in one rank's gradient at step 70 fails the health check: the leader stops the
 /// world, rolls it back to the newest durable step (about 50) and has it skip the data up to
 /// step 70, and the run completes. Its continuation equals, bit for bit, a run started from
@@ -619,27 +615,12 @@ fn a_nan_gradient_is_rolled_back_and_its_data_skipped_bit_for_bit() {
         .set("test_faults.nan_at_step", 70)
         .set("test_faults.nan_rank", 1)
         .build();
-    let flags = [
-        "--supervise",
-        "mpiexec",
-        "--active-nodes",
-        "2",
-        "--exit-when-done",
-    ];
-    let envs = vec![("LAZARUS_ALLOW_TEST_FAULTS".to_string(), "1".to_string())];
-    let (mut cluster, ctl) = supervised_with(&dir, "nan", 2, &flags, &args, envs);
+    let (mut cluster, ctl) = supervised_with_faults(&dir, "nan", &args, &[]);
     wait_for_event(&ctl, "nan", "completed", 1, &cluster);
-    wait_leader_exit(&mut cluster, Duration::from_secs(30));
+    wait_leader_exit(&mut cluster, Instant::now() + Duration::from_secs(30));
     let timeline = events(&ctl, "nan");
     let why = format!("{timeline:#?}\n{}", cluster.logs());
-    let detail = |kind: &str| {
-        timeline
-            .iter()
-            .find(|e| e["kind"] == kind)
-            .and_then(|e| e["detail"].as_str())
-            .unwrap_or_default()
-            .to_string()
-    };
+    let detail = |kind: &str| detail_of(&timeline, kind);
     assert_eq!(
         detail("unhealthy"),
         "rank 0 at step 70: the gradient norm is NaN",
@@ -711,29 +692,13 @@ fn a_loss_spike_from_garbage_data_is_rolled_back_and_skipped() {
             "test_faults.garbage_steps=3",
         ])
         .build();
-    let flags = [
-        "--supervise",
-        "mpiexec",
-        "--active-nodes",
-        "2",
-        "--exit-when-done",
-        "--skip-batches",
-        "40",
-    ];
-    let envs = vec![("LAZARUS_ALLOW_TEST_FAULTS".to_string(), "1".to_string())];
-    let (mut cluster, ctl) = supervised_with(&dir, "spike", 2, &flags, &args, envs);
+    let flags = ["--skip-batches", "40"];
+    let (mut cluster, ctl) = supervised_with_faults(&dir, "spike", &args, &flags);
     wait_for_event(&ctl, "spike", "completed", 1, &cluster);
-    wait_leader_exit(&mut cluster, Duration::from_secs(30));
+    wait_leader_exit(&mut cluster, Instant::now() + Duration::from_secs(30));
     let timeline = events(&ctl, "spike");
     let why = format!("{timeline:#?}\n{}", cluster.logs());
-    let detail = |kind: &str| {
-        timeline
-            .iter()
-            .find(|e| e["kind"] == kind)
-            .and_then(|e| e["detail"].as_str())
-            .unwrap_or_default()
-            .to_string()
-    };
+    let detail = |kind: &str| detail_of(&timeline, kind);
     assert!(
         detail("unhealthy").starts_with("rank 0 at step 80: a loss spike"),
         "{why}"

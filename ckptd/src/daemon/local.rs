@@ -257,15 +257,7 @@ async fn session(
                     pid: state.pid,
                 });
                 state.pid = 0;
-                (
-                    Message::Held {
-                        held: state.held(),
-                        committed: state.t0.as_ref().map(|t| t.step),
-                        busy: state.busy(),
-                        accepted: false,
-                    },
-                    Vec::new(),
-                )
+                (state.reply(), Vec::new())
             }
             (Message::Unhealthy { step, reason }, Some(r)) => {
                 tracing::warn!(rank = r, step, %reason, "the rank's health check failed");
@@ -275,15 +267,7 @@ async fn session(
                     .ok_or_else(|| anyhow!("rank {r} vanished"))?;
                 state.unhealthy = Some(wire::BadStep { step, reason });
                 daemon.heartbeat_now.notify_one();
-                (
-                    Message::Held {
-                        held: state.held(),
-                        committed: state.t0.as_ref().map(|t| t.step),
-                        busy: state.busy(),
-                        accepted: false,
-                    },
-                    Vec::new(),
-                )
+                (state.reply(), Vec::new())
             }
             (Message::Skipped { step }, Some(r)) => {
                 daemon.metrics.snapshots_skipped.inc();
@@ -295,15 +279,7 @@ async fn session(
                 if state.saw_step(step) {
                     daemon.heartbeat_now.notify_one();
                 }
-                (
-                    Message::Held {
-                        held: state.held(),
-                        committed: state.t0.as_ref().map(|t| t.step),
-                        busy: state.busy(),
-                        accepted: false,
-                    },
-                    Vec::new(),
-                )
+                (state.reply(), Vec::new())
             }
             (Message::Poll { step, compute_us }, Some(r)) => {
                 super::crash::point("poll");
@@ -315,15 +291,7 @@ async fn session(
                     daemon.heartbeat_now.notify_one();
                 }
                 state.saw_compute(compute_us);
-                (
-                    Message::Held {
-                        held: state.held(),
-                        committed: state.t0.as_ref().map(|t| t.step),
-                        busy: state.busy(),
-                        accepted: false,
-                    },
-                    Vec::new(),
-                )
+                (state.reply(), Vec::new())
             }
             (other, None) => {
                 bail!("a rank sent {} before registering", kind(&other))

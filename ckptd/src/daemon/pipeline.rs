@@ -40,22 +40,12 @@ pub async fn snapshot(
         }
         HandOver::Busy => {
             daemon.metrics.snapshots_skipped.inc();
-            return Ok(Message::Held {
-                held: state.held(),
-                committed: state.t0.as_ref().map(|t| t.step),
-                busy: true,
-                accepted: false,
-            });
+            return Ok(state.held_reply(true, false));
         }
         HandOver::Accepted => {}
     }
     daemon.metrics.snapshots.inc();
-    let reply = Message::Held {
-        held: state.held(),
-        committed: state.t0.as_ref().map(|t| t.step),
-        busy: true,
-        accepted: true,
-    };
+    let reply = state.held_reply(true, true);
     let job = Job {
         rank,
         world_size: state.world_size,

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
 use lazarus_shared::format::ChunkRef;
-use lazarus_shared::wire::SlotTensor;
+use lazarus_shared::wire::{Message, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 use serde::{Deserialize, Serialize};
 
@@ -251,6 +251,22 @@ impl RankState {
 
     pub fn busy(&self) -> bool {
         self.pending.is_some() || self.working.is_some()
+    }
+
+    /// The `Held` answer to the rank: the slots it must not write, its T0 step, and `busy`
+    /// and `accepted` as given.
+    pub fn held_reply(&self, busy: bool, accepted: bool) -> Message {
+        Message::Held {
+            held: self.held(),
+            committed: self.t0.as_ref().map(|t| t.step),
+            busy,
+            accepted,
+        }
+    }
+
+    /// The `Held` answer to a request that hands nothing over.
+    pub fn reply(&self) -> Message {
+        self.held_reply(self.busy(), false)
     }
 
     fn free_slot(&self) -> Option<u32> {

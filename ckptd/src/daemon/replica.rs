@@ -35,13 +35,17 @@ pub struct ReplicaMeta {
     pub blobs: Vec<(String, Vec<u8>)>,
 }
 
-fn replica_dir(daemon: &Daemon, rank: Rank) -> PathBuf {
+/// Where this daemon keeps the replicas it holds: `rank-R/step-S` under it.
+fn replicas_root(daemon: &Daemon) -> PathBuf {
     daemon
         .cfg
         .shm_dir
         .join(daemon.cfg.run.as_str())
         .join("replicas")
-        .join(format!("rank-{rank}"))
+}
+
+fn replica_dir(daemon: &Daemon, rank: Rank) -> PathBuf {
+    replicas_root(daemon).join(format!("rank-{rank}"))
 }
 
 pub async fn receive(
@@ -188,11 +192,7 @@ async fn write_chunk(
 /// Removes the replicas held here of steps after `to` (`None`: all of them): the run was
 /// rolled back, and they belong to the abandoned trajectory.
 pub async fn forget_after(daemon: &Daemon, to: Option<u64>) -> Result<()> {
-    let root = daemon
-        .cfg
-        .shm_dir
-        .join(daemon.cfg.run.as_str())
-        .join("replicas");
+    let root = replicas_root(daemon);
     tokio::task::spawn_blocking(move || {
         for rank_dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             for step_dir in std::fs::read_dir(rank_dir.path())?.flatten() {
@@ -392,11 +392,7 @@ pub async fn fetch(
 /// Every complete replica held here, for the node's hello: a new leader learns from them
 /// which steps the lost nodes' ranks reached, and where their replicas are.
 pub async fn all_held(daemon: &Daemon) -> Vec<wire::ReplicaEntry> {
-    let root = daemon
-        .cfg
-        .shm_dir
-        .join(daemon.cfg.run.as_str())
-        .join("replicas");
+    let root = replicas_root(daemon);
     tokio::task::spawn_blocking(move || {
         let mut entries = Vec::new();
         for rank_dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {

@@ -125,14 +125,7 @@ pub async fn supervise(
             }
             Found::Partial(detail) => {
                 leader.record(generation, "fault", detail).await;
-                stop(&leader, None, &plan, run).await;
-                leader
-                    .record(
-                        generation,
-                        "stopped",
-                        "every rank of the world is gone".into(),
-                    )
-                    .await;
+                stop_world(&leader, None, &plan, run, generation).await;
                 leader.forget_ranks().await;
                 generation += 1;
                 active = previous.clone();
@@ -215,9 +208,7 @@ pub async fn supervise(
             Outcome::RefusedInput(detail) => {
                 leader.count_fault();
                 stop(&leader, child.as_mut(), &plan, run).await;
-                leader.record(generation, "failed", detail).await;
-                daemon.metrics.run_failed.set(1);
-                return Ending::Failed;
+                return give_up(&daemon, &leader, generation, detail).await;
             }
             Outcome::Deposed => {
                 // The world (and its launcher, not killed on drop) is the new leader's now.
@@ -232,14 +223,7 @@ pub async fn supervise(
                         format!("rank {rank} at step {}: {}", bad.step, bad.reason),
                     )
                     .await;
-                stop(&leader, child.as_mut(), &plan, run).await;
-                leader
-                    .record(
-                        generation,
-                        "stopped",
-                        "every rank of the world is gone".into(),
-                    )
-                    .await;
+                stop_world(&leader, child.as_mut(), &plan, run, generation).await;
                 repeated = repeat_count(repeated, false, bad.step);
                 let verdict = if repeated.1 >= plan.same_step_failures {
                     Err(format!(
@@ -258,11 +242,7 @@ pub async fn supervise(
                 };
                 let to = match verdict {
                     Ok(to) => to,
-                    Err(why) => {
-                        leader.record(generation, "failed", why).await;
-                        daemon.metrics.run_failed.set(1);
-                        return Ending::Failed;
-                    }
+                    Err(why) => return give_up(&daemon, &leader, generation, why).await,
                 };
                 let after_step = to.map_or(0, |key| key.step);
                 let batches = plan.skip_batches.max(bad.step - after_step);
@@ -328,14 +308,7 @@ pub async fn supervise(
                 let reached = (leader.ranks_summary().await.max_step).max(restored.unwrap_or(0));
                 repeated = repeat_count(repeated, lost_node.is_some(), reached);
                 leader.record(generation, kind, detail).await;
-                stop(&leader, child.as_mut(), &plan, run).await;
-                leader
-                    .record(
-                        generation,
-                        "stopped",
-                        "every rank of the world is gone".into(),
-                    )
-                    .await;
+                stop_world(&leader, child.as_mut(), &plan, run, generation).await;
                 if repeated.1 >= plan.same_step_failures {
                     let failed = format!(
                         "the world failed {} times in a row at step {reached} (same_step_failures = {})",
@@ -372,11 +345,8 @@ pub async fn supervise(
                                 .await;
                         }
                         Err(why) => {
-                            leader
-                                .record(generation, "failed", format!("{failed}: {why}"))
-                                .await;
-                            daemon.metrics.run_failed.set(1);
-                            return Ending::Failed;
+                            let detail = format!("{failed}: {why}");
+                            return give_up(&daemon, &leader, generation, detail).await;
                         }
                     }
                 }
@@ -1116,6 +1086,31 @@ fn death_detail(mut downs: Vec<super::leader::RankDown>, now_us: u64) -> String 
 
 /// Stops the whole world: every daemon kills its ranks, the launcher's process group is
 /// killed, and this waits (bounded) until the launcher is gone and no rank is connected.
+/// Stops the world ([`stop`]) and records that it is gone.
+async fn stop_world(
+    leader: &Leader,
+    child: Option<&mut Child>,
+    plan: &Supervision,
+    run: &str,
+    generation: u32,
+) {
+    stop(leader, child, plan, run).await;
+    leader
+        .record(
+            generation,
+            "stopped",
+            "every rank of the world is gone".into(),
+        )
+        .await;
+}
+
+/// Supervision stops relaunching: the event `failed` with why, and the alert's gauge.
+async fn give_up(daemon: &Daemon, leader: &Leader, generation: u32, detail: String) -> Ending {
+    leader.record(generation, "failed", detail).await;
+    daemon.metrics.run_failed.set(1);
+    Ending::Failed
+}
+
 async fn stop(leader: &Leader, child: Option<&mut Child>, plan: &Supervision, run: &str) {
     leader.kill_all_ranks().await;
     if plan.launcher == Launcher::Srun {
