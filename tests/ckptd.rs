@@ -132,6 +132,83 @@ fn a_last_snapshot_no_commit_came_for_is_handed_over_again() {
     ctl.expect(0, &["verify", "last", "--read-data"]);
 }
 
+/// A node's snapshot can expire just before the leader commits its step from the reports
+/// already in; the node then hands it over again, while the other ranks hold the step as T0
+/// and never report it again. The leader repeats the commit to that node alone. A fake node
+/// speaks the peer protocol to a real leader: two ranks report step 40, the commit comes,
+/// and a third report of step 40 gets the commit again. (Under load in CI, the run's last
+/// step was handed over for 120 s and the ranks gave up.)
+#[test]
+fn a_report_of_a_committed_step_gets_its_commit_again() {
+    use lazarus_shared::wire::{read_frame_sync, write_frame_sync, JobKey, Message};
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let cluster = Cluster::start(&dir, "again", &store, 1, &Settings::default(), Vec::new());
+    let key = JobKey::from_file(&cluster.key_file).unwrap();
+    let stream = std::net::TcpStream::connect(("127.0.0.1", cluster.nodes[0].listen)).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let run: lazarus_shared::RunId = "again".parse().unwrap();
+    let mut writer = stream.try_clone().unwrap();
+    let mut send =
+        |message: Message| write_frame_sync(&mut writer, &message, &[], Some(&key)).unwrap();
+    send(Message::NodeHello {
+        node: "fake".into(),
+        address: "127.0.0.1:9".into(),
+        buddy: None,
+        socket: dir.join("fake.sock").display().to_string(),
+        t0: Vec::new(),
+        epoch: 0,
+        candidate: false,
+        replicas: Vec::new(),
+    });
+    for rank in 0..2 {
+        send(Message::RankUp {
+            node: "fake".into(),
+            run: run.clone(),
+            rank,
+            world_size: 2,
+            pid: std::process::id(),
+        });
+    }
+    let replicated = |rank| Message::Replicated {
+        node: "fake".into(),
+        run: run.clone(),
+        rank,
+        world_size: 2,
+        step: 40,
+        durable_requested: false,
+    };
+    let mut reader = stream.try_clone().unwrap();
+    // The next memory commit the leader pushes, skipping its beats; None after 10 s.
+    let mut next_commit = || {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match read_frame_sync(&mut reader, Some(&key)).map(|f| f.message) {
+                Ok(Message::MemoryCommitted { step, .. }) => return Some(step),
+                Ok(_) => {}
+                Err(_) => return None,
+            }
+        }
+        None
+    };
+    send(replicated(0));
+    send(replicated(1));
+    assert_eq!(next_commit(), Some(40));
+    send(replicated(0));
+    assert_eq!(
+        next_commit(),
+        Some(40),
+        "a report of the committed step got no commit\n{}",
+        cluster.logs()
+    );
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_memory_recommits_total"),
+        1.0
+    );
+}
+
 #[test]
 fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages() {
     let (_guard, dir) = prepared();

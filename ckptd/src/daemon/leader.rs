@@ -994,6 +994,25 @@ impl Leader {
         }
     }
 
+    /// Tells `node` again that `step` is memory-committed (durable when it was made durable
+    /// or the node asks for it).
+    fn recommit(&self, state: &State, node: &str, step: u64, durable_requested: bool) {
+        if self.deposed() {
+            return;
+        }
+        let durable = durable_requested || state.last_durable_step == Some(step);
+        tracing::info!(step, %node, durable, "repeated a memory commit to a node that handed its snapshot over again");
+        self.metrics.recommits.inc();
+        if let Some(info) = state.nodes.get(node) {
+            let _ = info.sender.send(Message::MemoryCommitted {
+                run: self.cfg.run.clone(),
+                step,
+                durable,
+                epoch: self.epoch,
+            });
+        }
+    }
+
     async fn handle(&self, node: &str, message: Message) -> Result<()> {
         let mut state = self.state.lock().await;
         if let Some(info) = state.nodes.get_mut(node) {
@@ -1096,6 +1115,14 @@ impl Leader {
                 }
                 if let Some(buddy) = state.nodes.get(node).and_then(|n| n.buddy.clone()) {
                     state.replica_holder.insert(rank, buddy);
+                }
+                if state.memory_step == Some(step) && !state.replicated.contains_key(&step) {
+                    // The step is committed already: this node's snapshot of it expired
+                    // before the commit came and was handed over again. The other ranks
+                    // hold it as T0 and will not hand it over again, so the commit is
+                    // repeated to this node alone.
+                    self.recommit(&state, node, step, durable_requested);
+                    return Ok(());
                 }
                 self.replicated(&mut state, rank, world_size, step, durable_requested);
             }

@@ -52,6 +52,7 @@ pub struct Metrics {
     pub run_failed: Gauge,
     pub rollbacks: Counter,
     pub unhealthy: Counter,
+    pub recommits: Counter,
 }
 
 impl Metrics {
@@ -86,6 +87,7 @@ impl Metrics {
             run_failed: Gauge::default(),
             rollbacks: Counter::default(),
             unhealthy: Counter::default(),
+            recommits: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -142,6 +144,11 @@ impl Metrics {
             "memory_committed_step",
             "Newest memory-committed step (T0 + T1 on every rank)",
             m.memory_step.clone(),
+        );
+        registry.register(
+            "memory_recommits",
+            "Leader: memory commits repeated to a node whose snapshot of a committed step expired before the commit reached it and was handed over again",
+            m.recommits.clone(),
         );
         registry.register(
             "durable_committed_step",
