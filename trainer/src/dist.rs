@@ -178,6 +178,14 @@ impl World {
         }
     }
 
+    /// The world ranks of this rank's `group`, in the group's order.
+    pub fn members(&self, group: Group) -> Vec<usize> {
+        match group.dim() {
+            None => (0..self.size).collect(),
+            Some(dim) => self.layout.group(self.rank, dim),
+        }
+    }
+
     fn comm(&self, group: Group) -> Option<&SimpleCommunicator> {
         self.comms.as_ref().map(|c| match group.dim() {
             None => &c.world,
@@ -190,7 +198,7 @@ impl World {
 
     pub fn barrier(&self) {
         if let Some(comm) = self.comm(Group::World) {
-            waiting(|| comm.barrier());
+            waiting(|| yielding(comm.immediate_barrier()));
         }
     }
 
@@ -213,7 +221,11 @@ impl World {
             return values.to_vec();
         };
         let mut out = vec![0f64; values.len() * comm.size() as usize];
-        waiting(|| comm.all_gather_into(values, &mut out[..]));
+        waiting(|| {
+            mpi::request::scope(|scope| {
+                yielding(comm.immediate_all_gather_into(scope, values, &mut out[..]))
+            })
+        });
         out
     }
 
@@ -225,7 +237,11 @@ impl World {
         };
         let counts: Vec<u64> = send.iter().map(|c| *c as u64).collect();
         let mut out = vec![0u64; per_rank * comm.size() as usize];
-        waiting(|| comm.all_to_all_into(&counts[..], &mut out[..]));
+        waiting(|| {
+            mpi::request::scope(|scope| {
+                yielding(comm.immediate_all_to_all_into(scope, &counts[..], &mut out[..]))
+            })
+        });
         out.into_iter().map(|c| c as usize).collect()
     }
 
@@ -312,7 +328,11 @@ impl World {
             return values.to_vec();
         };
         let mut gathered = vec![0f32; values.len() * comm.size() as usize];
-        waiting(|| comm.all_gather_into(values, &mut gathered[..]));
+        waiting(|| {
+            mpi::request::scope(|scope| {
+                yielding(comm.immediate_all_gather_into(scope, values, &mut gathered[..]))
+            })
+        });
         let mut sum = vec![0f32; values.len()];
         for contribution in gathered.chunks(values.len().max(1)) {
             for (total, value) in sum.iter_mut().zip(contribution) {
@@ -322,13 +342,23 @@ impl World {
         sum
     }
 
-    /// The element-wise sum of every rank's `values` (integers, exact).
-    pub fn sum_u64(&self, group: Group, values: &[u64]) -> Vec<u64> {
+    /// Every rank's `values` (all the same length), concatenated in the group's order.
+    pub fn all_gather_u64(&self, group: Group, values: &[u64]) -> Vec<u64> {
         let Some(comm) = self.comm(group) else {
             return values.to_vec();
         };
         let mut gathered = vec![0u64; values.len() * comm.size() as usize];
-        waiting(|| comm.all_gather_into(values, &mut gathered[..]));
+        waiting(|| {
+            mpi::request::scope(|scope| {
+                yielding(comm.immediate_all_gather_into(scope, values, &mut gathered[..]))
+            })
+        });
+        gathered
+    }
+
+    /// The element-wise sum of every rank's `values` (integers, exact).
+    pub fn sum_u64(&self, group: Group, values: &[u64]) -> Vec<u64> {
+        let gathered = self.all_gather_u64(group, values);
         let mut sum = vec![0u64; values.len()];
         for contribution in gathered.chunks(values.len().max(1)) {
             for (total, value) in sum.iter_mut().zip(contribution) {
@@ -356,7 +386,11 @@ impl World {
         {
             let send = Partition::new(&data[..bounds[size]], &send_counts[..], &send_displs[..]);
             let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
-            waiting(|| comm.all_to_all_varcount_into(&send, &mut recv));
+            waiting(|| {
+                mpi::request::scope(|scope| {
+                    yielding(comm.immediate_all_to_all_varcount_into(scope, &send, &mut recv))
+                })
+            });
         }
         let mut sum = vec![0f32; mine];
         for contribution in received.chunks(mine.max(1)) {
@@ -384,7 +418,11 @@ impl World {
         let mut out = vec![0f32; bounds[size]];
         {
             let mut recv = PartitionMut::new(&mut out[..], &counts[..], &displs[..]);
-            waiting(|| comm.all_gather_varcount_into(piece, &mut recv));
+            waiting(|| {
+                mpi::request::scope(|scope| {
+                    yielding(comm.immediate_all_gather_varcount_into(scope, piece, &mut recv))
+                })
+            });
         }
         out
     }
@@ -405,7 +443,11 @@ impl World {
         assert_eq!(send_counts.len(), size);
         let counts: Vec<Count> = send_counts.iter().map(|c| count(*c)).collect();
         let mut recv_counts = vec![0 as Count; size];
-        waiting(|| comm.all_to_all_into(&counts[..], &mut recv_counts[..]));
+        waiting(|| {
+            mpi::request::scope(|scope| {
+                yielding(comm.immediate_all_to_all_into(scope, &counts[..], &mut recv_counts[..]))
+            })
+        });
         let send_displs = displacements(&counts);
         let recv_displs = displacements(&recv_counts);
         let total: usize = recv_counts.iter().map(|c| *c as usize).sum();
@@ -413,7 +455,11 @@ impl World {
         {
             let send = Partition::new(send, &counts[..], &send_displs[..]);
             let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
-            waiting(|| comm.all_to_all_varcount_into(&send, &mut recv));
+            waiting(|| {
+                mpi::request::scope(|scope| {
+                    yielding(comm.immediate_all_to_all_varcount_into(scope, &send, &mut recv))
+                })
+            });
         }
         (received, recv_counts.iter().map(|c| *c as usize).collect())
     }
@@ -444,34 +490,34 @@ pub fn pipeline_wait_seconds() -> f64 {
 
 impl World {
     /// Sends `send` to one stage of this rank's pipeline and receives `len` floats from one,
-    /// together (MPI_Sendrecv, so two stages that send to each other at once do not wait on
-    /// each other), or either alone. Returns what was received.
+    /// together, or either alone. Returns what was received.
     pub fn pipe(&self, send: Option<(Peer, &[f32])>, receive: Option<(Peer, usize)>) -> Vec<f32> {
         let comm = self
             .comm(Group::Pipeline)
             .expect("pipeline messages need an MPI world");
         let started = std::time::Instant::now();
         let mut received = vec![0f32; receive.map_or(0, |(_, len)| len)];
-        match (send, receive) {
-            (Some((to, data)), Some((from, _))) => {
-                mpi::point_to_point::send_receive_into_with_tags(
+        mpi::request::scope(|scope| {
+            // Both posted before either is waited on: two stages that send to each other at
+            // once do not wait on each other.
+            let sent = send.map(|(to, data)| {
+                comm.process_at_rank(to.stage as i32).immediate_send_with_tag(
+                    scope,
                     data,
-                    &comm.process_at_rank(to.stage as i32),
                     to.flow as i32,
-                    &mut received[..],
-                    &comm.process_at_rank(from.stage as i32),
-                    from.flow as i32,
-                );
-            }
-            (Some((to, data)), None) => comm
-                .process_at_rank(to.stage as i32)
-                .send_with_tag(data, to.flow as i32),
-            (None, Some((from, _))) => {
+                )
+            });
+            let receiving = receive.map(|(from, _)| {
                 comm.process_at_rank(from.stage as i32)
-                    .receive_into_with_tag(&mut received[..], from.flow as i32);
+                    .immediate_receive_into_with_tag(scope, &mut received[..], from.flow as i32)
+            });
+            if let Some(request) = sent {
+                yielding(request);
             }
-            (None, None) => {}
-        }
+            if let Some(request) = receiving {
+                yielding(request);
+            }
+        });
         let nanos = started.elapsed().as_nanos() as u64;
         PIPELINE_NANOS.fetch_add(nanos, Ordering::Relaxed);
         COMMUNICATION_NANOS.fetch_add(nanos, Ordering::Relaxed);
@@ -492,6 +538,21 @@ pub struct Exchange {
 
 /// Time this rank spent inside collectives (moving data, or waiting for slower ranks).
 static COMMUNICATION_NANOS: AtomicU64 = AtomicU64::new(0);
+
+/// Completes `request`, giving the processor away between polls. A rank that spins inside
+/// MPI while it waits keeps the rank it waits for off the core when ranks outnumber cores;
+/// with a core each, yielding returns at once and this is a plain wait.
+fn yielding<'a, D: ?Sized, S: mpi::request::Scope<'a>>(mut request: mpi::request::Request<'a, D, S>) {
+    loop {
+        match request.test() {
+            Ok(_) => return,
+            Err(pending) => {
+                request = pending;
+                std::thread::yield_now();
+            }
+        }
+    }
+}
 
 fn waiting<T>(collective: impl FnOnce() -> T) -> T {
     let started = std::time::Instant::now();
