@@ -728,6 +728,81 @@ fn a_loss_spike_from_garbage_data_is_rolled_back_and_skipped() {
     ctl.expect(0, &["verify", "spike", "--all", "--read-data"]);
 }
 
+/// A bad memory cell on node n2 flips one bit of its rank's copy of a replicated weight
+/// after step 70. Three data-parallel ranks hold that weight, so the check after step 70
+/// (in step 71, before its update) names rank 1 and the tensor; the leader drains n2, rolls
+/// back to the newest durable step at or before step 60 (the last state every copy agreed
+/// on), and relaunches with the spare n4 in n2's place. The run completes bit for bit as an
+/// uninterrupted one.
+#[test]
+fn a_flipped_bit_in_one_copy_of_a_weight_is_found_its_node_replaced_and_the_run_continues() {
+    let (_guard, dir) = prepared();
+    let steps = 100;
+    let reference_store = format!("file://{}", dir.join("reference").display());
+    let reference = small_args(&dir, "reference", &reference_store)
+        .steps(steps)
+        .set("checkpoint.every", 100000)
+        .build();
+    let expected = reference_run(&dir, 3, &reference);
+    let store = format!("file://{}", dir.join("store").display());
+    let args = small_args(&dir, "flipped", &store)
+        .steps(steps)
+        .sets([
+            "checkpoint.busy=wait",
+            "health.sdc_check_every=10",
+            "test_faults.flip_after_step=70",
+            "test_faults.flip_socket=/n2.sock",
+        ])
+        .build();
+    // n1, n2 and n3 train; n4 is the spare.
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "3"];
+    let envs = vec![("LAZARUS_ALLOW_TEST_FAULTS".to_string(), "1".to_string())];
+    let (cluster, ctl) = supervised_with(&dir, "flipped", 4, &flags, &args, envs);
+    wait_for_event(&ctl, "flipped", "completed", 1, &cluster);
+    let timeline = events(&ctl, "flipped");
+    let why = format!("{timeline:#?}\n{}", cluster.logs());
+    let detail = |kind: &str| detail_of(&timeline, kind);
+    assert!(cluster.log(0).contains("flipped a bit of embed"), "{why}");
+    assert!(
+        detail("sdc_mismatch").contains(
+            "at step 71: silent data corruption: rank 1's copy of embed differs from the other 2 copies"
+        ),
+        "{why}"
+    );
+    assert!(
+        detail("drained").starts_with("n2 suspected of silent data corruption"),
+        "{why}"
+    );
+    let back_to = rolled_back_to(&detail("rolled_back")).unwrap_or_else(|| panic!("{why}"));
+    assert!((50..=60).contains(&back_to), "{why}");
+    assert!(detail("swap").contains("n4"), "{why}");
+    let relaunch = timeline
+        .iter()
+        .filter(|e| e["kind"] == "relaunch")
+        .filter_map(|e| e["detail"].as_str())
+        .next_back()
+        .unwrap_or_default();
+    assert!(relaunch.contains("n1,n4,n3"), "{why}");
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_supervisor_sdc_mismatches_total"),
+        1.0,
+        "{why}"
+    );
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_nodes_drained"),
+        1.0,
+        "{why}"
+    );
+    let got = losses(&dir, "flipped");
+    assert_eq!(got.len(), steps as usize, "{why}");
+    assert_eq!(got, expected, "the run continues bit for bit\n{why}");
+    ctl.expect(0, &["verify", "flipped", "--all", "--read-data"]);
+    let runbook = Runbook::load("silent-data-corruption.md");
+    let confirmed = runbook.run("Confirm", &runbook_env(&cluster, "flipped"));
+    assert!(confirmed.contains("sdc_mismatch"), "{confirmed}");
+    assert!(confirmed.contains("drained n2"), "{confirmed}");
+}
+
 /// The leader's alert gauge for a failed run: 1 after it gave up (read from a leader that
 /// stays up, without `--exit-when-done`).
 #[test]

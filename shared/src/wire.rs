@@ -255,6 +255,8 @@ pub enum Message {
     Unhealthy {
         step: u64,
         reason: String,
+        /// Set when the step failed the silent-data-corruption check.
+        sdc: Option<SdcFinding>,
     },
     /// The rank finished its run and is exiting normally. Answer: `Held`.
     Bye,
@@ -575,6 +577,18 @@ pub struct RankBeat {
 pub struct BadStep {
     pub step: u64,
     pub reason: String,
+    pub sdc: Option<SdcFinding>,
+}
+
+/// Replicated copies of a tensor differed (silent data corruption).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SdcFinding {
+    /// The rank whose copy differs from the majority; `None` when no majority names one
+    /// (two copies that differ).
+    pub suspect: Option<Rank>,
+    /// The newest step whose state every rank's copies agreed on: the newest step a
+    /// roll-back may keep.
+    pub agreed_step: u64,
 }
 
 /// After restoring `after_step`, the ranks skip the next `batches` global batches of their

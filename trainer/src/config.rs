@@ -61,6 +61,9 @@ pub struct HealthConfig {
     /// A bad step under ckptd: how long the ranks wait for the supervisor to stop the world
     /// and roll it back before they exit with an error.
     pub stop_wait_seconds: f64,
+    /// Every this many steps (and at the first step of every launch), the ranks that hold
+    /// the same replicated tensor compare its blake3 digest: silent data corruption (0: off).
+    pub sdc_check_every: u64,
 }
 
 impl Default for HealthConfig {
@@ -70,6 +73,7 @@ impl Default for HealthConfig {
             spike_window: 100,
             spike_after_step: 200,
             stop_wait_seconds: 60.0,
+            sdc_check_every: 100,
         }
     }
 }
@@ -93,6 +97,11 @@ pub struct TestFaults {
     /// by random tokens: a loss spike.
     pub garbage_at_step: u64,
     pub garbage_steps: u64,
+    /// After this step's update, the ranks attached to the ckptd whose socket path ends with
+    /// `flip_socket` (the node with the bad memory) flip one bit of their copy of the first
+    /// replicated weight.
+    pub flip_after_step: u64,
+    pub flip_socket: String,
 }
 
 /// How ranks split the work when launched under MPI (`mpiexec -n N`): see [`crate::layout`].

@@ -501,11 +501,8 @@ impl World {
             // Both posted before either is waited on: two stages that send to each other at
             // once do not wait on each other.
             let sent = send.map(|(to, data)| {
-                comm.process_at_rank(to.stage as i32).immediate_send_with_tag(
-                    scope,
-                    data,
-                    to.flow as i32,
-                )
+                comm.process_at_rank(to.stage as i32)
+                    .immediate_send_with_tag(scope, data, to.flow as i32)
             });
             let receiving = receive.map(|(from, _)| {
                 comm.process_at_rank(from.stage as i32)
@@ -542,7 +539,9 @@ static COMMUNICATION_NANOS: AtomicU64 = AtomicU64::new(0);
 /// Completes `request`, giving the processor away between polls. A rank that spins inside
 /// MPI while it waits keeps the rank it waits for off the core when ranks outnumber cores;
 /// with a core each, yielding returns at once and this is a plain wait.
-fn yielding<'a, D: ?Sized, S: mpi::request::Scope<'a>>(mut request: mpi::request::Request<'a, D, S>) {
+fn yielding<'a, D: ?Sized, S: mpi::request::Scope<'a>>(
+    mut request: mpi::request::Request<'a, D, S>,
+) {
     loop {
         match request.test() {
             Ok(_) => return,

@@ -18,6 +18,7 @@ pub mod model;
 pub mod norm;
 pub mod optim;
 pub mod pipeline;
+pub mod sdc;
 pub mod snapshot;
 pub mod steplog;
 pub mod tensor_parallel;

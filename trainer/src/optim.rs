@@ -144,7 +144,7 @@ pub fn learning_rate(config: &TrainConfig, step: u64) -> f64 {
         + 0.5 * (config.lr - config.min_lr) * (1.0 + (std::f64::consts::PI * progress).cos())
 }
 
-fn is_expert(name: &str) -> bool {
+pub(crate) fn is_expert(name: &str) -> bool {
     name.contains(".expert_")
 }
 

@@ -386,11 +386,18 @@ impl Ckptd {
         }
     }
 
-    /// Tells the daemon that `step` failed the health check: it tells the supervisor.
-    pub fn unhealthy(&mut self, step: u64, reason: &str) -> Result<()> {
+    /// Tells the daemon that `step` failed the health check (`sdc`: the silent-data-
+    /// corruption check): it tells the supervisor.
+    pub fn unhealthy(
+        &mut self,
+        step: u64,
+        reason: &str,
+        sdc: Option<lazarus_shared::wire::SdcFinding>,
+    ) -> Result<()> {
         let message = Message::Unhealthy {
             step,
             reason: reason.to_string(),
+            sdc,
         };
         match self.call(&message, &[])?.message {
             Message::Held { .. } => Ok(()),

@@ -36,7 +36,7 @@ use crate::optim::{learning_rate, AdamW, Part};
 use crate::pipeline::StepFigures;
 use crate::snapshot::{Ckptd, HeldSlots, StateMemory};
 use crate::steplog::{Phase, StepLog};
-use lazarus_shared::wire::{DataSkip, SlotTensor};
+use lazarus_shared::wire::{DataSkip, SdcFinding, SlotTensor};
 
 /// Bad configuration or a run that must not be touched (exit 2).
 #[derive(Debug, thiserror::Error)]
@@ -424,17 +424,27 @@ impl Session {
     /// Step `step` failed the health check: nothing of it is saved. Under ckptd the daemon
     /// tells the supervisor, which stops the world and rolls it back; the rank waits for
     /// that (`health.stop_wait_seconds`), and gives up with the error.
-    fn went_bad(&mut self, step: u64, reason: &str, log: &mut dyn Write) -> anyhow::Error {
-        let error = anyhow::anyhow!(
-            "step {step} failed the health check: {reason}; lower train.lr or check the data"
-        );
+    fn went_bad(
+        &mut self,
+        step: u64,
+        reason: &str,
+        sdc: Option<SdcFinding>,
+        log: &mut dyn Write,
+    ) -> anyhow::Error {
+        let error = if sdc.is_some() {
+            anyhow::anyhow!("step {step} failed the health check: {reason}")
+        } else {
+            anyhow::anyhow!(
+                "step {step} failed the health check: {reason}; lower train.lr or check the data"
+            )
+        };
         if let Saver::Ckptd(saver) = &mut self.saver {
             let wait = self.config.health.stop_wait_seconds;
             let _ = writeln!(
                 log,
                 "step {step} failed the health check ({reason}); waiting up to {wait} s for the supervisor to roll the run back"
             );
-            if saver.client.unhealthy(step, reason).is_ok() {
+            if saver.client.unhealthy(step, reason, sdc).is_ok() {
                 std::thread::sleep(std::time::Duration::from_secs_f64(wait));
             }
         }
@@ -981,6 +991,10 @@ pub fn train(
     }
     let first_step = session.state.step + 1;
     let mut losses = Vec::new();
+    // The newest step whose weights every copy agreed on, and what the checks cost.
+    let mut sdc_agreed = 0;
+    let mut checks = CheckTimes::default();
+    let loop_started = Instant::now();
     let mut last_checkpoint = resumed_from;
     let mut stopped_by_signal = false;
     while session.state.step < config.train.steps {
@@ -1038,12 +1052,51 @@ pub fn train(
         if faults.is_some_and(|f| f.nan_at_step == data_step && f.nan_rank as usize == world.rank) {
             session.optim.poison_gradient();
         }
+        // The weights this step computed with, compared across their copies before the
+        // update: at the first step of a launch (the restored or initial state), and after
+        // every sdc_check_every-th step.
+        let every = config.health.sdc_check_every;
+        if every > 0 && world.size > 1 && (step == first_step || (step - 1) % every == 0) {
+            let timer = Instant::now();
+            let mismatch = crate::sdc::check(&world, &session.model, &session.optim)?;
+            checks.sdc.push(timer.elapsed().as_secs_f64());
+            match mismatch {
+                None => sdc_agreed = step - 1,
+                Some(mismatch) => {
+                    let finding = SdcFinding {
+                        suspect: mismatch.suspect.map(|r| r as u32),
+                        // A restored state that fails agreed on nothing newer than the step
+                        // before it.
+                        agreed_step: if step == first_step {
+                            (step - 1).saturating_sub(1)
+                        } else {
+                            sdc_agreed
+                        },
+                    };
+                    let reason = mismatch.describe(step);
+                    return Err(session.went_bad(step, &reason, Some(finding), log));
+                }
+            }
+        }
         session.heartbeat();
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
         let held = session.saver.held();
         let update = session.optim.apply(&session.model, lr, held)?;
         step_log.time(Phase::Optimizer, timer.elapsed().as_secs_f64());
+        if let Some(f) = faults.filter(|f| f.flip_after_step == step && !f.flip_socket.is_empty()) {
+            let here = config
+                .checkpoint
+                .ckptd_socket()
+                .is_some_and(|s| s.display().to_string().ends_with(&f.flip_socket));
+            if here {
+                let tensor = crate::sdc::flip_one_bit(&session.model, &session.optim)?;
+                eprintln!(
+                    "rank {}: test_faults.flip_after_step = {step}: flipped a bit of {tensor}",
+                    world.rank
+                );
+            }
+        }
         step_log.stepped();
         // A checkpoint is due: ask the saver whether it is free now, and agree on it across
         // ranks in the same sum as the loss.
@@ -1093,13 +1146,15 @@ pub fn train(
         session.state.samples_seen += (batch * layout.dp) as u64;
         session.state.optimizer_step = session.optim.step;
         losses.push((step, loss));
+        let timer = Instant::now();
         let recent = &session.state.recent_losses;
         if let Some(reason) =
             crate::health::verdict(&config.health, recent, step, loss, update.grad_norm)
         {
-            return Err(session.went_bad(step, &reason, log));
+            return Err(session.went_bad(step, &reason, None, log));
         }
         crate::health::remember(&config.health, &mut session.state.recent_losses, loss);
+        checks.health.push(timer.elapsed().as_secs_f64());
         let val_loss = if step % config.train.val_every == 0 {
             session.validate(&dataset)?
         } else {
@@ -1182,6 +1237,12 @@ pub fn train(
             bytes as f64 / 1e6 / seconds.max(1e-9)
         )?;
     }
+    checks.report(
+        config.health.sdc_check_every,
+        loop_started.elapsed().as_secs_f64(),
+        losses.len(),
+        log,
+    )?;
     if let Some(step) = session.finish(last_checkpoint, log)? {
         last_checkpoint = Some(step);
     }
@@ -1198,6 +1259,47 @@ pub fn train(
         optimizer_bytes,
         stopped_by_signal,
     })
+}
+
+/// What the health and silent-data-corruption checks cost on this rank, for the summary.
+#[derive(Default)]
+struct CheckTimes {
+    health: Vec<f64>,
+    sdc: Vec<f64>,
+}
+
+impl CheckTimes {
+    /// One line: each check's mean time, and its share of the mean step (`seconds` over
+    /// `steps`).
+    fn report(&self, every: u64, seconds: f64, steps: usize, log: &mut dyn Write) -> Result<()> {
+        if steps == 0 {
+            return Ok(());
+        }
+        let step = seconds / steps as f64;
+        let mean = |times: &[f64]| times.iter().sum::<f64>() / times.len().max(1) as f64;
+        let health = mean(&self.health);
+        write!(
+            log,
+            "health checks: {} at {:.1} us each ({:.4}% of a {:.1} ms step)",
+            self.health.len(),
+            health * 1e6,
+            100.0 * health / step,
+            step * 1e3
+        )?;
+        if self.sdc.is_empty() {
+            return Ok(writeln!(log, "; no silent-data-corruption check ran")?);
+        }
+        let sdc = mean(&self.sdc);
+        writeln!(
+            log,
+            "; silent-data-corruption checks: {} at {:.2} ms each ({:.2}% of a step, {:.3}% averaged over sdc_check_every = {every} steps)",
+            self.sdc.len(),
+            sdc * 1e3,
+            100.0 * sdc / step,
+            100.0 * sdc / step / every.max(1) as f64
+        )?;
+        Ok(())
+    }
 }
 
 /// This process's peak resident memory so far (Linux's `VmHWM`), in bytes.

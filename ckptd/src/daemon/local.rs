@@ -259,13 +259,13 @@ async fn session(
                 state.pid = 0;
                 (state.reply(), Vec::new())
             }
-            (Message::Unhealthy { step, reason }, Some(r)) => {
+            (Message::Unhealthy { step, reason, sdc }, Some(r)) => {
                 tracing::warn!(rank = r, step, %reason, "the rank's health check failed");
                 let mut ranks = daemon.ranks.lock().await;
                 let state = ranks
                     .get_mut(&r)
                     .ok_or_else(|| anyhow!("rank {r} vanished"))?;
-                state.unhealthy = Some(wire::BadStep { step, reason });
+                state.unhealthy = Some(wire::BadStep { step, reason, sdc });
                 daemon.heartbeat_now.notify_one();
                 (state.reply(), Vec::new())
             }

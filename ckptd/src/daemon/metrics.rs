@@ -53,6 +53,7 @@ pub struct Metrics {
     pub rollbacks: Counter,
     pub unhealthy: Counter,
     pub recommits: Counter,
+    pub sdc_mismatches: Counter,
 }
 
 impl Metrics {
@@ -88,6 +89,7 @@ impl Metrics {
             rollbacks: Counter::default(),
             unhealthy: Counter::default(),
             recommits: Counter::default(),
+            sdc_mismatches: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -196,6 +198,11 @@ impl Metrics {
             "supervisor_rollbacks",
             "Supervising leader: times it rolled the run back to an older step rather than relaunch from the one it kept failing after",
             m.rollbacks.clone(),
+        );
+        registry.register(
+            "supervisor_sdc_mismatches",
+            "Supervising leader: worlds stopped because replicated copies of a weight differed (silent data corruption); the suspect's node is drained",
+            m.sdc_mismatches.clone(),
         );
         registry.register(
             "supervisor_unhealthy",

@@ -216,22 +216,59 @@ pub async fn supervise(
             }
             Outcome::Unhealthy { rank, bad } => {
                 daemon.metrics.unhealthy.inc();
+                // The suspect's node, while the world's ranks are still known.
+                let (ranks, _) = leader.view().await;
+                let suspect = bad.sdc.as_ref().and_then(|sdc| sdc.suspect).and_then(|s| {
+                    ranks
+                        .iter()
+                        .find(|r| r.rank == s)
+                        .map(|r| (s, r.node.clone()))
+                });
+                let kind = if bad.sdc.is_some() {
+                    daemon.metrics.sdc_mismatches.inc();
+                    "sdc_mismatch"
+                } else {
+                    "unhealthy"
+                };
                 leader
                     .record(
                         generation,
-                        "unhealthy",
+                        kind,
                         format!("rank {rank} at step {}: {}", bad.step, bad.reason),
                     )
                     .await;
                 stop_world(&leader, child.as_mut(), &plan, run, generation).await;
                 repeated = repeat_count(repeated, false, bad.step);
+                if let Some((suspect, node)) = &suspect {
+                    // Its memory or its processor changed a weight: it trains no more in this
+                    // run, and a spare takes its place.
+                    let slurm =
+                        drain(&plan, node, "lazarus: silent data corruption suspected").await;
+                    drained.push(node.clone());
+                    leader
+                        .record(
+                            generation,
+                            "drained",
+                            format!(
+                                "{node} suspected of silent data corruption (rank {suspect}'s copy differed at step {}): it stays out of the world{}",
+                                bad.step,
+                                if slurm { ", drained in Slurm" } else { " for the rest of the job" }
+                            ),
+                        )
+                        .await;
+                }
                 let verdict = if repeated.1 >= plan.same_step_failures {
                     Err(format!(
-                        "the world went bad at step {} {} times in a row (same_step_failures = {}), rolled back and past skipped data each time, so it is not relaunched; find the cause in the ranks' output, then roll back further or fix and resubmit",
+                        "the world went bad at step {} {} times in a row (same_step_failures = {}), rolled back each time, so it is not relaunched; find the cause in the ranks' output, then roll back further or fix and resubmit",
                         bad.step, repeated.1, plan.same_step_failures
                     ))
                 } else {
-                    let before = bad.step.saturating_sub(plan.rollback_steps);
+                    // Silent data corruption: back to the newest state every copy agreed on.
+                    // A bad step otherwise: rollback_steps before it, past its data.
+                    let before = match &bad.sdc {
+                        Some(sdc) => sdc.agreed_step + 1,
+                        None => bad.step.saturating_sub(plan.rollback_steps),
+                    };
                     leader
                         .roll_back(
                             before,
@@ -245,40 +282,52 @@ pub async fn supervise(
                     Err(why) => return give_up(&daemon, &leader, generation, why).await,
                 };
                 let after_step = to.map_or(0, |key| key.step);
-                let batches = plan.skip_batches.max(bad.step - after_step);
-                leader
-                    .set_skip(wire::DataSkip {
-                        after_step,
-                        batches,
-                    })
-                    .await;
-                leader
-                    .record(
-                        generation,
-                        "rolled_back",
-                        format!(
-                            "to {}, at least rollback_steps = {} before the bad step {}",
-                            match to {
-                                Some(key) => format!("durable step {key}, the newest"),
-                                None => "a fresh start, the run having no durable step".into(),
-                            },
-                            plan.rollback_steps,
-                            bad.step
-                        ),
-                    )
-                    .await;
-                leader
-                    .record(
-                        generation,
-                        "skipped_data",
-                        format!(
-                            "after step {after_step} the ranks skip {batches} global batches: the data of steps {}-{} as first trained (skip_batches = {})",
-                            after_step + 1,
-                            after_step + batches,
-                            plan.skip_batches
-                        ),
-                    )
-                    .await;
+                let target = match to {
+                    Some(key) => format!("durable step {key}, the newest"),
+                    None => "a fresh start, the run having no durable step".into(),
+                };
+                if let Some(sdc) = &bad.sdc {
+                    leader
+                        .record(
+                            generation,
+                            "rolled_back",
+                            format!(
+                                "to {target} at or before step {}, the newest whose replicated weights agreed",
+                                sdc.agreed_step
+                            ),
+                        )
+                        .await;
+                } else {
+                    let batches = plan.skip_batches.max(bad.step - after_step);
+                    leader
+                        .set_skip(wire::DataSkip {
+                            after_step,
+                            batches,
+                        })
+                        .await;
+                    leader
+                        .record(
+                            generation,
+                            "rolled_back",
+                            format!(
+                                "to {target}, at least rollback_steps = {} before the bad step {}",
+                                plan.rollback_steps, bad.step
+                            ),
+                        )
+                        .await;
+                    leader
+                        .record(
+                            generation,
+                            "skipped_data",
+                            format!(
+                                "after step {after_step} the ranks skip {batches} global batches: the data of steps {}-{} as first trained (skip_batches = {})",
+                                after_step + 1,
+                                after_step + batches,
+                                plan.skip_batches
+                            ),
+                        )
+                        .await;
+                }
                 leader
                     .set_supervision(generation + 1, &active, &drained)
                     .await;
@@ -354,7 +403,7 @@ pub async fn supervise(
                     let (ranks, nodes) = leader.view().await;
                     // Under Slurm the node stays out until an operator resumes it; without
                     // Slurm, it may serve again once its daemon is back.
-                    if drain(&plan, &lost).await {
+                    if drain(&plan, &lost, "lazarus: node lost (ckptd silent)").await {
                         drained.push(lost.clone());
                         leader
                             .record(generation, "drained", format!("{lost} drained in Slurm"))
@@ -529,8 +578,12 @@ async fn wait_for_nodes(
         if leader.preempting() || leader.deposed() {
             return None;
         }
-        // A drained node an operator resumed in Slurm may serve again.
-        if !drained.is_empty() && checked.elapsed() > Duration::from_secs(2) {
+        // A drained node an operator resumed in Slurm may serve again. Without Slurm, only a
+        // node suspected of silent data corruption is drained, and it stays out.
+        if plan.launcher == Launcher::Srun
+            && !drained.is_empty()
+            && checked.elapsed() > Duration::from_secs(2)
+        {
             checked = Instant::now();
             let mut still = Vec::new();
             for node in drained {
@@ -1179,9 +1232,8 @@ async fn slurm_drained(node: &str) -> bool {
     }
 }
 
-/// Drains a lost node in Slurm (when the launcher is srun), with the reason. Says whether
-/// it did.
-async fn drain(plan: &Supervision, node: &str) -> bool {
+/// Drains a node in Slurm (when the launcher is srun), with `reason`. Says whether it did.
+async fn drain(plan: &Supervision, node: &str, reason: &str) -> bool {
     if plan.launcher != Launcher::Srun {
         return false;
     }
@@ -1190,7 +1242,7 @@ async fn drain(plan: &Supervision, node: &str) -> bool {
             "update",
             &format!("nodename={node}"),
             "state=drain",
-            "reason=lazarus: node lost (ckptd silent)",
+            &format!("reason={reason}"),
         ])
         .status()
         .await;
