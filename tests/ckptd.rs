@@ -513,7 +513,7 @@ fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
 }
 
 /// The moments of its work a daemon is killed at (`ckptd`'s crash points), each with the
-/// time it is reached at: node 2 (rank 1's daemon, and the buddy of node 1) dies there and
+/// time it is reached at (with a snapshot every step, by step 9): node 2 (rank 1's daemon, and the buddy of node 1) dies there and
 /// is started again 300 ms later.
 const CRASH_MOMENTS: [&str; 8] = [
     "poll:9",
@@ -558,8 +558,10 @@ fn a_daemon_killed_at_any_moment_and_restarted_leaves_the_run_bit_for_bit_the_sa
         cluster.kill_node(1);
         cluster.start_node_with(1, &[("LAZARUS_CKPTD_CRASH_AT", moment.to_string())]);
         let output = nodes.join("ranks.out");
+        // Every step's snapshot is taken (a busy daemon is waited for), so the n-th snapshot
+        // is step n's, however fast the ranks are next to the daemons.
         let mut child = cluster
-            .mpiexec(&trainer_args(&dir, &run, &store, steps, "skip"))
+            .mpiexec(&trainer_args(&dir, &run, &store, steps, "wait"))
             .stdout(std::fs::File::create(&output).unwrap())
             .stderr(Stdio::from(
                 std::fs::File::create(nodes.join("ranks.err")).unwrap(),
