@@ -707,7 +707,7 @@ fn a_slow_restore_holds_up_neither_the_node_nor_its_other_ranks() {
     slowest = slowest.max(asked.elapsed());
     while stalled.elapsed() < Duration::from_secs(4) {
         let asked = Instant::now();
-        other.poll(1, Duration::ZERO).unwrap();
+        other.poll(1, Duration::ZERO, None).unwrap();
         slowest = slowest.max(asked.elapsed());
         std::thread::sleep(Duration::from_millis(50));
     }

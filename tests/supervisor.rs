@@ -803,6 +803,56 @@ fn a_flipped_bit_in_one_copy_of_a_weight_is_found_its_node_replaced_and_the_run_
     assert!(confirmed.contains("drained n2"), "{confirmed}");
 }
 
+/// A restored state that is not what the run had: every rank shifts the weights it restored
+/// from a step after 50 (a test fault). The world loses a rank past step 64 and restores its
+/// memory-committed step (60 or 70); the first step after it does not repeat the loss the
+/// leader heard for that step before the fault, so the leader falls back to the durable
+/// step 50, and the run completes bit for bit as an uninterrupted one.
+#[test]
+fn a_restored_state_whose_first_step_does_not_repeat_its_loss_falls_back_to_an_older_step() {
+    let (_guard, dir) = prepared();
+    let expected = reference_losses(&dir);
+    let store = format!("file://{}", dir.join("store").display());
+    let args = small_args(&dir, "shifted", &store)
+        .sets([
+            "checkpoint.every=10",
+            "checkpoint.busy=wait",
+            "test_faults.perturb_restore_after_step=50",
+        ])
+        .build();
+    let flags = ["--supervise", "mpiexec", "--active-nodes", "2"];
+    let envs = vec![("LAZARUS_ALLOW_TEST_FAULTS".to_string(), "1".to_string())];
+    let (cluster, ctl) = supervised_with(&dir, "shifted", 2, &flags, &args, envs);
+    let pid = rank_pid(&cluster, &ctl, 1, 64);
+    assert!(kill("KILL", pid));
+    wait_for_event(&ctl, "shifted", "completed", 1, &cluster);
+    let timeline = events(&ctl, "shifted");
+    let why = format!("{timeline:#?}\n{}", cluster.logs());
+    let detail = |kind: &str| detail_of(&timeline, kind);
+    assert!(
+        cluster.log(0).contains("perturb_restore_after_step = 50"),
+        "{why}"
+    );
+    let mismatch = detail("restore_mismatch");
+    assert!(
+        mismatch.contains("the first step after restoring step ")
+            && mismatch.contains("the restored state is not what the run had"),
+        "{why}"
+    );
+    assert_eq!(rolled_back_to(&detail("rolled_back")), Some(50), "{why}");
+    assert_eq!(
+        kinds(&timeline)
+            .iter()
+            .filter(|k| *k == "restore_mismatch")
+            .count(),
+        1,
+        "{why}"
+    );
+    let got = losses(&dir, "shifted");
+    assert_eq!(got.len(), STEPS as usize, "{why}");
+    assert_eq!(got, expected, "the run continues bit for bit\n{why}");
+}
+
 /// The leader's alert gauge for a failed run: 1 after it gave up (read from a leader that
 /// stays up, without `--exit-when-done`).
 #[test]

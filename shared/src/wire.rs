@@ -244,6 +244,9 @@ pub enum Message {
         /// wall time less its time inside collectives (for straggler detection).
         #[serde(default)]
         compute_us: u64,
+        /// The loss of `step` (global, the same on every rank), once it is known.
+        #[serde(default)]
+        loss: Option<f64>,
     },
     /// The ranks skipped the snapshot of `step` because a daemon was busy. Answer: `Held`.
     Skipped {
@@ -257,6 +260,10 @@ pub enum Message {
         reason: String,
         /// Set when the step failed the silent-data-corruption check.
         sdc: Option<SdcFinding>,
+        /// Set (to the restored step) when the step is the first after a restore and its loss
+        /// differs from the one the same step had before the restore.
+        #[serde(default)]
+        restored: Option<u64>,
     },
     /// The rank finished its run and is exiting normally. Answer: `Held`.
     Bye,
@@ -444,6 +451,10 @@ pub enum Message {
         /// Data to skip after restoring a step the supervisor rolled back to.
         #[serde(default)]
         skip: Option<DataSkip>,
+        /// The losses the run had at the step after `memory` and the step after `durable`,
+        /// where the leader knows them: a restore's first step must repeat its loss.
+        #[serde(default)]
+        losses: Vec<(u64, f64)>,
     },
     /// From now on, replicate to this daemon (the supervisor pairs the active nodes).
     SetBuddy {
@@ -570,6 +581,9 @@ pub struct RankBeat {
     /// The rank's health check failed.
     #[serde(default)]
     pub unhealthy: Option<BadStep>,
+    /// `(step, loss)` of the steps since the last beat.
+    #[serde(default)]
+    pub losses: Vec<(u64, f64)>,
 }
 
 /// A step a rank's health check failed, and why.
@@ -578,6 +592,9 @@ pub struct BadStep {
     pub step: u64,
     pub reason: String,
     pub sdc: Option<SdcFinding>,
+    /// The step restored before this one, whose loss differs from the one it had before.
+    #[serde(default)]
+    pub restored: Option<u64>,
 }
 
 /// Replicated copies of a tensor differed (silent data corruption).

@@ -491,6 +491,7 @@ async fn node(shared: Arc<Shared>, index: usize) -> Result<()> {
                                     process_state: None,
                                     unhealthy: None,
                                     restored_from: None,
+                                    losses: Vec::new(),
                                 })
                                 .collect(),
                         });

@@ -64,6 +64,9 @@ pub struct HealthConfig {
     /// Every this many steps (and at the first step of every launch), the ranks that hold
     /// the same replicated tensor compare its blake3 digest: silent data corruption (0: off).
     pub sdc_check_every: u64,
+    /// The first step after a restore must repeat the loss it had before, within this
+    /// relative difference, when the layout is the same (a negative value: no check).
+    pub restore_loss_tolerance: f64,
 }
 
 impl Default for HealthConfig {
@@ -74,6 +77,7 @@ impl Default for HealthConfig {
             spike_after_step: 200,
             stop_wait_seconds: 60.0,
             sdc_check_every: 100,
+            restore_loss_tolerance: 1e-4,
         }
     }
 }
@@ -102,6 +106,9 @@ pub struct TestFaults {
     /// replicated weight.
     pub flip_after_step: u64,
     pub flip_socket: String,
+    /// After restoring a step newer than this one, every rank shifts its master weights a
+    /// little: a restored state that is not what the run had.
+    pub perturb_restore_after_step: u64,
 }
 
 /// How ranks split the work when launched under MPI (`mpiexec -n N`): see [`crate::layout`].

@@ -221,6 +221,16 @@ pub struct Restored {
     pub blobs: Vec<(String, Bytes)>,
 }
 
+/// The leader's answer to which step a world restores (see `Message::StepChoice`).
+#[derive(Clone, Debug, Default)]
+pub struct Choice {
+    pub memory: Option<u64>,
+    pub durable: Option<u64>,
+    pub skip: Option<DataSkip>,
+    /// `(step, loss)` the run had at the step after each offered one, where known.
+    pub losses: Vec<(u64, f64)>,
+}
+
 /// The rank's connection to its node's `ckptd` (Unix socket, one request at a time). It
 /// owns the rank's view of the held slots: every answer of the daemon updates it.
 #[derive(Debug)]
@@ -329,14 +339,20 @@ impl Ckptd {
     /// The steps this world could start from: (memory-committed, durable).
     /// The steps this world could restore (memory-committed, durable), and data to skip
     /// after the step a supervisor rolled the run back to.
-    pub fn choose(&mut self) -> Result<(Option<u64>, Option<u64>, Option<DataSkip>)> {
+    pub fn choose(&mut self) -> Result<Choice> {
         match self.call(&Message::Choose, &[])?.message {
             Message::StepChoice {
                 memory,
                 durable,
                 skip,
+                losses,
                 ..
-            } => Ok((memory, durable.map(|d| d.step), skip)),
+            } => Ok(Choice {
+                memory,
+                durable: durable.map(|d| d.step),
+                skip,
+                losses,
+            }),
             Message::Refused { reason } => bail!("ckptd could not choose a step: {reason}"),
             other => bail!("ckptd answered {other:?} to Choose"),
         }
@@ -374,10 +390,15 @@ impl Ckptd {
         }
     }
 
-    /// Heartbeat; returns whether the daemon is busy.
-    pub fn poll(&mut self, step: u64, compute: Duration) -> Result<bool> {
+    /// Heartbeat, with `step`'s loss once it is known; returns whether the daemon is busy.
+    pub fn poll(&mut self, step: u64, compute: Duration, loss: Option<f64>) -> Result<bool> {
         let compute_us = compute.as_micros() as u64;
-        match self.call(&Message::Poll { step, compute_us }, &[])?.message {
+        let poll = Message::Poll {
+            step,
+            compute_us,
+            loss,
+        };
+        match self.call(&poll, &[])?.message {
             Message::Held { held, busy, .. } => {
                 self.held.answer(&held);
                 Ok(busy)
@@ -387,17 +408,20 @@ impl Ckptd {
     }
 
     /// Tells the daemon that `step` failed the health check (`sdc`: the silent-data-
-    /// corruption check): it tells the supervisor.
+    /// corruption check; `restored`: the step restored before it, whose first step did not
+    /// repeat its loss): it tells the supervisor.
     pub fn unhealthy(
         &mut self,
         step: u64,
         reason: &str,
         sdc: Option<lazarus_shared::wire::SdcFinding>,
+        restored: Option<u64>,
     ) -> Result<()> {
         let message = Message::Unhealthy {
             step,
             reason: reason.to_string(),
             sdc,
+            restored,
         };
         match self.call(&message, &[])?.message {
             Message::Held { .. } => Ok(()),
@@ -410,6 +434,7 @@ impl Ckptd {
         let poll = Message::Poll {
             step,
             compute_us: 0,
+            loss: None,
         };
         match self.call(&poll, &[])?.message {
             Message::Held {
@@ -601,12 +626,12 @@ mod tests {
         );
         let mut client =
             Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
-        assert!(client.poll(1, Duration::ZERO).unwrap());
-        assert!(!client.poll(1, Duration::ZERO).unwrap());
+        assert!(client.poll(1, Duration::ZERO, None).unwrap());
+        assert!(!client.poll(1, Duration::ZERO, None).unwrap());
         assert!(client.snapshot(1, 3, false, &[], Duration::ZERO).unwrap());
         daemon.join().unwrap();
         // The daemon is gone: the poll fails and the held set stays as it last said.
-        assert!(client.poll(2, Duration::ZERO).is_err());
+        assert!(client.poll(2, Duration::ZERO, None).is_err());
         assert_eq!(client.held(), &held(&[1, 2, 3]));
         let paths = slots(dir.path(), 4, 4);
         let mut memory = StateMemory::mapped(&paths, &held(&[0]), &[0.0; 4], None).unwrap();
@@ -644,7 +669,7 @@ mod tests {
         assert!(client.snapshot(1, 2, false, &[], Duration::ZERO).is_err());
         assert!(client.held().contains(2), "{:?}", client.held());
         std::thread::sleep(Duration::from_millis(1100));
-        assert!(!client.poll(2, Duration::ZERO).unwrap());
+        assert!(!client.poll(2, Duration::ZERO, None).unwrap());
         assert_eq!(client.held(), &held(&[0]));
         daemon.join().unwrap();
     }

@@ -192,6 +192,12 @@ struct Session {
     steps_run: u64,
     /// The data the supervisor says to skip after the step it rolled the run back to.
     skip_offered: Option<DataSkip>,
+    /// `(step, loss)` the run had before at the step after each step the leader offered,
+    /// agreed over the ranks; emptied when the restored state's layout differs (another
+    /// global batch, another loss).
+    expected_losses: Vec<(u64, f64)>,
+    /// The loss of the newest step, for the next heartbeat.
+    last_loss: Option<f64>,
 }
 
 impl Session {
@@ -343,6 +349,9 @@ impl Session {
                 }
                 self.optim.step = state.optimizer_step;
                 self.optim.write_to(&self.model)?;
+                if state.layout != self.state.layout {
+                    self.expected_losses.clear();
+                }
                 self.state = TrainerState {
                     layout: self.state.layout.take(),
                     ..state
@@ -367,7 +376,26 @@ impl Session {
         &mut self,
         ckptd: &mut Ckptd,
     ) -> Result<Option<crate::snapshot::Restored>> {
-        let (memory, durable, skip) = ckptd.choose()?;
+        let choice = ckptd.choose()?;
+        let (memory, durable, skip) = (choice.memory, choice.durable, choice.skip);
+        // Every rank compares with the same figures: the first rank's that has them.
+        let mine: Vec<f64> = (0..2)
+            .flat_map(|i| match choice.losses.get(i) {
+                Some((step, loss)) => [1.0, *step as f64, *loss],
+                None => [0.0; 3],
+            })
+            .collect();
+        let all = self.world.all_gather_f64(Group::World, &mine);
+        self.expected_losses = all
+            .chunks(6)
+            .find(|r| r[0] > 0.0 || r[3] > 0.0)
+            .map(|r| {
+                r.chunks(3)
+                    .filter(|e| e[0] > 0.0)
+                    .map(|e| (e[1] as u64, e[2]))
+                    .collect()
+            })
+            .unwrap_or_default();
         let encode = |step: Option<u64>| step.map_or(0.0, |s| s as f64 + 1.0);
         let newest = |value: Option<u64>| -> Option<u64> {
             let all = self.world.all_gather_f64(Group::World, &[encode(value)]);
@@ -428,10 +456,10 @@ impl Session {
         &mut self,
         step: u64,
         reason: &str,
-        sdc: Option<SdcFinding>,
+        (sdc, restored): (Option<SdcFinding>, Option<u64>),
         log: &mut dyn Write,
     ) -> anyhow::Error {
-        let error = if sdc.is_some() {
+        let error = if sdc.is_some() || restored.is_some() {
             anyhow::anyhow!("step {step} failed the health check: {reason}")
         } else {
             anyhow::anyhow!(
@@ -444,7 +472,7 @@ impl Session {
                 log,
                 "step {step} failed the health check ({reason}); waiting up to {wait} s for the supervisor to roll the run back"
             );
-            if saver.client.unhealthy(step, reason, sdc).is_ok() {
+            if saver.client.unhealthy(step, reason, sdc, restored).is_ok() {
                 std::thread::sleep(std::time::Duration::from_secs_f64(wait));
             }
         }
@@ -464,7 +492,7 @@ impl Session {
             .elapsed()
             .saturating_sub(std::time::Duration::from_secs_f64(communication - waited));
         // A daemon that does not answer keeps its last word on the held slots.
-        let _ = saver.client.poll(self.state.step, compute);
+        let _ = saver.client.poll(self.state.step, compute, self.last_loss);
     }
 
     /// Whether this rank's saver is busy with an earlier checkpoint, and how long asking took.
@@ -475,7 +503,7 @@ impl Session {
         let started = Instant::now();
         let busy = saver
             .client
-            .poll(step, std::time::Duration::ZERO)
+            .poll(step, std::time::Duration::ZERO, None)
             .unwrap_or(true);
         (busy, started.elapsed())
     }
@@ -585,7 +613,9 @@ impl Session {
         // Whether any rank's daemon is busy, and whether any rank's wait ran out: both are
         // summed, so every rank leaves the wait at the same poll.
         let any_busy = |ckptd: &mut Ckptd, world: &World| {
-            let busy = ckptd.poll(step, std::time::Duration::ZERO).unwrap_or(true);
+            let busy = ckptd
+                .poll(step, std::time::Duration::ZERO, None)
+                .unwrap_or(true);
             let expired = Instant::now() >= deadline;
             let sums = world.sum_u64(Group::World, &[u64::from(busy), u64::from(expired)]);
             (sums[0] > 0, sums[1] > 0)
@@ -636,7 +666,7 @@ impl Session {
             while Instant::now() < deadline
                 && saver
                     .client
-                    .poll(self.state.step, std::time::Duration::ZERO)
+                    .poll(self.state.step, std::time::Duration::ZERO, None)
                     .unwrap_or(false)
             {
                 std::thread::sleep(std::time::Duration::from_millis(20));
@@ -916,6 +946,8 @@ pub fn train(
         activation_bytes: None,
         steps_run: 0,
         skip_offered: None,
+        expected_losses: Vec::new(),
+        last_loss: None,
     };
     let mut restored_tier = None;
     let resumed_from = match config.checkpoint.ckptd_socket() {
@@ -964,6 +996,18 @@ pub fn train(
             "{} ranks (data parallel {}, expert parallel {}): optimizer state {} bytes per rank on rank 0, ZeRO-1 predicts {:.0}",
             world.size, layout.dp, layout.ep, optimizer_bytes, predicted_bytes
         )?;
+    }
+    if let (Some(faults), Some(step)) = (config.test_faults.as_ref(), resumed_from) {
+        let after = faults.perturb_restore_after_step;
+        if after > 0 && step > after {
+            for (_, var) in session.model.parameters() {
+                var.set(&(var.as_tensor() + 1e-2)?)?;
+            }
+            eprintln!(
+                "rank {}: test_faults.perturb_restore_after_step = {after}: shifted the weights restored from step {step}",
+                world.rank
+            );
+        }
     }
     let mut step_log = StepLog::open(config, world.size, world.rank == 0, metrics_dir, log)?;
     let batch = config.train.micro_batch;
@@ -1074,7 +1118,7 @@ pub fn train(
                         },
                     };
                     let reason = mismatch.describe(step);
-                    return Err(session.went_bad(step, &reason, Some(finding), log));
+                    return Err(session.went_bad(step, &reason, (Some(finding), None), log));
                 }
             }
         }
@@ -1146,12 +1190,21 @@ pub fn train(
         session.state.samples_seen += (batch * layout.dp) as u64;
         session.state.optimizer_step = session.optim.step;
         losses.push((step, loss));
+        session.last_loss = Some(loss);
+        if step == first_step {
+            if let Some(reason) =
+                restore_mismatch(&config.health, &session.expected_losses, step, loss)
+            {
+                let restored = Some(step - 1);
+                return Err(session.went_bad(step, &reason, (None, restored), log));
+            }
+        }
         let timer = Instant::now();
         let recent = &session.state.recent_losses;
         if let Some(reason) =
             crate::health::verdict(&config.health, recent, step, loss, update.grad_norm)
         {
-            return Err(session.went_bad(step, &reason, None, log));
+            return Err(session.went_bad(step, &reason, (None, None), log));
         }
         crate::health::remember(&config.health, &mut session.state.recent_losses, loss);
         checks.health.push(timer.elapsed().as_secs_f64());
@@ -1261,6 +1314,25 @@ pub fn train(
     })
 }
 
+/// Why the first step after a restore is bad: it had another loss before the restore (beyond
+/// `health.restore_loss_tolerance`, relative), so the restored state is not what the run had.
+fn restore_mismatch(
+    config: &crate::config::HealthConfig,
+    expected: &[(u64, f64)],
+    step: u64,
+    loss: f64,
+) -> Option<String> {
+    let tolerance = config.restore_loss_tolerance;
+    let (_, before) = expected.iter().find(|(s, _)| *s == step)?;
+    let off = (loss - before).abs() / before.abs().max(1e-12);
+    (tolerance >= 0.0 && (off > tolerance || off.is_nan())).then(|| {
+        format!(
+            "the first step after restoring step {} has loss {loss:.6}, and had {before:.6} before the restore (relative difference {off:.2e}, health.restore_loss_tolerance = {tolerance:e}): the restored state is not what the run had",
+            step - 1
+        )
+    })
+}
+
 /// What the health and silent-data-corruption checks cost on this rank, for the summary.
 #[derive(Default)]
 struct CheckTimes {
@@ -1332,4 +1404,31 @@ pub fn bench_peak(size: usize) -> Result<f64> {
         best = best.min(timer.elapsed().as_secs_f64());
     }
     Ok(2.0 * (size as f64).powi(3) / best / 1e9)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::restore_mismatch;
+    use crate::config::HealthConfig;
+
+    #[test]
+    fn the_first_step_after_a_restore_must_repeat_its_loss() {
+        let config = HealthConfig::default();
+        let before = [(61, 6.5), (51, 7.0)];
+        assert_eq!(restore_mismatch(&config, &before, 61, 6.5), None);
+        assert_eq!(
+            restore_mismatch(&config, &before, 61, 6.5 * (1.0 + 1e-5)),
+            None
+        );
+        let reason = restore_mismatch(&config, &before, 61, 6.6).unwrap();
+        assert!(reason.contains("after restoring step 60"), "{reason}");
+        assert!(restore_mismatch(&config, &before, 61, f64::NAN).is_some());
+        // No loss known for the step: nothing to compare.
+        assert_eq!(restore_mismatch(&config, &before, 71, 1.0), None);
+        let off = HealthConfig {
+            restore_loss_tolerance: -1.0,
+            ..HealthConfig::default()
+        };
+        assert_eq!(restore_mismatch(&off, &before, 61, 6.6), None);
+    }
 }

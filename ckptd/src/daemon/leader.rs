@@ -156,7 +156,13 @@ struct State {
     rolled_back_to: Option<u64>,
     /// The data a world that restores the step rolled back to skips after it.
     skip: Option<wire::DataSkip>,
+    /// The run's loss at each recent step, from the ranks' heartbeats: the step after a
+    /// restore must repeat it.
+    losses: BTreeMap<u64, f64>,
 }
+
+/// Steps whose loss the leader keeps.
+const LOSSES_KEPT: usize = 4096;
 
 fn nodes_of(state: &State) -> Vec<NodeView> {
     state
@@ -247,6 +253,7 @@ impl Leader {
                 stragglers_checked: None,
                 rolled_back_to: None,
                 skip: None,
+                losses: BTreeMap::new(),
             }),
             events: Mutex::new((Vec::new(), 0)),
             events_unstored: Arc::default(),
@@ -763,6 +770,11 @@ impl Leader {
         self.state.lock().await.skip = Some(skip);
     }
 
+    /// Forgets the losses of the steps after `step`: the run will train other data there.
+    pub async fn forget_losses_after(&self, step: u64) {
+        self.state.lock().await.losses.split_off(&(step + 1));
+    }
+
     /// Rank deaths reported since the last call.
     pub async fn take_downs(&self) -> Vec<RankDown> {
         std::mem::take(&mut self.state.lock().await.downs)
@@ -1182,6 +1194,12 @@ impl Leader {
                 }
             }
             Message::NodeHeartbeat { ranks, .. } => {
+                for (step, loss) in ranks.iter().flat_map(|beat| &beat.losses) {
+                    state.losses.insert(*step, *loss);
+                }
+                while state.losses.len() > LOSSES_KEPT {
+                    state.losses.pop_first();
+                }
                 for beat in ranks {
                     if let Some(info) = state
                         .ranks
@@ -1289,20 +1307,26 @@ impl Leader {
             Some(_) => *self.durable.lock().unwrap_or_else(|e| e.into_inner()),
             None => self.durable_step().await,
         };
-        let (replica, skip) = {
+        let (replica, skip, losses) = {
             let mut state = self.state.lock().await;
             let chosen = RestoreChoice::new(memory, durable.map(|d| d.step)).step();
             state.chosen = Some(chosen);
             let skip = state
                 .skip
                 .filter(|skip| skip.after_step == chosen.unwrap_or(0));
-            (state.replica_holder.get(&rank).cloned(), skip)
+            let losses = [memory, durable.map(|d| d.step)]
+                .into_iter()
+                .flatten()
+                .filter_map(|step| state.losses.get(&(step + 1)).map(|l| (step + 1, *l)))
+                .collect();
+            (state.replica_holder.get(&rank).cloned(), skip, losses)
         };
         Ok(Message::StepChoice {
             memory,
             durable,
             replica,
             skip,
+            losses,
         })
     }
 

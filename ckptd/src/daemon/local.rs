@@ -211,6 +211,7 @@ async fn session(
                         durable: offer.durable,
                         replica: None,
                         skip: offer.skip,
+                        losses: offer.losses,
                     },
                     Vec::new(),
                 ),
@@ -259,13 +260,26 @@ async fn session(
                 state.pid = 0;
                 (state.reply(), Vec::new())
             }
-            (Message::Unhealthy { step, reason, sdc }, Some(r)) => {
+            (
+                Message::Unhealthy {
+                    step,
+                    reason,
+                    sdc,
+                    restored,
+                },
+                Some(r),
+            ) => {
                 tracing::warn!(rank = r, step, %reason, "the rank's health check failed");
                 let mut ranks = daemon.ranks.lock().await;
                 let state = ranks
                     .get_mut(&r)
                     .ok_or_else(|| anyhow!("rank {r} vanished"))?;
-                state.unhealthy = Some(wire::BadStep { step, reason, sdc });
+                state.unhealthy = Some(wire::BadStep {
+                    step,
+                    reason,
+                    sdc,
+                    restored,
+                });
                 daemon.heartbeat_now.notify_one();
                 (state.reply(), Vec::new())
             }
@@ -281,7 +295,14 @@ async fn session(
                 }
                 (state.reply(), Vec::new())
             }
-            (Message::Poll { step, compute_us }, Some(r)) => {
+            (
+                Message::Poll {
+                    step,
+                    compute_us,
+                    loss,
+                },
+                Some(r),
+            ) => {
                 super::crash::point("poll");
                 let mut ranks = daemon.ranks.lock().await;
                 let state = ranks
@@ -291,6 +312,13 @@ async fn session(
                     daemon.heartbeat_now.notify_one();
                 }
                 state.saw_compute(compute_us);
+                if let Some(loss) = loss {
+                    // Bounded: a node cut off from its leader keeps the newest.
+                    if state.losses.len() >= 1024 {
+                        state.losses.remove(0);
+                    }
+                    state.losses.push((step, loss));
+                }
                 (state.reply(), Vec::new())
             }
             (other, None) => {

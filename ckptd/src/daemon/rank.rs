@@ -101,6 +101,8 @@ pub struct RankState {
     pub restored_from: Option<lazarus_shared::wire::Tier>,
     /// The step this process's health check failed at, and why.
     pub unhealthy: Option<lazarus_shared::wire::BadStep>,
+    /// `(step, loss)` reported since the last node heartbeat.
+    pub losses: Vec<(u64, f64)>,
 }
 
 /// The answer to a snapshot hand-over.
@@ -163,6 +165,7 @@ impl RankState {
             early_beats: 0,
             restored_from: None,
             unhealthy: None,
+            losses: Vec::new(),
         }
     }
 

@@ -227,6 +227,8 @@ pub async fn supervise(
                 let kind = if bad.sdc.is_some() {
                     daemon.metrics.sdc_mismatches.inc();
                     "sdc_mismatch"
+                } else if bad.restored.is_some() {
+                    "restore_mismatch"
                 } else {
                     "unhealthy"
                 };
@@ -264,10 +266,12 @@ pub async fn supervise(
                     ))
                 } else {
                     // Silent data corruption: back to the newest state every copy agreed on.
+                    // A restored state that does not repeat its first step: an older one.
                     // A bad step otherwise: rollback_steps before it, past its data.
-                    let before = match &bad.sdc {
-                        Some(sdc) => sdc.agreed_step + 1,
-                        None => bad.step.saturating_sub(plan.rollback_steps),
+                    let before = match (&bad.sdc, bad.restored) {
+                        (Some(sdc), _) => sdc.agreed_step + 1,
+                        (None, Some(restored)) => restored,
+                        (None, None) => bad.step.saturating_sub(plan.rollback_steps),
                     };
                     leader
                         .roll_back(
@@ -297,7 +301,18 @@ pub async fn supervise(
                             ),
                         )
                         .await;
+                } else if let Some(restored) = bad.restored {
+                    leader
+                        .record(
+                            generation,
+                            "rolled_back",
+                            format!(
+                                "to {target} older than step {restored}, the restored step whose first step did not repeat its loss"
+                            ),
+                        )
+                        .await;
                 } else {
+                    leader.forget_losses_after(after_step).await;
                     let batches = plan.skip_batches.max(bad.step - after_step);
                     leader
                         .set_skip(wire::DataSkip {

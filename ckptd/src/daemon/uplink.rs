@@ -286,7 +286,7 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
         .ranks
         .lock()
         .await
-        .values()
+        .values_mut()
         .filter(|s| s.pid != 0)
         .map(|s| wire::RankBeat {
             rank: s.rank,
@@ -297,6 +297,7 @@ async fn heartbeat_message(daemon: &Daemon) -> Message {
             process_state: None,
             restored_from: s.restored_from,
             unhealthy: s.unhealthy.clone(),
+            losses: std::mem::take(&mut s.losses),
         })
         .collect();
     // Read from /proc without the ranks lock, which every training step's poll takes.
@@ -371,6 +372,8 @@ pub struct Offer {
     /// Where the asking rank's newest replica is.
     pub replica: Option<String>,
     pub skip: Option<wire::DataSkip>,
+    /// `(step, loss)` the run had after the offered steps (see `Message::StepChoice`).
+    pub losses: Vec<(u64, f64)>,
 }
 
 /// Asks the leader which step a world of `world_size` restores, and where `rank`'s replica
@@ -393,11 +396,13 @@ pub async fn which_step(daemon: &Daemon, world_size: u32, rank: Rank) -> Result<
             durable,
             replica,
             skip,
+            losses,
         } => Ok(Offer {
             memory,
             durable,
             replica,
             skip,
+            losses,
         }),
         other => bail!("the leader answered {other:?}"),
     }
