@@ -1310,7 +1310,13 @@ fn a_lost_leader_is_replaced_by_its_successor_which_relaunches_the_world_on_a_sp
 
     // The commits after the takeover name the new epoch.
     let epochs = commit_epochs(&dir, "failover");
-    assert_eq!(epochs[&50], Some(1), "{epochs:?}");
+    // The first durable step, 50 or a little later when the step-50 snapshot was skipped
+    // while a daemon was busy, was committed by the first leader.
+    let first = before
+        .iter()
+        .find(|s| **s >= 50)
+        .expect("a durable step past 50");
+    assert_eq!(epochs[first], Some(1), "{epochs:?}");
     assert_eq!(epochs[&STEPS], Some(2), "{epochs:?}");
     nothing_lost(&dir, &ctl, "failover", &before, &expected);
 }
@@ -1921,7 +1927,13 @@ fn the_batch_job_survives_losing_its_first_node_with_the_leader() {
         "{relaunch}"
     );
     let epochs = commit_epochs(&dir, run);
-    assert_eq!(epochs[&50], Some(1), "{epochs:?}");
+    // The first durable step, 50 or a little later when the step-50 snapshot was skipped
+    // while a daemon was busy, was committed by the first leader.
+    let first = before
+        .iter()
+        .find(|s| **s >= 50)
+        .expect("a durable step past 50");
+    assert_eq!(epochs[first], Some(1), "{epochs:?}");
     assert_eq!(epochs[&STEPS], Some(2), "{epochs:?}");
     nothing_lost(&dir, &ctl, run, &before, &expected);
 
