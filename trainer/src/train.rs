@@ -1021,6 +1021,8 @@ pub fn train(
         .map_or(0, |s| s.batches)
         + skip_batches;
     if skip > 0 {
+        // The first step trains other data than it did before: nothing to compare.
+        session.expected_losses.clear();
         session.state.samples_seen += skip * global_batch;
         session.state.skipped.push(SkippedData {
             after_step: resumed_step,
