@@ -7,13 +7,14 @@
 //! mpiexec.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::runbook::Runbook;
+use lazarus_tests::slurm;
 use lazarus_tests::supervision::{
     events, first_dead, kill, kinds, now_ms, supervised_by, supervised_on, supervised_with,
     wait_for_event_or, wait_for_event_within, Daemons, Status,
@@ -973,11 +974,7 @@ fn under_slurm_a_lost_node_is_drained_and_a_spare_takes_over() {
     let (mut cluster, ctl) = supervised(&dir, "slurm", 3, &flags, envs);
     let pid = rank_pid(&cluster, &ctl, 1, 60);
     // Node n2 dies whole: its slurmd, its daemon and its rank.
-    let slurmd_pid = std::fs::read_to_string(conf.parent().unwrap().join("run/slurmd-n2.pid"))
-        .unwrap()
-        .trim()
-        .to_string();
-    kill("KILL", &slurmd_pid);
+    assert!(slurm::kill_slurmd(&conf, "n2"));
     cluster.kill_node(1);
     kill("KILL", pid);
     wait_for_event(&ctl, "slurm", "completed", 1, &cluster);
@@ -1032,12 +1029,7 @@ fn under_slurm_a_lost_node_is_drained_and_a_spare_takes_over() {
     let confirmed = runbook.run("Confirm", &env);
     assert!(confirmed.contains("node n2 lost"), "{confirmed}");
     assert!(confirmed.contains("lazarus: node lost"), "{confirmed}");
-    let repaired = Command::new("slurmd")
-        .args(["-N", "n2"])
-        .env("SLURM_CONF", &conf)
-        .status()
-        .unwrap();
-    assert!(repaired.success());
+    assert!(slurm::start_slurmd(&conf, "n2"));
     cluster.start_node(1);
     runbook.run("Return the node", &env);
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -1814,54 +1806,6 @@ impl Drop for BatchJob {
     }
 }
 
-/// A node of the local Slurm cluster whose slurmd was killed; it is started again and
-/// returned to service when this drops.
-struct SlurmdDown {
-    conf: PathBuf,
-    node: &'static str,
-}
-
-impl SlurmdDown {
-    fn kill(conf: &Path, node: &'static str) -> Self {
-        let pid_file = conf
-            .parent()
-            .unwrap()
-            .join(format!("run/slurmd-{node}.pid"));
-        let pid = std::fs::read_to_string(pid_file).unwrap();
-        assert!(kill("KILL", pid.trim()));
-        Self {
-            conf: conf.to_path_buf(),
-            node,
-        }
-    }
-}
-
-impl Drop for SlurmdDown {
-    fn drop(&mut self) {
-        let slurm = |program: &str| {
-            let mut command = Command::new(program);
-            command.env("SLURM_CONF", &self.conf);
-            command
-        };
-        let _ = slurm("slurmd").args(["-N", self.node]).status();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while Instant::now() < deadline {
-            let _ = slurm("scontrol")
-                .args(["update", &format!("nodename={}", self.node), "state=resume"])
-                .output();
-            let state = slurm("sinfo")
-                .args(["-h", "-N", "-n", self.node, "-o", "%t"])
-                .output()
-                .map(|o| text_of(&o))
-                .unwrap_or_default();
-            if state.trim() == "idle" {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        }
-    }
-}
-
 /// `ops/slurm/train.sbatch` loses its first node whole while training: its slurmd, the
 /// leading daemon and its rank. The next candidate leads, relaunches the world with the spare
 /// in the lost node's place, and the job completes bit for bit with exit 0.
@@ -1908,7 +1852,7 @@ fn the_batch_job_survives_losing_its_first_node_with_the_leader() {
         .unwrap();
     let daemon = text_of(&daemon);
     let daemon = daemon.split_whitespace().next().expect("n1's daemon runs");
-    let _n1 = SlurmdDown::kill(&conf, "n1");
+    let _n1 = slurm::SlurmdDown::kill(&conf, "n1");
     assert!(kill("KILL", daemon));
     assert!(kill("KILL", rank));
     wait_for_event_or(&ctl, run, "completed", 1, job_log);

@@ -14,7 +14,11 @@
 //! - the storage stalled (the S3 server SIGSTOPped for seconds);
 //! - a node, or the leader, cut off from the others past the heartbeat timeout, or any node
 //!   for less, then healed;
-//! - `ckptctl gc --grace 0s` racing the writers.
+//! - `ckptctl gc --grace 0s` racing the writers;
+//! - under Slurm (`LAZARUS_SOAK_LAUNCHER=srun`: the leader launches the ranks with srun on the
+//!   local Slurm cluster), a node lost whole: its slurmd, its daemon (the leader's too) and its
+//!   ranks SIGKILLed, the node brought back a few seconds later. The soak resumes in Slurm
+//!   every node the leader drained once its daemon runs again, as the operator would.
 //!
 //! A round is one run of `LAZARUS_SOAK_STEPS` steps (default 2000); rounds follow each other
 //! until `LAZARUS_SOAK_FAULTS` faults (default 1000) were injected. Every round must end with
@@ -29,7 +33,8 @@
 //! unasked, and the time lost (the wall time of the fault's window less the time its net
 //! progress takes at the round's clean step time).
 //!
-//! `LAZARUS_SOAK_SEED` replays a schedule (the timing of faults still varies with the machine).
+//! `LAZARUS_SOAK_SEED` replays a schedule (the timing of faults still varies with the machine);
+//! `LAZARUS_SOAK_ONLY` (e.g. `KillNode,CutLeader`) draws from those kinds only.
 //!
 //! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench soak
 
@@ -44,6 +49,7 @@ use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster};
 use lazarus_tests::deadline::{kill_processes_naming, logs_under, test_dir_within};
+use lazarus_tests::slurm;
 use lazarus_tests::supervision::{commit_epochs, kill, now_ms, supervised_by, Daemons};
 use lazarus_tests::train::{reference_run, TrainerArgs};
 use lazarus_tests::{Ctl, S3Server};
@@ -77,10 +83,12 @@ enum Kind {
     CutLeader,
     BriefCut,
     Gc,
+    KillNode,
 }
 
 /// Every kind with its weight in the random schedule.
-const KINDS: [(Kind, u32); 12] = [
+/// `KillNode` only under Slurm (last, so a seed's schedule under mpiexec stays as it was).
+const KINDS: [(Kind, u32); 13] = [
     (Kind::KillRank, 14),
     (Kind::HangRank, 5),
     (Kind::PauseRank, 8),
@@ -93,6 +101,7 @@ const KINDS: [(Kind, u32); 12] = [
     (Kind::CutLeader, 4),
     (Kind::BriefCut, 8),
     (Kind::Gc, 10),
+    (Kind::KillNode, 6),
 ];
 
 impl Kind {
@@ -110,13 +119,19 @@ impl Kind {
             Kind::CutLeader => "leader cut off > hb",
             Kind::BriefCut => "node cut off < hb",
             Kind::Gc => "gc racing writers",
+            Kind::KillNode => "node lost whole",
         }
     }
 
-    fn pick(rng: &mut StdRng) -> Self {
-        let total: u32 = KINDS.iter().map(|(_, w)| w).sum();
+    /// A kind at random among `only` (all when empty); `slurm`: whether nodes can be lost
+    /// whole (their slurmd with them).
+    fn pick(rng: &mut StdRng, slurm: bool, only: &[Kind]) -> Self {
+        let kinds = KINDS.iter().copied().filter(|(kind, _)| {
+            (slurm || *kind != Kind::KillNode) && (only.is_empty() || only.contains(kind))
+        });
+        let total: u32 = kinds.clone().map(|(_, w)| w).sum();
         let mut at = rng.random_range(0..total);
-        for (kind, weight) in KINDS {
+        for (kind, weight) in kinds {
             if at < weight {
                 return kind;
             }
@@ -266,8 +281,10 @@ struct Round<'a> {
     s3: &'a S3Server,
     progress: Progress,
     step_seconds: f64,
-    /// Daemons to start again, and when.
-    repairs: Vec<(usize, Instant)>,
+    /// Daemons to start again (their node's slurmd first, when true), and when.
+    repairs: Vec<(usize, Instant, bool)>,
+    /// The local Slurm cluster's configuration when the leader launches with srun.
+    slurm: Option<PathBuf>,
     /// Ranks stopped by a hang fault, continued once the window settles.
     stopped: Vec<u32>,
 }
@@ -318,7 +335,7 @@ impl Round<'_> {
                 })
                 .unwrap_or_default();
             let leader = status["leader"].as_str().and_then(node_index);
-            let all_up = (0..NODES).all(|i| self.cluster.pid(i).is_some());
+            let all_up = (0..NODES).all(|i| self.cluster.pid(i).is_some()) && self.in_service();
             if let (Some(leader), true, true) = (leader, ranks.len() == ACTIVE, all_up) {
                 let active = status["supervision"]["active"]
                     .as_array()
@@ -344,18 +361,42 @@ impl Round<'_> {
         }
     }
 
-    /// Starts the daemons whose repair is due (all of them when `now`).
+    /// Starts the daemons whose repair is due (all of them when `now`), and their slurmd
+    /// first where the node was lost whole.
     fn repair(&mut self, now: bool) {
-        let due: Vec<usize> = self
+        let due: Vec<(usize, bool)> = self
             .repairs
             .iter()
-            .filter(|(_, at)| now || Instant::now() >= *at)
-            .map(|(i, _)| *i)
+            .filter(|(_, at, _)| now || Instant::now() >= *at)
+            .map(|(i, _, slurmd)| (*i, *slurmd))
             .collect();
-        self.repairs.retain(|(i, _)| !due.contains(i));
-        for i in due {
+        self.repairs
+            .retain(|(i, _, _)| !due.iter().any(|(d, _)| d == i));
+        for (i, slurmd) in due {
+            if let (Some(conf), true) = (&self.slurm, slurmd) {
+                assert!(slurm::start_slurmd(conf, &format!("n{}", i + 1)));
+            }
             self.cluster.start_node(i);
         }
+    }
+
+    /// Under Slurm, whether every node takes jobs. The operator's part: a node the leader
+    /// drained, or whose slurmd came back, is resumed once its daemon runs.
+    fn in_service(&self) -> bool {
+        let Some(conf) = &self.slurm else {
+            return true;
+        };
+        let mut all = true;
+        for i in 0..NODES {
+            let node = format!("n{}", i + 1);
+            if !slurm::in_service(conf, &node) {
+                all = false;
+                if self.cluster.pid(i).is_some() {
+                    slurm::resume(conf, &node);
+                }
+            }
+        }
+        all
     }
 
     /// Sleeps `seconds` while repairs come due.
@@ -413,8 +454,11 @@ impl Round<'_> {
                 // Repaired after the heartbeat timeout: the node is lost first.
                 let back = HEARTBEAT_TIMEOUT_S + rng.random_range(1.5..4.0);
                 self.cluster.kill_node(follower);
-                self.repairs
-                    .push((follower, Instant::now() + Duration::from_secs_f64(back)));
+                self.repairs.push((
+                    follower,
+                    Instant::now() + Duration::from_secs_f64(back),
+                    false,
+                ));
                 let active = seen.active.contains(&follower);
                 let role = if active { "training" } else { "spare" };
                 (
@@ -438,8 +482,11 @@ impl Round<'_> {
                 // Back after a successor took over, which it then follows.
                 let back = HEARTBEAT_TIMEOUT_S + rng.random_range(3.0..5.0);
                 self.cluster.kill_node(seen.leader);
-                self.repairs
-                    .push((seen.leader, Instant::now() + Duration::from_secs_f64(back)));
+                self.repairs.push((
+                    seen.leader,
+                    Instant::now() + Duration::from_secs_f64(back),
+                    false,
+                ));
                 (
                     format!(
                         "{} (epoch {}), back after {back:.1} s",
@@ -513,6 +560,38 @@ impl Round<'_> {
                 (
                     format!("{} for {seconds:.1} s", name(node)),
                     Expect::NOTHING,
+                )
+            }
+            Kind::KillNode => {
+                let conf = self
+                    .slurm
+                    .clone()
+                    .expect("nodes are lost whole under Slurm only");
+                let node = rng.random_range(0..NODES);
+                let back = HEARTBEAT_TIMEOUT_S + rng.random_range(3.0..5.0);
+                assert!(slurm::kill_slurmd(&conf, &name(node)));
+                self.cluster.kill_node(node);
+                for (_, pid, _) in seen.ranks.iter().filter(|(_, _, on)| *on == node) {
+                    kill("KILL", pid);
+                }
+                self.repairs
+                    .push((node, Instant::now() + Duration::from_secs_f64(back), true));
+                let active = seen.active.contains(&node);
+                let role = match (node == seen.leader, active) {
+                    (true, true) => "leading, training",
+                    (true, false) => "leading, spare",
+                    (false, true) => "training",
+                    (false, false) => "spare",
+                };
+                let expect = if node == seen.leader {
+                    // Its ranks died with it: the successor relaunches the world.
+                    Expect::takeover(Some(active))
+                } else {
+                    Expect::relaunch_if(active)
+                };
+                (
+                    format!("{} ({role}), back after {back:.1} s", name(node)),
+                    expect,
                 )
             }
             Kind::Gc => {
@@ -674,6 +753,8 @@ fn round(
     budget: usize,
     injected_before: usize,
     total: usize,
+    slurm: Option<&Path>,
+    only: &[Kind],
     report: &mut RoundReport,
 ) {
     let test_dir = test_dir_within(Duration::from_secs(3 * 3600));
@@ -685,7 +766,7 @@ fn round(
     let (hang, heartbeat) = (HANG_TIMEOUT_S.to_string(), HEARTBEAT_TIMEOUT_S.to_string());
     let flags = [
         "--supervise",
-        "mpiexec",
+        if slurm.is_some() { "srun" } else { "mpiexec" },
         "--active-nodes",
         "2",
         "--hang-timeout-seconds",
@@ -697,8 +778,11 @@ fn round(
         candidates: NODES - 1,
         relayed: true,
     };
-    let (cluster, ctl) =
-        supervised_by(&store, &dir, &run, NODES, daemons, &flags, &args, s3.envs());
+    let mut envs = s3.envs();
+    if let Some(conf) = slurm {
+        envs.push(("SLURM_CONF".to_string(), conf.display().to_string()));
+    }
+    let (cluster, ctl) = supervised_by(&store, &dir, &run, NODES, daemons, &flags, &args, envs);
     let mut round = Round {
         number,
         progress: Progress::new(&dir, &run),
@@ -710,6 +794,7 @@ fn round(
         s3,
         step_seconds: 0.0,
         repairs: Vec::new(),
+        slurm: slurm.map(Path::to_path_buf),
         stopped: Vec::new(),
     };
     let outcome = std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -720,7 +805,7 @@ fn round(
             let Some(seen) = round.seen() else {
                 break;
             };
-            let kind = Kind::pick(rng);
+            let kind = Kind::pick(rng, round.slurm.is_some(), only);
             let (start_ms, start, step) = (now_ms(), Instant::now(), round.progress.newest());
             let (detail, expect) = round.inject(kind, &seen, rng);
             let ended = round.settle(kind, step, expect, &seen);
@@ -907,8 +992,32 @@ fn main() {
     let total: usize = env_or("LAZARUS_SOAK_FAULTS", 1000);
     let steps: u64 = env_or("LAZARUS_SOAK_STEPS", 2000);
     let seed: u64 = env_or("LAZARUS_SOAK_SEED", rand::random::<u64>() % 1_000_000);
+    let launcher: String = env_or("LAZARUS_SOAK_LAUNCHER", "mpiexec".to_string());
+    let slurm = match launcher.as_str() {
+        "mpiexec" => None,
+        "srun" => Some(lazarus_tests::slurm_cluster().unwrap_or_else(|why| {
+            panic!("the soak under srun needs the local Slurm cluster: {why}")
+        })),
+        other => panic!("LAZARUS_SOAK_LAUNCHER is mpiexec or srun, not {other}"),
+    };
+    // LAZARUS_SOAK_ONLY=KillNode,CutLeader: only these kinds (as the enum names them).
+    let only: Vec<Kind> = env_or("LAZARUS_SOAK_ONLY", String::new())
+        .split(',')
+        .filter(|name| !name.is_empty())
+        .map(|name| {
+            KINDS
+                .iter()
+                .map(|(kind, _)| *kind)
+                .find(|kind| format!("{kind:?}") == name.trim())
+                .unwrap_or_else(|| panic!("LAZARUS_SOAK_ONLY: no fault kind {name}"))
+        })
+        .collect();
+    assert!(
+        slurm.is_some() || only.is_empty() || only.iter().any(|k| *k != Kind::KillNode),
+        "LAZARUS_SOAK_ONLY=KillNode needs LAZARUS_SOAK_LAUNCHER=srun"
+    );
     println!(
-        "soak: {total} faults over rounds of {steps} steps; seed {seed} (LAZARUS_SOAK_SEED replays the schedule)"
+        "soak: {total} faults over rounds of {steps} steps under {launcher}; seed {seed} (LAZARUS_SOAK_SEED replays the schedule)"
     );
     let began = Instant::now();
     let mut rng = StdRng::seed_from_u64(seed);
@@ -945,6 +1054,8 @@ fn main() {
             total - injected,
             injected,
             total,
+            slurm.as_deref(),
+            &only,
             &mut report,
         );
         injected += report.faults.len();

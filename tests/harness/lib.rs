@@ -11,6 +11,7 @@ pub mod deadline;
 pub mod relay;
 pub mod runbook;
 pub mod scale;
+pub mod slurm;
 pub mod store_scale;
 pub mod supervision;
 pub mod toy;
