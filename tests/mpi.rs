@@ -244,6 +244,86 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     ctl.expect(0, &["verify", "dp2", "--all", "--read-data"]);
 }
 
+/// `train --trace`: each rank writes a Chrome trace of the launch's first steps, and
+/// `trace-summary` prints a step of it by phase and by op, the expert exchange and the MPI
+/// waits included. Tracing leaves the losses as they were, bit for bit.
+#[test]
+fn a_traced_run_writes_each_rank_a_timeline_of_its_first_steps_by_phase_and_op() {
+    let (_guard, dir) = prepared();
+    let trace = dir.join("trace.json");
+    let mut traced = args_ep(&dir, "traced", 6, 2, 2);
+    traced.extend([
+        "--trace".to_string(),
+        trace.display().to_string(),
+        "--trace-steps".to_string(),
+        "3".to_string(),
+    ]);
+    run(2, &traced);
+    run(2, &args_ep(&dir, "untraced", 6, 2, 2));
+    assert_eq!(
+        bits(&losses(&dir, "traced")),
+        bits(&losses(&dir, "untraced")),
+        "tracing changes nothing"
+    );
+    let summary = |file: &Path, step: Option<&str>| {
+        let mut command = Command::new(bin("trainer"));
+        command.arg("trace-summary").arg(file);
+        if let Some(step) = step {
+            command.args(["--step", step]);
+        }
+        command.output().expect("trainer runs")
+    };
+    for rank in 0..2 {
+        let file = dir.join(format!("trace.rank{rank}.json"));
+        // A whole JSON array of trace events.
+        let events: Vec<serde_json::Value> =
+            serde_json::from_slice(&std::fs::read(&file).unwrap()).unwrap();
+        assert!(events.iter().all(|e| e["ph"].is_string()), "{file:?}");
+        let output = summary(&file, None);
+        let text = String::from_utf8_lossy(&output.stdout).to_string();
+        assert!(output.status.success(), "{text}");
+        println!("rank {rank}:\n{text}");
+        assert!(text.starts_with("step 3: "), "the last traced step: {text}");
+        for span in [
+            "forward",
+            "backward",
+            "optimizer",
+            "embed",
+            "attention",
+            "attention_backward",
+            "rms_norm",
+            "rms_norm_backward",
+            "router",
+            "swiglu",
+            "grouped_matmul_backward",
+            "lm_head_loss",
+            "expert_dispatch",
+            "expert_combine",
+            "expert_dispatch_backward",
+            "expert_combine_backward",
+            "reduce_scatter",
+            "all_gather",
+            "adamw",
+            "mpi_wait",
+        ] {
+            let line = text
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(span))
+                .unwrap_or_else(|| panic!("no {span} in rank {rank}'s step:\n{text}"));
+            let calls: u64 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+            assert!(calls > 0, "{line}");
+        }
+        // Steps past --trace-steps are not recorded.
+        let output = summary(&file, Some("4"));
+        assert!(!output.status.success());
+        let said = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            said.contains("no complete step 4 (traced: [1, 2, 3])"),
+            "{said}"
+        );
+    }
+}
+
 /// Pipeline parallel: each layout matches one process that trains the same global batch in
 /// the same micro-batches (whose router statistics are per micro-batch, as in Megatron), and
 /// repeats itself bit for bit.

@@ -309,6 +309,7 @@ impl CustomOp3 for CausalAttention {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _span = tracing::info_span!("attention").entered();
         if l1.shape() != l2.shape() || l1.shape() != l3.shape() {
             return Err(error("q, k and v must have the same shape"));
         }
@@ -349,6 +350,7 @@ impl CustomOp3 for CausalAttention {
         _result: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _span = tracing::info_span!("attention_backward").entered();
         let grad = grad.contiguous()?;
         let saved = self
             .saved

@@ -1,5 +1,6 @@
 //! The `trainer` command line. Exit codes: 0 ok, 1 failure, 2 usage or bad input.
 
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Instant;
@@ -80,6 +81,21 @@ pub enum Command {
         /// spike. Once: not for a supervisor's trainer arguments, which it would repeat.
         #[arg(long, default_value_t = 0)]
         skip_batches: u64,
+        /// Write a timeline of the first --trace-steps steps of this launch as a Chrome
+        /// trace (open it in Perfetto or chrome://tracing): FILE itself with one rank, else
+        /// one file per rank (`trace.json` -> `trace.rank1.json`). `trainer trace-summary`
+        /// prints a step of it by phase and op.
+        #[arg(long, value_name = "FILE")]
+        trace: Option<PathBuf>,
+        #[arg(long, default_value_t = 5, requires = "trace")]
+        trace_steps: u64,
+    },
+    /// Print one step of a `train --trace` file by phase and op: calls, total and own time.
+    TraceSummary {
+        file: PathBuf,
+        /// The step (default: the last one traced).
+        #[arg(long)]
+        step: Option<u64>,
     },
 }
 
@@ -154,6 +170,14 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
+        Command::TraceSummary { file, step } => {
+            let profile = crate::trace::profile(&file, step)?;
+            // A reader that stops early (`| head`) is no error.
+            match write!(std::io::stdout().lock(), "{profile}") {
+                Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => Err(error.into()),
+                _ => Ok(()),
+            }
+        }
         Command::BenchAllToAll { bytes, repeats } => {
             let world = World::init(|ranks| {
                 Ok::<_, std::convert::Infallible>(Layout::data_parallel(ranks))
@@ -193,6 +217,8 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             resume,
             metrics_dir,
             skip_batches,
+            trace,
+            trace_steps,
         } => {
             if let Some(resume) = resume {
                 overrides.push(format!("checkpoint.resume={resume}"));
@@ -205,6 +231,15 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             let world = Arc::new(World::init(|ranks| {
                 config.layout(ranks).and_then(Layout::built)
             })?);
+            let mut trace = match &trace {
+                Some(path) => Some(crate::trace::start(
+                    path,
+                    world.rank,
+                    world.size,
+                    trace_steps,
+                )?),
+                None => None,
+            };
             let stop = Arc::new(AtomicBool::new(false));
             watch_signals(stop.clone());
             // A panic is an error like any other here: unwinding past this point would drop
@@ -236,6 +271,9 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                         world.rank, world.size
                     );
                     let _ = std::io::Write::write_all(&mut std::io::stderr(), line.as_bytes());
+                    if let Some(trace) = trace.as_mut() {
+                        trace.finish();
+                    }
                     world.abort(i32::from(exit_code(&error)));
                     Err(error)
                 }

@@ -311,6 +311,7 @@ impl World {
 
     /// The element-wise sum of every rank's `values`, added in rank order.
     pub fn sum_f64(&self, group: Group, values: &[f64]) -> Vec<f64> {
+        let _span = tracing::info_span!("all_reduce", values = values.len()).entered();
         let gathered = self.all_gather_f64(group, values);
         let mut sum = vec![0f64; values.len()];
         for contribution in gathered.chunks(values.len().max(1)) {
@@ -324,6 +325,7 @@ impl World {
     /// The element-wise sum of every rank's `values` (all the same length), added in rank
     /// order: every rank of the group gets the same bits.
     pub fn sum_f32(&self, group: Group, values: &[f32]) -> Vec<f32> {
+        let _span = tracing::info_span!("all_reduce", values = values.len()).entered();
         let Some(comm) = self.comm(group) else {
             return values.to_vec();
         };
@@ -358,6 +360,7 @@ impl World {
 
     /// The element-wise sum of every rank's `values` (integers, exact).
     pub fn sum_u64(&self, group: Group, values: &[u64]) -> Vec<u64> {
+        let _span = tracing::info_span!("all_reduce", values = values.len()).entered();
         let gathered = self.all_gather_u64(group, values);
         let mut sum = vec![0u64; values.len()];
         for contribution in gathered.chunks(values.len().max(1)) {
@@ -372,6 +375,7 @@ impl World {
     /// (one more than the group's size); returns the sum over the group's ranks of this rank's
     /// piece, each element added in rank order.
     pub fn reduce_scatter(&self, group: Group, data: &[f32], bounds: &[usize]) -> Vec<f32> {
+        let _span = tracing::info_span!("reduce_scatter", floats = data.len()).entered();
         let (me, size) = self.position(group);
         assert_eq!(bounds.len(), size + 1, "one bound per rank and the end");
         let Some(comm) = self.comm(group) else {
@@ -403,6 +407,7 @@ impl World {
 
     /// All-gather of pieces split at `bounds`: every rank gets the whole vector.
     pub fn all_gather(&self, group: Group, piece: &[f32], bounds: &[usize]) -> Vec<f32> {
+        let _span = tracing::info_span!("all_gather", floats = piece.len()).entered();
         let (me, size) = self.position(group);
         assert_eq!(bounds.len(), size + 1, "one bound per rank and the end");
         assert_eq!(
@@ -492,6 +497,7 @@ impl World {
     /// Sends `send` to one stage of this rank's pipeline and receives `len` floats from one,
     /// together, or either alone. Returns what was received.
     pub fn pipe(&self, send: Option<(Peer, &[f32])>, receive: Option<(Peer, usize)>) -> Vec<f32> {
+        let _span = tracing::info_span!("pipeline_send_receive").entered();
         let comm = self
             .comm(Group::Pipeline)
             .expect("pipeline messages need an MPI world");
@@ -542,6 +548,7 @@ static COMMUNICATION_NANOS: AtomicU64 = AtomicU64::new(0);
 fn yielding<'a, D: ?Sized, S: mpi::request::Scope<'a>>(
     mut request: mpi::request::Request<'a, D, S>,
 ) {
+    let _span = tracing::info_span!("mpi_wait").entered();
     loop {
         match request.test() {
             Ok(_) => return,
@@ -670,6 +677,7 @@ impl candle_core::CustomOp1 for Dispatch {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let _span = tracing::info_span!("expert_dispatch").entered();
         exchange_op(&self.0, storage, layout, true)
     }
 
@@ -679,6 +687,7 @@ impl candle_core::CustomOp1 for Dispatch {
         _res: &candle_core::Tensor,
         grad: &candle_core::Tensor,
     ) -> candle_core::Result<Option<candle_core::Tensor>> {
+        let _span = tracing::info_span!("expert_dispatch_backward").entered();
         exchange_grad(&self.0, grad, false).map(Some)
     }
 }
@@ -693,6 +702,7 @@ impl candle_core::CustomOp1 for Combine {
         storage: &candle_core::CpuStorage,
         layout: &candle_core::Layout,
     ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
+        let _span = tracing::info_span!("expert_combine").entered();
         exchange_op(&self.0, storage, layout, false)
     }
 
@@ -702,6 +712,7 @@ impl candle_core::CustomOp1 for Combine {
         _res: &candle_core::Tensor,
         grad: &candle_core::Tensor,
     ) -> candle_core::Result<Option<candle_core::Tensor>> {
+        let _span = tracing::info_span!("expert_combine_backward").entered();
         exchange_grad(&self.0, grad, true).map(Some)
     }
 }

@@ -159,6 +159,7 @@ impl CustomOp2 for GroupedMatmul {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _span = tracing::info_span!("grouped_matmul").entered();
         let dims = self.0.dimensions(l1, l2)?;
         let out = match (s1, s2) {
             (CpuStorage::F32(x), CpuStorage::F32(w)) => CpuStorage::F32(self.0.forward(
@@ -183,6 +184,7 @@ impl CustomOp2 for GroupedMatmul {
         _result: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _span = tracing::info_span!("grouped_matmul_backward").entered();
         let grad = grad.contiguous()?;
         let dims = self.0.dimensions(x.layout(), w.layout())?;
         let (xs, ws, gs) = (
@@ -300,6 +302,7 @@ impl CustomOp3 for SwiGlu {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _span = tracing::info_span!("swiglu").entered();
         let dims = self.groups.dimensions(l1, l2)?;
         if l2.shape() != l3.shape() {
             return Err(error("gate and up weights must have the same shape"));
@@ -338,6 +341,7 @@ impl CustomOp3 for SwiGlu {
         _result: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _span = tracing::info_span!("swiglu_backward").entered();
         let grad = grad.contiguous()?;
         let dims = self.groups.dimensions(x.layout(), gate_w.layout())?;
         let saved = self

@@ -22,4 +22,5 @@ pub mod sdc;
 pub mod snapshot;
 pub mod steplog;
 pub mod tensor_parallel;
+pub mod trace;
 pub mod train;

@@ -372,6 +372,7 @@ impl CustomOp3 for LinearCrossEntropy {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _span = tracing::info_span!("lm_head_loss").entered();
         let dims = dimensions(l1, l2, l3)?;
         let mut saved = self
             .log_sum_exp
@@ -417,6 +418,7 @@ impl CustomOp3 for LinearCrossEntropy {
         _result: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let _span = tracing::info_span!("lm_head_loss_backward").entered();
         let upstream: Vec<f64> = grad.to_dtype(DType::F64)?.to_vec1()?;
         let unit = self
             .unit_gradients

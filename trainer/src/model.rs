@@ -410,6 +410,7 @@ impl Model {
                     .chunks(seq + 1)
                     .flat_map(|row| row[..seq].to_vec())
                     .collect();
+                let _embed = tracing::info_span!("embed").entered();
                 self.embed_tokens(&inputs)?
             }
             (None, Some(hidden)) => hidden.clone(),
@@ -509,19 +510,27 @@ impl Model {
         };
         for layer in &self.layers {
             // Attention: column-parallel Q, K, V (this rank's heads), row-parallel output.
+            let _layer = tracing::info_span!("layer").entered();
             let normed = self.enter(&rms_norm(&x, &layer.attn_norm, c.norm_eps)?)?;
+            let projecting = tracing::info_span!("qkv_projection").entered();
             let q = qk_norm(&normed.matmul(&layer.wq)?, &layer.q_norm)?;
             let k = qk_norm(&normed.matmul(&layer.wk)?, &layer.k_norm)?;
             let v = normed.matmul(&layer.wv)?;
+            drop(projecting);
             let mixed = q.apply_op3(
                 &k,
                 &v,
                 CausalAttention::new(batch, seq, local_heads, head_dim, c.rope_theta),
             )?;
+            let projecting = tracing::info_span!("out_projection").entered();
             x = (x + self.leave(&mixed.matmul(&layer.wo)?)?)?;
+            drop(projecting);
             // Mixture of experts.
             let normed = rms_norm(&x, &layer.ffn_norm, c.norm_eps)?;
-            let moe = self.moe(layer, &normed)?;
+            let moe = {
+                let _moe = tracing::info_span!("moe").entered();
+                self.moe(layer, &normed)?
+            };
             x = (x + moe.output)?;
             load_balancing.push(moe.load_balancing);
             router_z.push(moe.router_z);
@@ -642,6 +651,7 @@ impl Model {
     fn moe(&self, layer: &Layer, x: &Tensor) -> Result<MoeOutput> {
         let (experts, top_k) = (self.config.experts, self.config.top_k);
         let tokens = x.dim(0)?;
+        let routing = tracing::info_span!("router").entered();
         let logits = x.matmul(&layer.router)?;
         let probs = softmax_last(&logits)?;
         // Routing decisions need no gradient: pick the top-k on the host (ties to the lower index).
@@ -678,6 +688,8 @@ impl Model {
         let counts: Vec<usize> = runs.iter().map(|e| routed[*e].len()).collect();
         let order = Tensor::new(order.as_slice(), &self.device)?;
         let sorted = self.enter(x)?.index_select(&order, 0)?;
+        drop(routing);
+        let computing = tracing::info_span!("experts").entered();
         let expert_out = match &self.world {
             Some(world) if world.layout.ep > 1 => {
                 self.remote_experts(layer, world, &sorted, &counts, per_rank)?
@@ -693,6 +705,8 @@ impl Model {
                     .apply_op2(&layer.expert_down, GroupedMatmul(groups))?
             }
         };
+        drop(computing);
+        let _weighting = tracing::info_span!("expert_weighting").entered();
         // The kept probabilities enter the split part too: each rank's gradient for them
         // covers its own experts' rows, and the group sums them.
         let weights = self

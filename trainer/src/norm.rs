@@ -157,6 +157,7 @@ impl CustomOp2 for RmsNorm {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        let _span = tracing::info_span!("rms_norm").entered();
         let hidden = l2.shape().dims1()?;
         if l1.shape().dims().last() != Some(&hidden) {
             return Err(error(format!(
@@ -184,6 +185,7 @@ impl CustomOp2 for RmsNorm {
         _result: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let _span = tracing::info_span!("rms_norm_backward").entered();
         let grad = grad.contiguous()?;
         let (xs, ws, gs) = (
             x.storage_and_layout().0,

@@ -357,7 +357,10 @@ impl AdamW {
                     .sum::<f64>()
             })
             .sum();
-        let grad_norm = self.world.sum_f64(Group::World, &[local_sq])[0].sqrt();
+        let grad_norm = {
+            let _span = tracing::info_span!("grad_norm").entered();
+            self.world.sum_f64(Group::World, &[local_sq])[0].sqrt()
+        };
         let scale = if grad_norm > self.grad_clip {
             self.grad_clip / (grad_norm + 1e-6)
         } else {
@@ -378,6 +381,7 @@ impl AdamW {
                 return Err(candle_core::Error::msg(format!("{error:#}")));
             }
         };
+        let adam = tracing::info_span!("adamw").entered();
         for (shard, grads) in shards.iter().zip(&shard_grads) {
             let pieces: Vec<(f64, Range<usize>)> = self
                 .pieces(shard)
@@ -440,6 +444,7 @@ impl AdamW {
             }
         }
         memory.finish_update();
+        drop(adam);
         self.memory = memory;
         self.shards = shards;
         self.grads = flat;
@@ -460,6 +465,7 @@ impl AdamW {
             let whole = self.world.all_gather(shard.group, params, &relative);
             flat[range].copy_from_slice(&whole);
         }
+        let _span = tracing::info_span!("weights_into_model").entered();
         let parameters = model.parameters();
         for placement in &self.placements {
             let values = &flat[placement.offset..placement.offset + placement.len];

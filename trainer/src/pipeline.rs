@@ -73,6 +73,7 @@ struct Step<'a> {
 
 impl Step<'_> {
     fn forward(&mut self, index: usize, received: Option<Vec<f32>>) -> anyhow::Result<InFlight> {
+        let _span = tracing::info_span!("forward", micro_batch = index).entered();
         let started = Instant::now();
         let span = self.micro * self.sample;
         let tokens = &self.tokens[index * span..(index + 1) * span];
@@ -125,6 +126,7 @@ impl Step<'_> {
         flight: InFlight,
         gradient: Option<Vec<f32>>,
     ) -> anyhow::Result<Vec<f32>> {
+        let _span = tracing::info_span!("backward").entered();
         let started = Instant::now();
         let InFlight { input, forward } = flight;
         let objective = match (forward.hidden, gradient) {
@@ -137,7 +139,9 @@ impl Step<'_> {
             _ => anyhow::bail!("a stage's output and the gradient it receives go together"),
         };
         let grads = objective.backward()?;
+        let accumulating = tracing::info_span!("accumulate_gradients").entered();
         self.optim.accumulate(self.model, &grads)?;
+        drop(accumulating);
         let back = match input {
             Some(var) => match grads.get(&var) {
                 Some(grad) => grad

@@ -1044,6 +1044,8 @@ pub fn train(
     let mut last_checkpoint = resumed_from;
     let mut stopped_by_signal = false;
     while session.state.step < config.train.steps {
+        crate::trace::step_begins();
+        let _step_span = tracing::info_span!("step", step = session.state.step + 1).entered();
         // Every rank stops at the same step, whichever of them saw the signal first.
         let stop_requested = if world.size > 1 {
             world.sum_u64(Group::World, &[u64::from(stop.load(Ordering::Relaxed))])[0] > 0
@@ -1104,7 +1106,9 @@ pub fn train(
         let every = config.health.sdc_check_every;
         if every > 0 && world.size > 1 && (step == first_step || (step - 1) % every == 0) {
             let timer = Instant::now();
+            let checking = tracing::info_span!("sdc_check").entered();
             let mismatch = crate::sdc::check(&world, &session.model, &session.optim)?;
+            drop(checking);
             checks.sdc.push(timer.elapsed().as_secs_f64());
             match mismatch {
                 None => sdc_agreed = step - 1,
@@ -1128,7 +1132,9 @@ pub fn train(
         let timer = Instant::now();
         let lr = learning_rate(&config.train, step);
         let held = session.saver.held();
+        let updating = tracing::info_span!("optimizer").entered();
         let update = session.optim.apply(&session.model, lr, held)?;
+        drop(updating);
         step_log.time(Phase::Optimizer, timer.elapsed().as_secs_f64());
         if let Some(f) = faults.filter(|f| f.flip_after_step == step && !f.flip_socket.is_empty()) {
             let here = config
@@ -1211,13 +1217,17 @@ pub fn train(
         crate::health::remember(&config.health, &mut session.state.recent_losses, loss);
         checks.health.push(timer.elapsed().as_secs_f64());
         let val_loss = if step % config.train.val_every == 0 {
+            let _span = tracing::info_span!("validation").entered();
             session.validate(&dataset)?
         } else {
             None
         };
         step_log.step_done(step, loss, &forward, &update, lr, val_loss, log)?;
-        if checkpoint_due && session.save(step == config.train.steps, any_busy, poll_time)? {
-            last_checkpoint = Some(step);
+        if checkpoint_due {
+            let _span = tracing::info_span!("checkpoint").entered();
+            if session.save(step == config.train.steps, any_busy, poll_time)? {
+                last_checkpoint = Some(step);
+            }
         }
     }
     if let Some(bytes) = session.activation_bytes {

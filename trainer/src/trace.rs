@@ -1,0 +1,294 @@
+//! `trainer train --trace FILE`: a timeline of the first steps of a launch, written as a
+//! Chrome trace (JSON that Perfetto and `chrome://tracing` open), and the summary of one step
+//! of such a file by phase and by op (`trainer trace-summary FILE`).
+//!
+//! The training code marks its phases and ops with `tracing` spans: `step` (with its number),
+//! `forward`, `backward`, `optimizer`, the ops inside them (`attention`, `rms_norm`,
+//! `swiglu`, `grouped_matmul`, `lm_head_loss`, their `*_backward`, `expert_dispatch`,
+//! `expert_combine`, `reduce_scatter`, `all_gather`, ...) and `mpi_wait`, the time a rank
+//! waits inside MPI for the others. With no trace asked for, no subscriber is installed and a
+//! span costs a relaxed load.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use anyhow::{bail, Context, Result};
+use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::Layer;
+
+/// Whether spans are recorded now: only for the first steps of a launch.
+static RECORDING: AtomicBool = AtomicBool::new(false);
+/// Steps still to record.
+static STEPS_LEFT: AtomicU64 = AtomicU64::new(0);
+
+/// A trace being written; the file is complete once this drops.
+pub struct Trace {
+    guard: Option<tracing_chrome::FlushGuard>,
+    pub path: PathBuf,
+}
+
+impl std::fmt::Debug for Trace {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Trace").field("path", &self.path).finish()
+    }
+}
+
+impl Trace {
+    /// Finishes the file now (before the process exits without unwinding).
+    pub fn finish(&mut self) {
+        RECORDING.store(false, Ordering::Relaxed);
+        self.guard.take();
+    }
+}
+
+impl Drop for Trace {
+    fn drop(&mut self) {
+        self.finish();
+    }
+}
+
+/// The file rank `rank` of `size` writes for `--trace path`: `path` itself in a one-rank
+/// world, else `path` with `.rank<r>` before its extension (`trace.json` -> `trace.rank1.json`).
+pub fn file_for(path: &Path, rank: usize, size: usize) -> PathBuf {
+    if size <= 1 {
+        return path.to_path_buf();
+    }
+    let stem = path
+        .file_stem()
+        .map(|s| s.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let name = match path.extension() {
+        Some(ext) => format!("{stem}.rank{rank}.{}", ext.to_string_lossy()),
+        None => format!("{stem}.rank{rank}"),
+    };
+    path.with_file_name(name)
+}
+
+/// Starts writing this rank's trace of the next `steps` steps (see [`file_for`]).
+pub fn start(path: &Path, rank: usize, size: usize, steps: u64) -> Result<Trace> {
+    let path = file_for(path, rank, size);
+    let file = std::fs::File::create(&path)
+        .with_context(|| format!("creating the trace file {}", path.display()))?;
+    let (layer, guard) = tracing_chrome::ChromeLayerBuilder::new()
+        .writer(file)
+        .include_args(true)
+        .include_locations(false)
+        .build();
+    // Asked at every span (a plain filter_fn's answer would be cached per callsite).
+    let layer = layer.with_filter(tracing_subscriber::filter::dynamic_filter_fn(|_, _| {
+        RECORDING.load(Ordering::Relaxed)
+    }));
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(layer))
+        .context("a tracing subscriber is installed already")?;
+    STEPS_LEFT.store(steps, Ordering::Relaxed);
+    RECORDING.store(steps > 0, Ordering::Relaxed);
+    Ok(Trace {
+        guard: Some(guard),
+        path,
+    })
+}
+
+/// A step begins: recording goes on while traced steps are left, then stops for good.
+pub fn step_begins() {
+    let left = STEPS_LEFT.load(Ordering::Relaxed);
+    if left == 0 {
+        RECORDING.store(false, Ordering::Relaxed);
+    } else {
+        STEPS_LEFT.store(left - 1, Ordering::Relaxed);
+    }
+}
+
+/// One op's or phase's time within a step.
+#[derive(Clone, Debug, PartialEq)]
+pub struct OpTime {
+    pub name: String,
+    pub calls: u64,
+    /// Milliseconds inside the span, its children included.
+    pub total_ms: f64,
+    /// Milliseconds inside the span outside its children.
+    pub self_ms: f64,
+}
+
+/// A step of a trace file, summed by span name.
+#[derive(Clone, Debug)]
+pub struct StepProfile {
+    pub step: u64,
+    pub step_ms: f64,
+    /// By total time, longest first.
+    pub ops: Vec<OpTime>,
+}
+
+/// One begin or end of a span, as the file has it.
+#[derive(Debug, serde::Deserialize)]
+struct Entry {
+    ph: String,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    ts: f64,
+    #[serde(default)]
+    tid: u64,
+    #[serde(default)]
+    args: serde_json::Value,
+}
+
+/// The profile of step `step` of the trace at `path` (the last traced step when `None`):
+/// every span inside that step's `step` span on its thread, summed by name.
+pub fn profile(path: &Path, step: Option<u64>) -> Result<StepProfile> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading the trace {}", path.display()))?;
+    let entries: Vec<Entry> = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a complete Chrome trace", path.display()))?;
+    // The step spans: (step, thread, start, end).
+    let mut steps = Vec::new();
+    let mut open: BTreeMap<u64, (u64, f64)> = BTreeMap::new();
+    for entry in entries.iter().filter(|e| e.name == "step") {
+        match entry.ph.as_str() {
+            "B" => {
+                // The layer writes span fields as text.
+                let number = match &entry.args["step"] {
+                    serde_json::Value::String(text) => text.parse().unwrap_or(0),
+                    other => other.as_u64().unwrap_or(0),
+                };
+                open.insert(entry.tid, (number, entry.ts));
+            }
+            "E" => {
+                if let Some((number, start)) = open.remove(&entry.tid) {
+                    steps.push((number, entry.tid, start, entry.ts));
+                }
+            }
+            _ => {}
+        }
+    }
+    let chosen = match step {
+        Some(wanted) => steps.iter().find(|s| s.0 == wanted),
+        None => steps.last(),
+    };
+    let Some(&(number, tid, start, end)) = chosen else {
+        bail!(
+            "{} holds no complete step{} (traced: {:?})",
+            path.display(),
+            step.map(|s| format!(" {s}")).unwrap_or_default(),
+            steps.iter().map(|s| s.0).collect::<Vec<_>>()
+        );
+    };
+    // Spans nest on a thread: a stack of (name, start, time in children).
+    let mut stack: Vec<(String, f64, f64)> = Vec::new();
+    let mut sums: BTreeMap<String, OpTime> = BTreeMap::new();
+    for entry in entries
+        .iter()
+        .filter(|e| e.tid == tid && e.ts >= start && e.ts <= end && e.name != "step")
+    {
+        match entry.ph.as_str() {
+            "B" => stack.push((entry.name.clone(), entry.ts, 0.0)),
+            "E" => {
+                let Some((name, began, children)) = stack.pop() else {
+                    continue;
+                };
+                let took = entry.ts - began;
+                if let Some(parent) = stack.last_mut() {
+                    parent.2 += took;
+                }
+                let sum = sums.entry(name.clone()).or_insert(OpTime {
+                    name,
+                    calls: 0,
+                    total_ms: 0.0,
+                    self_ms: 0.0,
+                });
+                sum.calls += 1;
+                sum.total_ms += took / 1e3;
+                sum.self_ms += (took - children) / 1e3;
+            }
+            _ => {}
+        }
+    }
+    let mut ops: Vec<OpTime> = sums.into_values().collect();
+    ops.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
+    Ok(StepProfile {
+        step: number,
+        step_ms: (end - start) / 1e3,
+        ops,
+    })
+}
+
+impl std::fmt::Display for StepProfile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "step {}: {:.1} ms", self.step, self.step_ms)?;
+        writeln!(
+            f,
+            "  {:<28} {:>6} {:>10} {:>7} {:>10} {:>7}",
+            "span", "calls", "total ms", "%", "self ms", "%"
+        )?;
+        let share = |ms: f64| 100.0 * ms / self.step_ms.max(1e-9);
+        for op in &self.ops {
+            writeln!(
+                f,
+                "  {:<28} {:>6} {:>10.2} {:>6.1}% {:>10.2} {:>6.1}%",
+                op.name,
+                op.calls,
+                op.total_ms,
+                share(op.total_ms),
+                op.self_ms,
+                share(op.self_ms)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{file_for, profile};
+    use std::path::Path;
+
+    #[test]
+    fn ranks_write_files_of_their_own() {
+        assert_eq!(file_for(Path::new("t.json"), 0, 1), Path::new("t.json"));
+        assert_eq!(
+            file_for(Path::new("out/t.json"), 1, 2),
+            Path::new("out/t.rank1.json")
+        );
+        assert_eq!(file_for(Path::new("t"), 3, 4), Path::new("t.rank3"));
+    }
+
+    #[test]
+    fn a_step_sums_its_spans_by_name_with_their_own_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("t.json");
+        let event = |ph: &str, name: &str, ts: f64, tid: u64| serde_json::json!({"ph": ph, "pid": 1, "name": name, "ts": ts, "tid": tid});
+        let mut entries = vec![
+            serde_json::json!({"ph": "B", "pid": 1, "name": "step", "ts": 0.0, "tid": 1, "args": {"step": "7"}}),
+            event("B", "forward", 0.0, 1),
+            event("B", "attention", 100.0, 1),
+            event("E", "attention", 400.0, 1),
+            event("B", "attention", 500.0, 1),
+            event("B", "mpi_wait", 600.0, 1),
+            event("E", "mpi_wait", 700.0, 1),
+            event("E", "attention", 800.0, 1),
+            event("E", "forward", 1000.0, 1),
+            // Another thread's spans are not this step's.
+            event("B", "forward", 100.0, 2),
+            event("E", "forward", 900.0, 2),
+            event("B", "backward", 1000.0, 1),
+            event("E", "backward", 3000.0, 1),
+        ];
+        entries
+            .push(serde_json::json!({"ph": "E", "pid": 1, "name": "step", "ts": 3000.0, "tid": 1}));
+        std::fs::write(&path, serde_json::to_vec(&entries).unwrap()).unwrap();
+        let step = profile(&path, None).unwrap();
+        assert_eq!(step.step, 7);
+        assert!((step.step_ms - 3.0).abs() < 1e-9);
+        let get = |name: &str| step.ops.iter().find(|o| o.name == name).unwrap().clone();
+        let forward = get("forward");
+        assert_eq!(forward.calls, 1);
+        assert!((forward.total_ms - 1.0).abs() < 1e-9);
+        // 1 ms less two attentions (0.3 + 0.3 ms).
+        assert!((forward.self_ms - 0.4).abs() < 1e-9, "{forward:?}");
+        let attention = get("attention");
+        assert_eq!(attention.calls, 2);
+        assert!((attention.self_ms - 0.5).abs() < 1e-9, "{attention:?}");
+        assert_eq!(step.ops[0].name, "backward");
+        assert!(profile(&path, Some(8)).is_err());
+    }
+}
