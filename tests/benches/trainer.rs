@@ -5,17 +5,23 @@
 //!    fp32, on tinyshakespeare: tokens/s and CPU-MFU after warm-up steps, and where a step's
 //!    time goes (forward, backward, optimizer), with the fused LM head + loss timed on its own.
 //! 3. The same model in PyTorch (`ops/bench/olmoe_torch.py`: Hugging Face OlmoeForCausalLM,
-//!    AdamW, clipping 1.0, same threads and batch), and the ratio. Skipped with a message when
-//!    torch or transformers is missing (`ops/setup.sh interop` installs them; LAZARUS_PYTHON
-//!    picks another interpreter).
+//!    AdamW, clipping 1.0, same threads and batch), interleaved with ours: LAZARUS_BENCH_PAIRS
+//!    (default 3) pairs of a Lazarus run then a PyTorch run, each pair's tokens/s ratio, and
+//!    the median of the paired ratios with its spread (the machine drifts; a pair sees the
+//!    same drift). Skipped with a message when torch or transformers is missing
+//!    (`ops/setup.sh interop` installs them; LAZARUS_PYTHON picks another interpreter).
+//! 4. A profile of one step by phase and op, from the Chrome trace `trainer train --trace`
+//!    writes (kept under target/bench-traces to open in Perfetto): one process, then two
+//!    ranks under mpiexec with the experts split over them (the exchange and the MPI waits).
 //!
 //! Run: cargo bench -p lazarus-tests --bench trainer
 
+use std::path::Path;
 use std::process::Command;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
-use lazarus_tests::shared_data;
+use lazarus_tests::{bin, shared_data};
 use lazarus_trainer::config::Config;
 use lazarus_trainer::data::{self, Dataset, Sampler};
 use lazarus_trainer::loss::LinearCrossEntropy;
@@ -135,17 +141,109 @@ fn run_torch(
         .map_err(|error| format!("unreadable output: {error}"))
 }
 
-fn print_torch(label: &str, figures: &serde_json::Value) -> f64 {
-    let theirs = figures["tokens_per_second"].as_f64().unwrap_or(f64::NAN);
+fn torch_line(figures: &serde_json::Value) -> String {
     let ms = |key: &str| figures[key].as_f64().unwrap_or(f64::NAN);
-    println!(
-        "  {label}: tokens/s {theirs:.0}; step {:.0} ms = forward {:.0} + backward {:.0} + optimizer {:.0}",
+    format!(
+        "{:.0} tok/s, step {:.0} ms = fwd {:.0} + bwd {:.0} + opt {:.0}",
+        figures["tokens_per_second"].as_f64().unwrap_or(f64::NAN),
         ms("step_ms"),
         ms("forward_ms"),
         ms("backward_ms"),
         ms("optimizer_ms"),
-    );
-    theirs
+    )
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    let n = sorted.len();
+    if n == 0 {
+        return f64::NAN;
+    }
+    if n % 2 == 1 {
+        sorted[n / 2]
+    } else {
+        (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+    }
+}
+
+/// The median with its spread: the range, and the median absolute deviation.
+fn spread(values: &[f64]) -> String {
+    let m = median(values);
+    let deviations: Vec<f64> = values.iter().map(|v| (v - m).abs()).collect();
+    let (low, high) = values
+        .iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| {
+            (l.min(*v), h.max(*v))
+        });
+    format!(
+        "{m:.2}x (range {low:.2}-{high:.2}, median absolute deviation {:.2}, {} pairs)",
+        median(&deviations),
+        values.len()
+    )
+}
+
+/// Traces `steps` steps of the preset with the trainer binary (`ranks` ranks under mpiexec
+/// when more than one, with expert parallel over them) and prints rank 0's last traced step.
+fn traced_profile(preset: &str, threads: usize, ranks: usize, data: &Path, out: &Path) {
+    let trace = out.join(format!("trace-{preset}-{ranks}rank.json"));
+    let metrics = tempfile::tempdir().expect("tempdir");
+    let mut command = if ranks > 1 {
+        let mut command = Command::new("mpiexec");
+        command.args(["-n", &ranks.to_string()]).arg(bin("trainer"));
+        command
+    } else {
+        Command::new(bin("trainer"))
+    };
+    command
+        .args(["train", "--config", preset, "--trace"])
+        .arg(&trace)
+        .args(["--trace-steps", "3", "--metrics-dir"])
+        .arg(metrics.path())
+        .args(["--set", &format!("data.path={}", data.display())])
+        .args([
+            "--set",
+            "train.steps=3",
+            "--set",
+            "checkpoint.every=1000000",
+        ])
+        .args([
+            "--set",
+            &format!(
+                "checkpoint.store=file://{}",
+                metrics.path().join("store").display()
+            ),
+        ])
+        .args(["--set", &format!("train.threads={threads}")])
+        .args(["--set", &format!("parallel.ep={ranks}")])
+        .args(["--set", "run.id=bench-trace"]);
+    match command.output() {
+        Ok(output) if output.status.success() => {}
+        Ok(output) => {
+            println!(
+                "  trace with {ranks} rank(s) failed: {}",
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+            return;
+        }
+        Err(error) => {
+            println!("  trace with {ranks} rank(s) not run: {error}");
+            return;
+        }
+    }
+    let file = lazarus_trainer::trace::file_for(&trace, 0, ranks);
+    match lazarus_trainer::trace::profile(&file, None) {
+        Ok(profile) => {
+            println!(
+                "  rank 0 of {ranks}, {threads} thread(s) each; the trace: {}",
+                file.display()
+            );
+            for line in profile.to_string().lines() {
+                println!("  {line}");
+            }
+        }
+        Err(error) => println!("  {error:#}"),
+    }
 }
 
 fn main() {
@@ -155,6 +253,7 @@ fn main() {
         .expect("threads");
     let warmup: usize = env_or("LAZARUS_BENCH_WARMUP", "2").parse().expect("warmup");
     let steps: usize = env_or("LAZARUS_BENCH_STEPS", "5").parse().expect("steps");
+    let pairs: usize = env_or("LAZARUS_BENCH_PAIRS", "3").parse().expect("pairs");
     rayon::ThreadPoolBuilder::new()
         .num_threads(threads)
         .build_global()
@@ -173,50 +272,73 @@ fn main() {
     .expect("prepare tinyshakespeare");
     let dataset = Dataset::open(&data_dir).expect("dataset");
     let config = Config::load(&preset, &[]).expect("preset");
-
-    // PyTorch runs before and after ours (the machine drifts); the ratio is against the mean.
     let model_json = dir.path().join("model.json");
     std::fs::write(
         &model_json,
         serde_json::to_vec(&config.model).expect("json"),
     )
     .expect("write");
-    let torch_before = run_torch(&config, &model_json, threads, warmup, steps);
 
-    println!("trainer benchmark: preset {preset}, {threads} threads, fp32, {warmup} warm-up + {steps} measured steps");
+    println!("trainer benchmark: preset {preset}, {threads} threads, fp32, {warmup} warm-up + {steps} measured steps per run, {pairs} interleaved pairs (Lazarus, then PyTorch)");
     let peak = bench_peak(2048).expect("peak");
     println!("  f32 matmul peak (2048^3): {peak:.1} GFLOP/s");
-    let [forward, backward, optimizer, tokens_per_second] =
-        time_training(&config, &dataset, warmup, steps);
-    let loss_ms = time_loss(&config, 3);
-    let flops = training_flops_per_token(&config.model) * tokens_per_second;
-    let step_ms = forward + backward + optimizer;
-    println!("lazarus (candle):");
+    let flops_per_token = training_flops_per_token(&config.model);
+    let mut ours = Vec::new();
+    let mut ratios = Vec::new();
+    let mut torch_skipped = None;
+    for pair in 1..=pairs {
+        let [forward, backward, optimizer, tokens_per_second] =
+            time_training(&config, &dataset, warmup, steps);
+        ours.push(tokens_per_second);
+        let mfu = 100.0 * flops_per_token * tokens_per_second / (peak * 1e9);
+        let mine = format!(
+            "{tokens_per_second:.0} tok/s (MFU {mfu:.1}%), step {:.0} ms = fwd {forward:.0} + bwd {backward:.0} + opt {optimizer:.0}",
+            forward + backward + optimizer
+        );
+        if torch_skipped.is_some() {
+            println!("  pair {pair}: lazarus {mine}");
+            continue;
+        }
+        match run_torch(&config, &model_json, threads, warmup, steps) {
+            Ok(theirs) => {
+                let ratio =
+                    tokens_per_second / theirs["tokens_per_second"].as_f64().unwrap_or(f64::NAN);
+                ratios.push(ratio);
+                println!(
+                    "  pair {pair}: lazarus {mine}\n          pytorch {} -> ratio {ratio:.2}x",
+                    torch_line(&theirs)
+                );
+            }
+            Err(why) => {
+                println!("  pair {pair}: lazarus {mine}; pytorch skipped ({why})");
+                torch_skipped = Some(why);
+            }
+        }
+    }
+    let tokens_per_second = median(&ours);
+    let flops = flops_per_token * tokens_per_second;
+    println!("lazarus (candle), median of {pairs} runs:");
     println!(
-        "  tokens/s {tokens_per_second:.0}, model {:.1} GFLOP/s, CPU-MFU {:.1}%",
+        "  tokens/s {tokens_per_second:.0}, model {:.1} GFLOP/s, CPU-MFU {:.1}% of the measured peak",
         flops / 1e9,
         100.0 * flops / (peak * 1e9)
     );
-    println!("  step {step_ms:.0} ms = forward {forward:.0} + backward {backward:.0} + optimizer {optimizer:.0}");
-    println!("  of which the fused LM head + loss (forward computes its gradients): {loss_ms:.0} ms ({:.0}% of the step)", 100.0 * loss_ms / step_ms);
-
-    match torch_before {
-        Err(why) => println!("pytorch: skipped ({why})"),
-        Ok(before) => {
-            println!(
-                "pytorch ({}), run before and after ours:",
-                before["implementation"].as_str().unwrap_or("?")
-            );
-            let mut runs = vec![print_torch("before", &before)];
-            match run_torch(&config, &model_json, threads, warmup, steps) {
-                Ok(after) => runs.push(print_torch("after", &after)),
-                Err(why) => println!("  after: failed ({why})"),
-            }
-            let theirs = runs.iter().sum::<f64>() / runs.len() as f64;
-            println!(
-                "ratio lazarus/pytorch tokens/s: {:.2}x",
-                tokens_per_second / theirs
-            );
-        }
+    let loss_ms = time_loss(&config, 3);
+    println!("  the fused LM head + loss alone (forward computes its gradients): {loss_ms:.0} ms");
+    match torch_skipped {
+        Some(why) => println!("pytorch: skipped ({why}); `ops/setup.sh interop` installs it"),
+        None => println!(
+            "ratio lazarus/pytorch tokens/s, median of paired ratios: {}",
+            spread(&ratios)
+        ),
+    }
+    // Where a step's time goes, from the trace the trainer writes (`train --trace`).
+    let out = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/bench-traces");
+    std::fs::create_dir_all(&out).expect("trace folder");
+    println!("profile of one {preset} step by phase and op (train --trace; self = outside the spans inside it):");
+    traced_profile(&preset, threads, 1, &data_dir, &out);
+    if Command::new("mpiexec").arg("--version").output().is_ok() {
+        println!("over MPI, the experts split over two ranks (the exchange and the waits):");
+        traced_profile(&preset, 1, 2, &data_dir, &out);
     }
 }
