@@ -20,3 +20,21 @@ pub(crate) fn cpu<'a>(op: &str, storage: &'a Storage) -> Result<&'a CpuStorage> 
         ))),
     }
 }
+
+/// Calls `use_values` with `tensor`'s f32 elements in row-major order, read in place when
+/// the tensor is a contiguous f32 CPU tensor, else from a copy.
+pub(crate) fn with_f32_values<R>(
+    tensor: &candle_core::Tensor,
+    use_values: impl FnOnce(&[f32]) -> R,
+) -> Result<R> {
+    {
+        let (storage, layout) = tensor.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(values)), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+        {
+            return Ok(use_values(&values[start..end]));
+        }
+    }
+    let values = tensor.flatten_all()?.to_vec1::<f32>()?;
+    Ok(use_values(&values))
+}

@@ -8,6 +8,7 @@
 //!
 //! Launched without MPI, the world is a single rank and every collective is the identity.
 
+use std::borrow::Cow;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use mpi::datatype::{Partition, PartitionMut};
@@ -373,13 +374,18 @@ impl World {
 
     /// Reduce-scatter in a fixed order: `data` is this rank's full vector, split at `bounds`
     /// (one more than the group's size); returns the sum over the group's ranks of this rank's
-    /// piece, each element added in rank order.
-    pub fn reduce_scatter(&self, group: Group, data: &[f32], bounds: &[usize]) -> Vec<f32> {
+    /// piece, each element added in rank order. A group of one borrows its piece of `data`.
+    pub fn reduce_scatter<'a>(
+        &self,
+        group: Group,
+        data: &'a [f32],
+        bounds: &[usize],
+    ) -> Cow<'a, [f32]> {
         let _span = tracing::info_span!("reduce_scatter", floats = data.len()).entered();
         let (me, size) = self.position(group);
         assert_eq!(bounds.len(), size + 1, "one bound per rank and the end");
         let Some(comm) = self.comm(group) else {
-            return data[bounds[0]..bounds[1]].to_vec();
+            return Cow::Borrowed(&data[bounds[0]..bounds[1]]);
         };
         let mine = bounds[me + 1] - bounds[me];
         let send_counts: Vec<Count> = bounds.windows(2).map(|w| count(w[1] - w[0])).collect();
@@ -402,11 +408,17 @@ impl World {
                 *total += value;
             }
         }
-        sum
+        Cow::Owned(sum)
     }
 
-    /// All-gather of pieces split at `bounds`: every rank gets the whole vector.
-    pub fn all_gather(&self, group: Group, piece: &[f32], bounds: &[usize]) -> Vec<f32> {
+    /// All-gather of pieces split at `bounds`: every rank gets the whole vector. A group of
+    /// one borrows its piece, which is the whole.
+    pub fn all_gather<'a>(
+        &self,
+        group: Group,
+        piece: &'a [f32],
+        bounds: &[usize],
+    ) -> Cow<'a, [f32]> {
         let _span = tracing::info_span!("all_gather", floats = piece.len()).entered();
         let (me, size) = self.position(group);
         assert_eq!(bounds.len(), size + 1, "one bound per rank and the end");
@@ -416,7 +428,7 @@ impl World {
             "this rank's piece"
         );
         let Some(comm) = self.comm(group) else {
-            return piece.to_vec();
+            return Cow::Borrowed(piece);
         };
         let counts: Vec<Count> = bounds.windows(2).map(|w| count(w[1] - w[0])).collect();
         let displs: Vec<Count> = bounds.iter().take(size).map(|b| count(*b)).collect();
@@ -429,7 +441,7 @@ impl World {
                 })
             });
         }
-        out
+        Cow::Owned(out)
     }
 
     /// Variable all-to-all of f32 within a group: `send` holds the parts for rank 0, 1, ...
@@ -737,8 +749,8 @@ mod tests {
     fn a_single_world_makes_every_collective_the_identity() {
         let world = World::single();
         let data = [1.0f32, 2.0, 3.0];
-        assert_eq!(world.reduce_scatter(Group::World, &data, &[0, 3]), data);
-        assert_eq!(world.all_gather(Group::World, &data, &[0, 3]), data);
+        assert_eq!(*world.reduce_scatter(Group::World, &data, &[0, 3]), data);
+        assert_eq!(*world.all_gather(Group::World, &data, &[0, 3]), data);
         assert_eq!(world.sum_f64(Group::World, &[1.5, 2.5]), [1.5, 2.5]);
         assert_eq!(world.position(Group::ExpertData), (0, 1));
         assert_eq!(even_bounds(10, 3), [0, 3, 6, 10]);

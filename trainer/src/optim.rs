@@ -294,18 +294,24 @@ impl AdamW {
             self.grads.clear();
         }
         for placement in &self.placements {
-            let grad = match grads.get(parameters[placement.index].1) {
-                Some(grad) => grad.flatten_all()?.to_vec1::<f32>()?,
-                None => vec![0.0; placement.len],
-            };
-            if first {
-                self.grads.extend(grad);
-            } else {
-                let sum = &mut self.grads[placement.offset..placement.offset + placement.len];
-                for (total, g) in sum.iter_mut().zip(grad) {
-                    *total += g;
+            let Some(grad) = grads.get(parameters[placement.index].1) else {
+                if first {
+                    self.grads.resize(self.grads.len() + placement.len, 0.0);
                 }
-            }
+                continue;
+            };
+            // Straight from the gradient's storage: no copy of it on the way.
+            let grads = &mut self.grads;
+            crate::custom_op::with_f32_values(grad, |grad| {
+                if first {
+                    grads.extend_from_slice(grad);
+                } else {
+                    let sum = &mut grads[placement.offset..placement.offset + placement.len];
+                    for (total, g) in sum.iter_mut().zip(grad) {
+                        *total += g;
+                    }
+                }
+            })?;
         }
         self.accumulated += 1;
         Ok(())
@@ -329,7 +335,8 @@ impl AdamW {
         assert!(self.accumulated > 0, "an update without a gradient");
         self.accumulated = 0;
         let flat = std::mem::take(&mut self.grads);
-        let shard_grads: Vec<Vec<f32>> = self
+        // A group of one borrows its part of the accumulated gradient.
+        let shard_grads: Vec<std::borrow::Cow<'_, [f32]>> = self
             .shards
             .iter()
             .map(|s| {
@@ -445,6 +452,7 @@ impl AdamW {
         }
         memory.finish_update();
         drop(adam);
+        drop(shard_grads);
         self.memory = memory;
         self.shards = shards;
         self.grads = flat;
@@ -455,24 +463,25 @@ impl AdamW {
         })
     }
 
-    /// Gathers the master weights from every shard and copies them into the model.
+    /// Gathers the master weights from every shard and copies them into the model, each
+    /// shard's parameters from its gathered whole (a one-rank group's own part).
     pub fn write_to(&self, model: &Model) -> Result<()> {
-        let mut flat = vec![0f32; self.len];
+        let parameters = model.parameters();
         for shard in &self.shards {
             let range = shard.bounds[0]..shard.bounds[shard.bounds.len() - 1];
             let relative: Vec<usize> = shard.bounds.iter().map(|b| b - range.start).collect();
             let params = self.part(shard, Part::Params, 0..shard.mine.len());
             let whole = self.world.all_gather(shard.group, params, &relative);
-            flat[range].copy_from_slice(&whole);
-        }
-        let _span = tracing::info_span!("weights_into_model").entered();
-        let parameters = model.parameters();
-        for placement in &self.placements {
-            let values = &flat[placement.offset..placement.offset + placement.len];
-            parameters[placement.index].1.set(
-                &Tensor::from_slice(values, placement.shape.as_slice(), &model.device)?
-                    .to_dtype(model.dtype)?,
-            )?;
+            let _span = tracing::info_span!("weights_into_model").entered();
+            // Every placement lies in one shard's range: dense first, then experts.
+            for placement in self.placements.iter().filter(|p| range.contains(&p.offset)) {
+                let start = placement.offset - range.start;
+                let values = &whole[start..start + placement.len];
+                parameters[placement.index].1.set(
+                    &Tensor::from_slice(values, placement.shape.as_slice(), &model.device)?
+                        .to_dtype(model.dtype)?,
+                )?;
+            }
         }
         Ok(())
     }
