@@ -310,7 +310,7 @@ fn validate_chunks(what: &str, chunks: &[ChunkRef], raw_bytes: u64) -> Result<()
                 ),
             ));
         }
-        if (chunk.codec == Codec::XorShuffle4Zstd) == chunk.bases.is_empty() {
+        if chunk.codec.is_delta() == chunk.bases.is_empty() {
             return Err(invalid(
                 what,
                 format!(

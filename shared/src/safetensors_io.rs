@@ -6,7 +6,7 @@
 //! tensor's bytes in offset order.
 
 use bytes::Bytes;
-use safetensors::tensor::{Metadata, SafeTensors, TensorView};
+use safetensors::tensor::{Metadata, TensorView};
 
 use crate::format::DType;
 use crate::store::TensorData;
@@ -29,13 +29,40 @@ pub enum SafetensorsError {
     BadFileName(String),
 }
 
-/// One parsed file: its header bytes and its tensors (slices of the file's buffer).
+/// One file's layout: its header bytes, kept to rebuild the file, and where each tensor's bytes
+/// lie in it.
 #[derive(Debug)]
-pub struct ImportedFile {
+pub struct FileLayout {
     pub file_name: String,
     pub header: Bytes,
-    pub tensors: Vec<TensorData>,
+    pub tensors: Vec<TensorPlace>,
 }
+
+/// A tensor of a file and the byte range of the file that holds it.
+#[derive(Debug)]
+pub struct TensorPlace {
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub offset: u64,
+    pub len: u64,
+}
+
+impl TensorPlace {
+    /// The tensor, whole, with its bytes taken from `file` (the whole file's bytes).
+    pub fn from_bytes(&self, file: &Bytes) -> TensorData {
+        let range = self.offset as usize..(self.offset + self.len) as usize;
+        TensorData::whole(
+            self.name.clone(),
+            self.dtype,
+            self.shape.clone(),
+            file.slice(range),
+        )
+    }
+}
+
+/// The most header bytes a file may declare (the `safetensors` crate's own limit).
+const HEADER_BYTES_MAX: u64 = 100_000_000;
 
 pub fn check_file_name(name: &str) -> Result<(), SafetensorsError> {
     let valid = !name.is_empty()
@@ -73,36 +100,81 @@ fn from_dtype(dtype: DType) -> safetensors::Dtype {
         .expect("every Lazarus dtype is a safetensors dtype")
 }
 
-/// Parses a whole file held in `data`, validating it as Python's `safetensors` would.
-pub fn parse_file(file_name: &str, data: Bytes) -> Result<ImportedFile, SafetensorsError> {
+/// The header's length from a file's first 8 bytes, checked against the file's length.
+pub fn header_len(file_name: &str, prefix: &[u8], file_len: u64) -> Result<u64, SafetensorsError> {
+    let malformed = |reason: String| SafetensorsError::Malformed {
+        file: file_name.to_string(),
+        reason,
+    };
+    let Some(len) = prefix.get(..8) else {
+        return Err(malformed(format!(
+            "{file_len} bytes, shorter than the 8-byte header length"
+        )));
+    };
+    let len = u64::from_le_bytes(len.try_into().expect("8 bytes"));
+    if len > HEADER_BYTES_MAX || len > file_len.saturating_sub(8) {
+        return Err(malformed(format!(
+            "the header claims {len} bytes of a {file_len}-byte file"
+        )));
+    }
+    Ok(len)
+}
+
+/// Checks a file's header as Python's `safetensors` does (JSON, known dtypes, offsets that tile
+/// the data with each tensor's exact size, data that ends where the file ends) and says where
+/// each tensor's bytes lie, reading none of them. `header` is the JSON after the 8-byte
+/// length, `file_len` the whole file's length.
+pub fn parse_layout(
+    file_name: &str,
+    header: Bytes,
+    file_len: u64,
+) -> Result<FileLayout, SafetensorsError> {
     check_file_name(file_name)?;
     let malformed = |reason: String| SafetensorsError::Malformed {
         file: file_name.to_string(),
         reason,
     };
-    let parsed = SafeTensors::deserialize(&data).map_err(|e| malformed(e.to_string()))?;
-    let (header_len, metadata) =
-        SafeTensors::read_metadata(&data).map_err(|e| malformed(e.to_string()))?;
-    let data_start = 8 + header_len;
+    // Deserialising checks the offsets and sizes (the crate's `Metadata::validate`).
+    let metadata: Metadata =
+        serde_json::from_slice(&header).map_err(|e| malformed(e.to_string()))?;
+    let data_start = 8 + header.len() as u64;
     let infos = metadata.tensors();
+    let mut data_end = 0;
     let mut tensors = Vec::new();
     for name in metadata.offset_keys() {
         let info = infos[&name];
-        parsed.tensor(&name).map_err(|e| malformed(e.to_string()))?;
         let dtype = to_dtype(file_name, &name, info.dtype)?;
         let (begin, end) = info.data_offsets;
-        tensors.push(TensorData::whole(
+        data_end = data_end.max(end as u64);
+        tensors.push(TensorPlace {
             name,
             dtype,
-            info.shape.iter().map(|d| *d as u64).collect(),
-            data.slice(data_start + begin..data_start + end),
-        ));
+            shape: info.shape.iter().map(|d| *d as u64).collect(),
+            offset: data_start + begin as u64,
+            len: (end - begin) as u64,
+        });
     }
-    Ok(ImportedFile {
+    if data_start + data_end != file_len {
+        return Err(malformed(format!(
+            "the header describes {data_end} bytes of tensor data, the file holds {}",
+            file_len.saturating_sub(data_start)
+        )));
+    }
+    Ok(FileLayout {
         file_name: file_name.to_string(),
-        header: data.slice(8..data_start),
+        header,
         tensors,
     })
+}
+
+/// [`parse_layout`] of a whole file held in `data`.
+pub fn parse_file(file_name: &str, data: &Bytes) -> Result<FileLayout, SafetensorsError> {
+    let len = header_len(file_name, data, data.len() as u64)?;
+    parse_layout(
+        file_name,
+        data.slice(8..8 + len as usize),
+        data.len() as u64,
+    )
 }
 
 /// The tensors a stored header describes, in file (offset) order: name, dtype, shape.
@@ -171,26 +243,35 @@ mod tests {
             ("a".into(), DType::F32, vec![2, 3], a.clone()),
         ])
         .unwrap();
-        let parsed = parse_file("m.safetensors", Bytes::from(file.clone())).unwrap();
+        let file = Bytes::from(file);
+        let parsed = parse_file("m.safetensors", &file).unwrap();
         let layout = header_layout("m.safetensors", &parsed.header).unwrap();
         let mut rebuilt = length_prefix(&parsed.header).to_vec();
         rebuilt.extend_from_slice(&parsed.header);
         for (name, _, _) in &layout {
-            let tensor = parsed.tensors.iter().find(|t| &t.name == name).unwrap();
-            rebuilt.extend_from_slice(&tensor.data);
+            let place = parsed.tensors.iter().find(|t| &t.name == name).unwrap();
+            rebuilt.extend_from_slice(&place.from_bytes(&file).data);
         }
         assert_eq!(rebuilt, file);
     }
 
     #[test]
     fn malformed_files_and_names_are_refused() {
-        assert!(parse_file("x.safetensors", Bytes::from_static(b"\x05\0\0\0\0\0\0\0{}")).is_err());
-        assert!(parse_file(
-            "x.safetensors",
-            Bytes::from_static(b"\xff\xff\xff\xff\0\0\0\0{}")
-        )
-        .is_err());
-        assert!(parse_file("x.safetensors", Bytes::new()).is_err());
+        let parse = |bytes: &'static [u8]| parse_file("x.safetensors", &Bytes::from_static(bytes));
+        assert!(parse(b"\x05\0\0\0\0\0\0\0{}").is_err());
+        assert!(parse(b"\xff\xff\xff\xff\0\0\0\0{}").is_err());
+        assert!(parse(b"").is_err());
+        // A header whose tensor data the file does not hold, or holds more of.
+        let header = br#"{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}"#;
+        let mut file = (header.len() as u64).to_le_bytes().to_vec();
+        file.extend_from_slice(header);
+        file.extend_from_slice(&[0; 8]);
+        assert!(parse_file("x.safetensors", &Bytes::from(file.clone())).is_ok());
+        for bad_len in [file.len() - 1, file.len() + 1] {
+            let mut bad = file.clone();
+            bad.resize(bad_len, 0);
+            assert!(parse_file("x.safetensors", &Bytes::from(bad)).is_err());
+        }
         for bad in ["../x", "a/b", ".x", ""] {
             assert!(check_file_name(bad).is_err(), "{bad}");
         }

@@ -2,142 +2,149 @@
 //!
 //! 1. Throughput of `ckptctl import`, `export` and `verify --read-data` on about
 //!    LAZARUS_BENCH_MB (default 500) MB of f32 tensors, next to `cp` of the same file (page
-//!    cache only, and followed by fsync, which is what a durable import has to pay).
+//!    cache only, and followed by fsync, which is what a durable import has to pay), in
+//!    LAZARUS_BENCH_ROUNDS (default 5) rounds of all five: each ratio is the median of the
+//!    rounds' ratios, with its spread, since this machine's speed drifts from one second to
+//!    the next.
 //! 2. Stored/raw ratio of each codec on real training state (weights and Adam moments of
 //!    the toy model trained on tinyshakespeare), and with the previous step as a delta base.
 //!
 //! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench store
 
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 use std::time::Instant;
 
 use lazarus_shared::codec::{self, Codec, DeltaBase};
 use lazarus_shared::ChunkHash;
+use lazarus_tests::stats::{median, spread};
 use lazarus_tests::toy::Toy;
 use lazarus_tests::{bin, random_f32_bytes, shared_data, write_safetensors};
 
-fn timed(label: &str, run: impl FnOnce()) -> f64 {
+fn timed(run: impl FnOnce()) -> f64 {
     let started = Instant::now();
     run();
-    let seconds = started.elapsed().as_secs_f64();
-    eprintln!("  {label}: {seconds:.2}s");
-    seconds
+    started.elapsed().as_secs_f64()
 }
 
-fn ckptctl(dir: &Path, args: &[&str]) {
-    let store = format!("file://{}", dir.join("store").display());
+fn ckptctl(store: &Path, args: &[&str]) {
     let status = Command::new(bin("ckptctl"))
         .arg("--store")
-        .arg(&store)
+        .arg(format!("file://{}", store.join("store").display()))
         .arg("--index")
-        .arg(dir.join("index"))
+        .arg(store.join("index"))
         .args(args)
+        .stdout(Stdio::null())
         .status()
         .expect("ckptctl runs");
     assert!(status.success(), "ckptctl {args:?} failed");
 }
 
+fn cp(from: &Path, to: &Path, fsync: bool) {
+    assert!(Command::new("cp")
+        .arg(from)
+        .arg(to)
+        .status()
+        .expect("cp")
+        .success());
+    if fsync {
+        std::fs::File::open(to)
+            .and_then(|f| f.sync_all())
+            .expect("fsync");
+    }
+    std::fs::remove_file(to).expect("rm");
+}
+
+/// The seconds of one round's operations, in [`OPERATIONS`] order.
+const OPERATIONS: [&str; 5] = [
+    "cp",
+    "cp + fsync",
+    "import (durable)",
+    "export",
+    "verify --read-data",
+];
+
+/// One round: the two baselines, then an import into a new store, its export and its audit.
+fn round(dir: &Path, input: &Path, number: usize) -> [f64; 5] {
+    let copy = dir.join("copy");
+    let cp_plain = timed(|| cp(input, &copy, false));
+    let cp_sync = timed(|| cp(input, &copy, true));
+    let store = dir.join(format!("round-{number}"));
+    let input = input.to_str().expect("utf-8 path");
+    let import = timed(|| ckptctl(&store, &["import", "bench", "--step", "1", input]));
+    let out = store.join("export");
+    let out_arg = out.to_str().expect("utf-8 path");
+    let export = timed(|| ckptctl(&store, &["export", "bench", "1", "--out", out_arg]));
+    assert_eq!(
+        std::fs::read(out.join("model.safetensors")).expect("exported"),
+        std::fs::read(input).expect("input"),
+        "export must be byte-identical"
+    );
+    let verify = timed(|| ckptctl(&store, &["verify", "bench", "1", "--read-data"]));
+    std::fs::remove_dir_all(&store).expect("remove the round's store");
+    [cp_plain, cp_sync, import, export, verify]
+}
+
 fn throughput() {
-    let megabytes: usize = std::env::var("LAZARUS_BENCH_MB")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(500);
+    let env = |name: &str, default: usize| {
+        std::env::var(name)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    };
+    let megabytes = env("LAZARUS_BENCH_MB", 500);
+    let rounds = env("LAZARUS_BENCH_ROUNDS", 5).max(1);
     let dir = tempfile::tempdir().expect("temp dir");
     let input = dir.path().join("model.safetensors");
     let per_tensor = megabytes * (1 << 20) / 4 / 4;
-    let names = [
-        "layer0.weight",
-        "layer1.weight",
-        "layer2.weight",
-        "layer3.weight",
-    ];
-    let tensors: Vec<(&str, Vec<u64>, Vec<u8>)> = names
-        .iter()
-        .zip(1..)
-        .map(|(name, seed)| {
+    let tensors: Vec<(String, Vec<u64>, Vec<u8>)> = (0..4)
+        .map(|layer| {
             (
-                *name,
+                format!("layer{layer}.weight"),
                 vec![per_tensor as u64],
-                random_f32_bytes(per_tensor, seed),
+                random_f32_bytes(per_tensor, layer + 1),
             )
         })
         .collect();
+    let tensors: Vec<(&str, Vec<u64>, Vec<u8>)> = tensors
+        .iter()
+        .map(|(name, shape, data)| (name.as_str(), shape.clone(), data.clone()))
+        .collect();
     write_safetensors(&input, &tensors);
     drop(tensors);
-    let bytes = std::fs::metadata(&input).expect("input").len() as f64;
-    let mb = bytes / 1e6;
-    println!("throughput on {mb:.0} MB of f32 tensors (4 tensors, 4 MiB chunks, 2 cores):");
-    let copy = dir.path().join("copy");
-    let cp = timed("cp", || {
-        assert!(Command::new("cp")
-            .arg(&input)
-            .arg(&copy)
-            .status()
-            .expect("cp")
-            .success())
-    });
-    std::fs::remove_file(&copy).expect("rm");
-    let cp_sync = timed("cp + fsync", || {
-        assert!(Command::new("cp")
-            .arg(&input)
-            .arg(&copy)
-            .status()
-            .expect("cp")
-            .success());
-        std::fs::File::open(&copy)
-            .and_then(|f| f.sync_all())
-            .expect("fsync");
-    });
-    let import = timed("import", || {
-        ckptctl(
-            dir.path(),
-            &[
-                "import",
-                "bench",
-                "--step",
-                "1",
-                input.to_str().expect("utf-8 path"),
-            ],
-        )
-    });
-    let out = dir.path().join("export");
-    let export = timed("export", || {
-        ckptctl(
-            dir.path(),
-            &[
-                "export",
-                "bench",
-                "1",
-                "--out",
-                out.to_str().expect("utf-8 path"),
-            ],
-        )
-    });
-    assert_eq!(
-        std::fs::read(out.join("model.safetensors")).expect("exported"),
-        std::fs::read(&input).expect("input"),
-        "export must be byte-identical"
-    );
-    let verify = timed("verify", || {
-        ckptctl(dir.path(), &["verify", "bench", "1", "--read-data"])
-    });
+    let mb = std::fs::metadata(&input).expect("input").len() as f64 / 1e6;
     println!(
-        "{:<24} {:>8} {:>10} {:>14} {:>10}",
-        "operation", "seconds", "MB/s", "vs cp+fsync", "vs cp"
+        "throughput on {mb:.0} MB of f32 tensors (4 tensors, 4 MiB chunks, 2 cores), {rounds} rounds of: cp, cp + fsync, import into a new store, export, verify --read-data"
     );
-    for (name, seconds) in [
-        ("cp", cp),
-        ("cp + fsync", cp_sync),
-        ("import (durable)", import),
-        ("export", export),
-        ("verify --read-data", verify),
-    ] {
+    let mut seconds: Vec<[f64; 5]> = Vec::new();
+    for number in 1..=rounds {
+        let figures = round(dir.path(), &input, number);
+        let line: Vec<String> = OPERATIONS
+            .iter()
+            .zip(figures)
+            .map(|(name, s)| format!("{name} {s:.2}s"))
+            .collect();
+        println!("  round {number}: {}", line.join(", "));
+        seconds.push(figures);
+    }
+    println!(
+        "{:<20} {:>8} {:>8}  {:<62} {}",
+        "operation", "median s", "MB/s", "vs cp + fsync, median of the rounds' ratios", "vs cp"
+    );
+    for (index, name) in OPERATIONS.iter().enumerate() {
+        let column: Vec<f64> = seconds.iter().map(|round| round[index]).collect();
+        let against = |baseline: usize| -> Vec<f64> {
+            seconds
+                .iter()
+                .map(|round| round[baseline] / round[index])
+                .collect()
+        };
         println!(
-            "{name:<24} {seconds:>8.2} {:>10.0} {:>13.2}x {:>9.2}x",
-            mb / seconds,
-            cp_sync / seconds,
-            cp / seconds
+            "{name:<20} {:>8.2} {:>8.0}  {:<62} {}",
+            median(&column),
+            mb / median(&column),
+            spread(&against(1), "rounds"),
+            spread(&against(0), "rounds"),
         );
     }
 }

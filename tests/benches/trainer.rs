@@ -21,6 +21,7 @@ use std::process::Command;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
+use lazarus_tests::stats::{median, spread};
 use lazarus_tests::{bin, shared_data};
 use lazarus_trainer::config::Config;
 use lazarus_trainer::data::{self, Dataset, Sampler};
@@ -150,36 +151,6 @@ fn torch_line(figures: &serde_json::Value) -> String {
         ms("forward_ms"),
         ms("backward_ms"),
         ms("optimizer_ms"),
-    )
-}
-
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    let n = sorted.len();
-    if n == 0 {
-        return f64::NAN;
-    }
-    if n % 2 == 1 {
-        sorted[n / 2]
-    } else {
-        (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-    }
-}
-
-/// The median with its spread: the range, and the median absolute deviation.
-fn spread(values: &[f64]) -> String {
-    let m = median(values);
-    let deviations: Vec<f64> = values.iter().map(|v| (v - m).abs()).collect();
-    let (low, high) = values
-        .iter()
-        .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), v| {
-            (l.min(*v), h.max(*v))
-        });
-    format!(
-        "{m:.2}x (range {low:.2}-{high:.2}, median absolute deviation {:.2}, {} pairs)",
-        median(&deviations),
-        values.len()
     )
 }
 
@@ -329,7 +300,7 @@ fn main() {
         Some(why) => println!("pytorch: skipped ({why}); `ops/setup.sh interop` installs it"),
         None => println!(
             "ratio lazarus/pytorch tokens/s, median of paired ratios: {}",
-            spread(&ratios)
+            spread(&ratios, "pairs")
         ),
     }
     // Where a step's time goes, from the trace the trainer writes (`train --trace`).

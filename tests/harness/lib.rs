@@ -12,6 +12,7 @@ pub mod relay;
 pub mod runbook;
 pub mod scale;
 pub mod slurm;
+pub mod stats;
 pub mod store_scale;
 pub mod supervision;
 pub mod toy;

@@ -2,6 +2,9 @@
 
 use clap::Parser;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     lazarus_ckptd::ctl::main(lazarus_ckptd::ctl::Cli::parse())
 }

@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
@@ -12,8 +13,8 @@ use lazarus_shared::hf_olmoe;
 use lazarus_shared::progress::{TrainerProgress, WrittenLayout, TRAINER_BLOB};
 use lazarus_shared::safetensors_io::{self, HEADER_BLOB_PREFIX};
 use lazarus_shared::store::{
-    Checkpoint, DeltaBases, GcPolicy, OpenMode, RunStore, ShardInput, StepState, Store, TensorData,
-    VerifyOptions,
+    ByteSource, Checkpoint, DeltaBases, FileSource, GcPolicy, OpenMode, RunStore, SourceRange,
+    SourcedShard, SourcedTensor, StepState, Store, VerifyOptions,
 };
 use lazarus_shared::{RunId, StepKey};
 use serde::Serialize;
@@ -881,7 +882,8 @@ async fn import(
     bars: bool,
 ) -> Result<()> {
     let run_id = run_id(run)?;
-    // Parse every file before touching the store: bad input changes nothing.
+    // Parse every file's header before touching the store: bad input changes nothing. The
+    // tensors' bytes are read chunk by chunk while they are written, on every core.
     let mut tensors = Vec::new();
     let mut blobs = Vec::new();
     let mut names = HashSet::new();
@@ -894,21 +896,33 @@ async fn import(
         if !file_names.insert(file_name.to_string()) {
             bail!(UsageError(format!("two input files are named {file_name}")));
         }
-        let data = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-        let parsed = safetensors_io::parse_file(file_name, Bytes::from(data))?;
-        for tensor in &parsed.tensors {
-            if !names.insert(tensor.name.clone()) {
+        let layout = read_safetensors_layout(path, file_name)?;
+        let source: Arc<dyn ByteSource> = Arc::new(
+            FileSource::open(path).with_context(|| format!("opening {}", path.display()))?,
+        );
+        for place in layout.tensors {
+            if !names.insert(place.name.clone()) {
                 bail!(UsageError(format!(
                     "tensor {:?} appears in more than one input file",
-                    tensor.name
+                    place.name
                 )));
             }
+            let data = SourceRange {
+                source: source.clone(),
+                offset: place.offset,
+                len: place.len,
+            };
+            tensors.push(SourcedTensor::whole(
+                place.name,
+                place.dtype,
+                place.shape,
+                data,
+            ));
         }
         blobs.push((
-            format!("{HEADER_BLOB_PREFIX}{}", parsed.file_name),
-            parsed.header,
+            format!("{HEADER_BLOB_PREFIX}{}", layout.file_name),
+            layout.header,
         ));
-        tensors.extend(parsed.tensors);
     }
     let mut options = cli.store_options();
     options.chunk_bytes = chunk_bytes.unwrap_or(options.chunk_bytes);
@@ -923,7 +937,7 @@ async fn import(
     if handle.load_commit(key).await.is_ok() {
         // Re-running an import that already finished is a no-op, if the content is the same.
         let checkpoint = handle.open_checkpoint(key).await?;
-        if !same_content(&checkpoint, &tensors, &blobs, info.chunk_bytes) {
+        if !same_content(&checkpoint, &tensors, &blobs, info.chunk_bytes)? {
             return Err(lazarus_shared::StoreError::StepAlreadyCommitted {
                 run: run_id,
                 step: key,
@@ -940,14 +954,16 @@ async fn import(
     };
     let started = Instant::now();
     let bar = Bar::bytes("import", bars);
-    let input = ShardInput {
+    let input = SourcedShard {
         step: key,
         rank: 0,
         world_size: 1,
         tensors,
         blobs,
     };
-    let manifest = handle.write_shard(input, bases.as_ref(), &bar).await?;
+    let manifest = handle
+        .write_shard_sourced(input, bases.as_ref(), &bar)
+        .await?;
     let commit = handle.commit(key, 1).await?;
     bar.finish();
     let seconds = started.elapsed().as_secs_f64();
@@ -967,39 +983,75 @@ async fn import(
     Ok(())
 }
 
-/// Whether a committed single-rank step holds exactly these tensors and blobs.
+/// A `.safetensors` file's layout, read from its header alone.
+fn read_safetensors_layout(path: &Path, file_name: &str) -> Result<safetensors_io::FileLayout> {
+    use std::io::Read;
+    let reading = || format!("reading {}", path.display());
+    let mut file = std::fs::File::open(path).with_context(reading)?;
+    let file_len = file.metadata().with_context(reading)?.len();
+    let mut prefix = [0u8; 8];
+    let got = file.read(&mut prefix).with_context(reading)?;
+    let header_len = safetensors_io::header_len(file_name, &prefix[..got], file_len)?;
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header).with_context(reading)?;
+    Ok(safetensors_io::parse_layout(
+        file_name,
+        Bytes::from(header),
+        file_len,
+    )?)
+}
+
+/// Whether a committed single-rank step holds exactly these tensors and blobs (the tensors'
+/// files are read again to tell).
 fn same_content(
     checkpoint: &Checkpoint,
-    tensors: &[TensorData],
+    tensors: &[SourcedTensor],
     blobs: &[(String, Bytes)],
     chunk_bytes: u64,
-) -> bool {
+) -> Result<bool> {
     let Ok(manifest) = checkpoint.manifest(0) else {
-        return false;
+        return Ok(false);
     };
-    let hashes = |data: &Bytes| -> Vec<lazarus_shared::ChunkHash> {
-        data.chunks(chunk_bytes as usize)
-            .map(lazarus_shared::ChunkHash::of)
+    let hashes = |data: &SourceRange| -> Result<Vec<lazarus_shared::ChunkHash>> {
+        (0..data.len)
+            .step_by(chunk_bytes as usize)
+            .map(|offset| {
+                let piece = data
+                    .sub(offset, chunk_bytes.min(data.len - offset))
+                    .read()?;
+                Ok(lazarus_shared::ChunkHash::of(&piece))
+            })
             .collect()
     };
     let stored = |chunks: &[lazarus_shared::format::ChunkRef]| -> Vec<lazarus_shared::ChunkHash> {
         chunks.iter().map(|c| c.hash).collect()
     };
-    checkpoint.manifests.len() == 1
-        && manifest.tensors.len() == tensors.len()
-        && manifest.blobs.len() == blobs.len()
-        && tensors.iter().all(|t| {
-            manifest.tensor(&t.name).is_some_and(|entry| {
-                entry.dtype == t.dtype
-                    && entry.global_shape == t.global_shape
-                    && stored(&entry.chunks) == hashes(&t.data)
-            })
-        })
-        && blobs.iter().all(|(name, data)| {
-            manifest
-                .blob(name)
-                .is_some_and(|entry| stored(&entry.chunks) == hashes(data))
-        })
+    if checkpoint.manifests.len() != 1
+        || manifest.tensors.len() != tensors.len()
+        || manifest.blobs.len() != blobs.len()
+    {
+        return Ok(false);
+    }
+    for t in tensors {
+        let Some(entry) = manifest.tensor(&t.name) else {
+            return Ok(false);
+        };
+        if entry.dtype != t.dtype
+            || entry.global_shape != t.global_shape
+            || stored(&entry.chunks) != hashes(&t.data)?
+        {
+            return Ok(false);
+        }
+    }
+    for (name, data) in blobs {
+        let Some(entry) = manifest.blob(name) else {
+            return Ok(false);
+        };
+        if stored(&entry.chunks) != hashes(&SourceRange::from(data.clone()))? {
+            return Ok(false);
+        }
+    }
+    Ok(true)
 }
 
 /// The latest step's tensors as delta bases, when it was written by a single rank.
@@ -1047,6 +1099,15 @@ impl PartialFile {
 
     fn write(&mut self, bytes: &[u8]) -> std::io::Result<()> {
         self.file.write_all(bytes)
+    }
+
+    /// A handle for positional writes (`write_all_at`) from other threads.
+    fn positional(&self) -> Result<Arc<std::fs::File>> {
+        let file = self
+            .file
+            .try_clone()
+            .with_context(|| format!("opening {} again", self.partial.display()))?;
+        Ok(Arc::new(file))
     }
 
     fn finish(mut self) -> Result<PathBuf> {
@@ -1121,19 +1182,22 @@ async fn export(
         let mut file = PartialFile::create(out.join(file_name))?;
         file.write(&safetensors_io::length_prefix(&header))?;
         file.write(&header)?;
-        for (name, dtype, shape) in &layout {
-            let info = checkpoint.tensor_info(name).ok_or_else(|| {
+        let mut names = Vec::new();
+        for (name, dtype, shape) in layout {
+            let info = checkpoint.tensor_info(&name).ok_or_else(|| {
                 anyhow::anyhow!(
                     "{file_name}: tensor {name:?} is in the file header but not in the checkpoint"
                 )
             })?;
-            if info.dtype != *dtype || &info.global_shape != shape {
+            if info.dtype != dtype || info.global_shape != shape {
                 bail!("{file_name}: tensor {name:?} is {:?} {:?} in the checkpoint but {dtype:?} {shape:?} in the file header", info.dtype, info.global_shape);
             }
-            checkpoint
-                .stream_tensor(name, &mut |bytes| file.write(bytes), &bar)
-                .await?;
+            names.push(name);
         }
+        let data_start = 8 + header.len() as u64;
+        checkpoint
+            .write_tensors_at(&names, &file.positional()?, data_start, &bar)
+            .await?;
         written.push(file.finish()?);
     }
     bar.finish();

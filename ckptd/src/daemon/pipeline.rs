@@ -14,8 +14,9 @@ use lazarus_shared::wire::{self, Message, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{Base, HandOver, RankState, Snap, Upload};
-use super::slots::{chunk_count, copy_file, read_chunk, verify_slot, SlotFile};
+use super::slots::{chunk_count, copy_file, read_chunk, verify_slot};
 use super::{replica, Daemon, SLOT_CHUNK_BYTES};
+use lazarus_shared::store::FileSource;
 
 pub async fn snapshot(
     daemon: &Arc<Daemon>,
@@ -115,7 +116,7 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
 
 /// Reads the slot chunk by chunk, hashing each and streaming it to the buddy (T1).
 async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
-    let file = Arc::new(SlotFile::open(&job.path)?);
+    let file = Arc::new(FileSource::open(&job.path)?);
     let buddy = *daemon.buddy.lock().expect("not poisoned");
     let mut sender = match buddy {
         Some(buddy) => {
@@ -312,11 +313,11 @@ async fn upload_inner(
     let started = Instant::now();
     let timeline = daemon.run.current_timeline().await?;
     let key = StepKey::new(snap.step, timeline);
-    let source: Arc<dyn ByteSource> = Arc::new(SlotFile::open(&path)?);
+    let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&path)?);
     let base_path = dir.join("base");
     let bases = match (base, daemon.cfg.delta) {
         (Some(base), true) if base.chunks.len() == tensors.len() => {
-            let base_source: Arc<dyn ByteSource> = Arc::new(SlotFile::open(&base_path)?);
+            let base_source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&base_path)?);
             DeltaBases::of_regions(&tensors, &base_source, base.chunks)
         }
         _ => None,
@@ -398,7 +399,7 @@ async fn upload_replica_inner(
     verify_slot(&data, meta.slot_bytes, &meta.chunks).await?;
     let started = Instant::now();
     let key = StepKey::new(step, daemon.run.current_timeline().await?);
-    let source: Arc<dyn ByteSource> = Arc::new(SlotFile::open(&data)?);
+    let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&data)?);
     let shard = SourcedShard::from_regions(
         key,
         rank,

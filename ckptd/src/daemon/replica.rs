@@ -18,8 +18,9 @@ use lazarus_shared::{ChunkHash, Rank, RunId};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 
-use super::slots::{chunk_count, read_chunk, reserve, SlotFile};
+use super::slots::{chunk_count, read_chunk, reserve};
 use super::{framing, Daemon, SLOT_CHUNK_BYTES};
+use lazarus_shared::store::FileSource;
 
 /// A replica's description (`meta.json`, written last: its presence means complete).
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -253,7 +254,7 @@ pub async fn send(
         blobs: specs,
     };
     framing::write(&daemon.key, stream, &begin, &payload).await?;
-    let file = Arc::new(SlotFile::open(&dir.join("data"))?);
+    let file = Arc::new(FileSource::open(&dir.join("data"))?);
     for (index, hash) in meta.chunks.iter().enumerate() {
         let data = read_chunk(&file, meta.slot_bytes, index as u64).await?;
         let message = Message::ReplicaData {

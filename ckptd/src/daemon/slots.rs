@@ -1,50 +1,23 @@
 //! Slot files: the shm files that hold a rank's optimizer state (T0 and the snapshots in
-//! flight) and the buddy's replicas of other ranks' (T1). Reading one chunk at a time on a
+//! flight) and the buddy's replicas of other ranks' (T1). Reading one chunk at a time (through
+//! `store::FileSource`) on a
 //! blocking thread, re-hashing against the hashes taken at hand-over, reserving every page
 //! when a file is made, and copying in bounded pieces. The rank state, the snapshot
 //! pipeline, restores and replicas use these; this module knows nothing of them.
 
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Result};
 use bytes::Bytes;
-use lazarus_shared::store::ByteSource;
+use lazarus_shared::store::{ByteSource, FileSource};
 use lazarus_shared::ChunkHash;
 
 use super::SLOT_CHUNK_BYTES;
 
-/// A slot file read piece by piece.
-#[derive(Debug)]
-pub struct SlotFile {
-    file: std::fs::File,
-    path: PathBuf,
-}
-
-impl SlotFile {
-    pub fn open(path: &Path) -> std::io::Result<Self> {
-        Ok(Self {
-            file: std::fs::File::open(path)?,
-            path: path.to_path_buf(),
-        })
-    }
-}
-
-impl ByteSource for SlotFile {
-    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
-        let mut buffer = vec![0u8; len];
-        self.file.read_exact_at(&mut buffer, offset)?;
-        Ok(Bytes::from(buffer))
-    }
-
-    fn describe(&self) -> String {
-        self.path.display().to_string()
-    }
-}
-
 /// Chunk `index` of a slot, read on a blocking thread.
-pub async fn read_chunk(file: &Arc<SlotFile>, slot_bytes: u64, index: u64) -> Result<Bytes> {
+pub async fn read_chunk(file: &Arc<FileSource>, slot_bytes: u64, index: u64) -> Result<Bytes> {
     let offset = index * SLOT_CHUNK_BYTES;
     let len = SLOT_CHUNK_BYTES.min(slot_bytes - offset) as usize;
     let file = file.clone();
@@ -93,7 +66,7 @@ pub async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> 
             hashes.len()
         );
     }
-    let file = Arc::new(SlotFile::open(path)?);
+    let file = Arc::new(FileSource::open(path)?);
     for (index, expected) in hashes.iter().enumerate() {
         let data = read_chunk(&file, slot_bytes, index as u64).await?;
         let found = tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?;

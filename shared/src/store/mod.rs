@@ -50,7 +50,8 @@ pub use reader::{Checkpoint, TensorInfo};
 pub use regions::{row_major_runs, Region, RegionKind, RestoreChoice};
 pub use verify::{Problem, VerifyOptions, VerifyReport};
 pub use writer::{
-    ByteSource, DeltaBases, ShardInput, SourceRange, SourcedShard, SourcedTensor, TensorData,
+    ByteSource, DeltaBases, FileSource, ShardInput, SourceRange, SourcedShard, SourcedTensor,
+    TensorData,
 };
 
 use crate::error::StoreError;
@@ -75,6 +76,9 @@ pub struct StoreOptions {
     pub multipart_part_bytes: usize,
     /// Retries of a failed request (S3; the local filesystem does not retry).
     pub retries: usize,
+    /// 1 by default: on the exponent plane of float tensors, which is where planes4 spends
+    /// its compression time, level 1 runs 1.4 to 1.9x as fast as level 3 and stores 3 to
+    /// 11% less (measured on uniform and normal floats).
     pub zstd_level: i32,
     pub delta_depth_max: u8,
     /// Lifetime of an exclusive lock (gc) before others may break it.
@@ -97,7 +101,7 @@ impl Default for StoreOptions {
             multipart_threshold_bytes: 16 << 20,
             multipart_part_bytes: 8 << 20,
             retries: 4,
-            zstd_level: 3,
+            zstd_level: 1,
             delta_depth_max: 8,
             lock_ttl_ms: 15 * 60 * 1000,
             index_path: None,

@@ -3,6 +3,8 @@
 //! Chunks are fetched in parallel and re-hashed; nothing that fails verification is returned.
 
 use std::collections::HashMap;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
 
 use futures::stream::{self, StreamExt, TryStreamExt};
 use serde::Serialize;
@@ -110,6 +112,30 @@ impl RunStore {
         context: &ChunkContext,
     ) -> Result<Vec<u8>, StoreError> {
         Ok(self.fetch_chain(hash, context).await?.0)
+    }
+
+    /// Downloads one chunk and checks it as [`RunStore::fetch_chunk`] does, keeping none of
+    /// its raw bytes (an audit). Returns its raw length.
+    pub(crate) async fn check_chunk(
+        &self,
+        hash: ChunkHash,
+        context: &ChunkContext,
+    ) -> Result<u64, StoreError> {
+        let bytes = match self.store.get(&layout::chunk(&self.run, &hash)).await {
+            Ok(bytes) => bytes,
+            Err(StoreError::NotFound { .. }) => return Err(self.missing(hash, context)),
+            Err(e) => return Err(e),
+        };
+        let header =
+            codec::ChunkHeader::parse(&bytes).map_err(|e| self.corrupt(hash, context, e))?;
+        if header.base.is_some() {
+            // A delta needs its chain decoded below it.
+            return Ok(self.fetch_chunk(hash, context).await?.len() as u64);
+        }
+        tokio::task::spawn_blocking(move || codec::check(&bytes, hash, None))
+            .await
+            .expect("checking does not panic")
+            .map_err(|e| self.corrupt(hash, context, e))
     }
 
     /// Downloads and verifies one chunk and its delta chain. Returns the raw bytes and every
@@ -433,6 +459,72 @@ impl Checkpoint {
             sink(&raw).map_err(io)?;
         }
         Ok(())
+    }
+
+    /// Writes tensors `names`, whole and back to back in this order, into `file` from
+    /// `offset` with positional writes. Chunks are fetched, verified and written
+    /// `download_concurrency` at a time, each at its own place in the file, so decoding and
+    /// the copy into the file run on every core (an exported file is written this way).
+    /// Returns the offset after the last tensor.
+    pub async fn write_tensors_at(
+        &self,
+        names: &[String],
+        file: &Arc<std::fs::File>,
+        offset: u64,
+        progress: &dyn Progress,
+    ) -> Result<u64, StoreError> {
+        /// One write: a chunk of a tensor one rank holds whole, or a tensor assembled first.
+        enum Piece {
+            Chunk(ChunkRef, ChunkContext),
+            Assembled(String),
+        }
+        let mut pieces = Vec::new();
+        let mut at = offset;
+        for name in names {
+            let info = self
+                .tensor_info(name)
+                .ok_or_else(|| self.no_such(None, name))?;
+            match self.pieces(name).into_iter().find(|(_, p)| p.is_whole()) {
+                Some((rank, entry)) => {
+                    for chunk in &entry.chunks {
+                        let context = ChunkContext {
+                            step: self.step(),
+                            rank,
+                            item: "tensor",
+                            name: name.clone(),
+                        };
+                        pieces.push((at, Piece::Chunk(chunk.clone(), context)));
+                        at += chunk.raw_len;
+                    }
+                }
+                None => {
+                    pieces.push((at, Piece::Assembled(name.clone())));
+                    at += info.global_shape.iter().product::<u64>()
+                        * info.dtype.element_bytes() as u64;
+                }
+            }
+        }
+        stream::iter(pieces)
+            .map(|(at, piece)| async move {
+                let bytes = match piece {
+                    Piece::Chunk(chunk, context) => {
+                        self.run.fetch_ref(chunk, &context, progress).await?
+                    }
+                    Piece::Assembled(name) => self.read_tensor(&name, progress).await?,
+                };
+                let file = file.clone();
+                tokio::task::spawn_blocking(move || file.write_all_at(&bytes, at))
+                    .await
+                    .expect("writing does not panic")
+                    .map_err(|cause| StoreError::Io {
+                        path: format!("output at offset {at}"),
+                        cause,
+                    })
+            })
+            .buffer_unordered(self.run.store.options.download_concurrency.max(1))
+            .try_collect::<()>()
+            .await?;
+        Ok(at)
     }
 
     /// The bytes of tensor `name` exactly as `rank` stored them (its own slice).

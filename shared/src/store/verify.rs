@@ -138,9 +138,7 @@ impl RunStore {
         let results: Vec<(ChunkHash, &ChunkUse, Result<u64, StoreError>)> = stream::iter(selected)
             .map(|(hash, chunk_use)| async move {
                 let outcome = if options.read_data {
-                    self.fetch_chunk(hash, &chunk_use.context)
-                        .await
-                        .map(|raw| raw.len() as u64)
+                    self.check_chunk(hash, &chunk_use.context).await
                 } else {
                     self.check_present(hash, chunk_use).await.map(|()| 0)
                 };

@@ -42,21 +42,25 @@ pub struct TensorData {
 impl TensorData {
     /// A tensor this rank holds whole.
     pub fn whole(name: impl Into<String>, dtype: DType, shape: Vec<u64>, data: Bytes) -> Self {
-        let slice = shape
-            .iter()
-            .map(|len| DimRange {
-                start: 0,
-                len: *len,
-            })
-            .collect();
         Self {
             name: name.into(),
             dtype,
+            slice: whole_slice(&shape),
             global_shape: shape,
-            slice,
             data,
         }
     }
+}
+
+/// The slice of a tensor that is all of it.
+fn whole_slice(shape: &[u64]) -> Vec<DimRange> {
+    shape
+        .iter()
+        .map(|len| DimRange {
+            start: 0,
+            len: *len,
+        })
+        .collect()
 }
 
 /// Where a writer reads raw bytes from: memory, or a file it reads piece by piece (`ckptd`'s
@@ -81,6 +85,36 @@ impl ByteSource for Bytes {
 
     fn describe(&self) -> String {
         "memory".into()
+    }
+}
+
+/// A file read piece by piece (`ckptd`'s slot files, an imported file): every read copies
+/// into a buffer of its own, so a chunk is hashed and encoded from bytes no one else changes.
+#[derive(Debug)]
+pub struct FileSource {
+    file: std::fs::File,
+    path: std::path::PathBuf,
+}
+
+impl FileSource {
+    pub fn open(path: &std::path::Path) -> std::io::Result<Self> {
+        Ok(Self {
+            file: std::fs::File::open(path)?,
+            path: path.to_path_buf(),
+        })
+    }
+}
+
+impl ByteSource for FileSource {
+    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
+        use std::os::unix::fs::FileExt;
+        let mut buffer = vec![0u8; len];
+        self.file.read_exact_at(&mut buffer, offset)?;
+        Ok(Bytes::from(buffer))
+    }
+
+    fn describe(&self) -> String {
+        self.path.display().to_string()
     }
 }
 
@@ -152,6 +186,24 @@ pub struct SourcedTensor {
     pub global_shape: Vec<u64>,
     pub slice: Vec<DimRange>,
     pub data: SourceRange,
+}
+
+impl SourcedTensor {
+    /// A tensor this rank holds whole.
+    pub fn whole(
+        name: impl Into<String>,
+        dtype: DType,
+        shape: Vec<u64>,
+        data: SourceRange,
+    ) -> Self {
+        Self {
+            name: name.into(),
+            dtype,
+            slice: whole_slice(&shape),
+            global_shape: shape,
+            data,
+        }
+    }
 }
 
 impl From<TensorData> for SourcedTensor {
