@@ -184,7 +184,10 @@ fn forward<T: SoftmaxRow>(
             let x_chunk =
                 MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
             let chunk = &mut logits[..count * vocab];
+            let multiplying = tracing::info_span!("logits_matmul").entered();
             matmul(chunk, x_chunk, weight, false);
+            drop(multiplying);
+            let _softmax = tracing::info_span!("softmax").entered();
             let rows = first..first + count;
             match split {
                 None => chunk
@@ -209,14 +212,18 @@ fn forward<T: SoftmaxRow>(
                     gradients,
                 ),
             }
+            drop(_softmax);
             if let Some((grad_x, grad_weight)) = &mut grads {
                 let dlogits = MatRef::row_major(&*chunk, count, vocab);
+                let input_grad = tracing::info_span!("input_gradient_matmul").entered();
                 matmul(
                     &mut grad_x[first * hidden..(first + count) * hidden],
                     dlogits,
                     weight.t(),
                     false,
                 );
+                drop(input_grad);
+                let _weight_grad = tracing::info_span!("weight_gradient_matmul").entered();
                 matmul(grad_weight, dlogits.t(), x_chunk, first > 0);
             }
         }
