@@ -296,29 +296,42 @@ pub struct CodecPolicy {
 
 /// Encodes `raw` with whichever allowed codec stores it smallest: a delta against `base` when
 /// one is given and the chain is not too deep, planes4 for 4-byte elements, plain zstd
-/// otherwise, and raw when compression does not pay.
+/// otherwise, and raw when compression does not pay. For 4-byte elements the delta and the
+/// plain encoding are compared by their planes' entropy, and only the smaller is compressed.
 pub fn encode_best(
     raw: &[u8],
     raw_hash: ChunkHash,
     base: Option<DeltaBase<'_>>,
     policy: CodecPolicy,
 ) -> EncodedChunk {
-    let (plain_codec, delta_codec) = if policy.element_bytes == 4 {
-        (Codec::Planes4, Codec::XorPlanes4)
-    } else {
-        (Codec::Zstd, Codec::XorShuffle4Zstd)
-    };
-    let mut best = encode_with(raw, raw_hash, plain_codec, None, policy.zstd_level);
-    if let Some(base) = base.filter(|b| {
+    let base = base.filter(|b| {
         b.raw.len() == raw.len() && b.depth < policy.delta_depth_max.min(DELTA_DEPTH_MAX)
-    }) {
-        let delta = encode_with(raw, raw_hash, delta_codec, Some(base), policy.zstd_level);
-        if delta.bytes.len() < best.bytes.len() {
-            best = delta;
+    });
+    let level = policy.zstd_level;
+    let mut best = if policy.element_bytes == 4 {
+        let delta_pays = base.is_some_and(|base| {
+            // Judged on the chunk's first elements: a chunk is a piece of one tensor, alike
+            // throughout, and the whole would cost a third of the encoding's time.
+            let sample = raw.len().min(ESTIMATE_SAMPLE_BYTES);
+            let mut delta = raw[..sample].to_vec();
+            xor_in_place(&mut delta, &base.raw[..sample]);
+            estimated_planes_bytes(&delta) < estimated_planes_bytes(&raw[..sample])
+        });
+        match base.filter(|_| delta_pays) {
+            Some(base) => encode_with(raw, raw_hash, Codec::XorPlanes4, Some(base), level),
+            None => encode_with(raw, raw_hash, Codec::Planes4, None, level),
         }
-    }
+    } else {
+        let plain = encode_with(raw, raw_hash, Codec::Zstd, None, level);
+        let delta =
+            base.map(|base| encode_with(raw, raw_hash, Codec::XorShuffle4Zstd, Some(base), level));
+        match delta {
+            Some(delta) if delta.bytes.len() < plain.bytes.len() => delta,
+            _ => plain,
+        }
+    };
     if best.bytes.len() >= HEADER_BYTES + raw.len() {
-        best = encode_with(raw, raw_hash, Codec::Raw, None, policy.zstd_level);
+        best = encode_with(raw, raw_hash, Codec::Raw, None, level);
     }
     best
 }
@@ -505,6 +518,24 @@ pub fn check(
         return Err(CodecError::ChecksumMismatch { expected, found });
     }
     Ok(header.raw_len)
+}
+
+/// The bytes of a chunk that [`encode_best`] compares the delta and the plain encoding on.
+const ESTIMATE_SAMPLE_BYTES: usize = 512 << 10;
+
+/// What planes4 would store of `source`, from each plane's entropy (zstd's entropy coder gets
+/// close to it on such planes; a plane of noise is stored as it is).
+fn estimated_planes_bytes(source: &[u8]) -> f64 {
+    with_scratch(source.len(), |shuffled| {
+        shuffle4_into(source, shuffled);
+        let plane_len = shuffled.len() / 4;
+        (0..4)
+            .map(|lane| {
+                let bits = entropy_bits(&shuffled[lane * plane_len..(lane + 1) * plane_len]);
+                plane_len as f64 * (bits / 8.0).min(1.0)
+            })
+            .sum()
+    })
 }
 
 /// Order-0 entropy of `bytes` in bits per byte, from every 8th byte of a large input (the

@@ -2,6 +2,7 @@
 
 use clap::Parser;
 
+/// Import, export and verify go through chunk buffers of megabytes: see `ckptd`'s allocator.
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
