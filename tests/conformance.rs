@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use lazarus_shared::codec::Codec;
 use lazarus_shared::format::{DType, DimRange};
 use lazarus_shared::store::{
     DeltaBases, GcPolicy, OpenMode, S3Settings, ShardInput, StepState, Store, StoreOptions,

@@ -16,7 +16,6 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::Instant;
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
 use lazarus_tests::train::TrainerArgs;
