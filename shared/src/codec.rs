@@ -3,7 +3,7 @@
 //! ```text
 //! offset size field
 //!      0    8 magic "LZCHUNK\0"
-//!      8    2 format version (little endian, currently 1)
+//!      8    2 format version (little endian: 1, or 2 for codecs 4 and 5)
 //!     10    1 codec (0 raw, 1 zstd, 2 shuffle4+zstd, 3 xor(base)+shuffle4+zstd,
 //!                    4 planes4, 5 xor(base)+planes4; codecs 4 and 5 only in version 2)
 //!     11    1 delta depth (0 unless a delta codec, 3 or 5; the base chunk has depth - 1)
@@ -108,7 +108,7 @@ pub enum CodecError {
     Truncated { len: usize },
     #[error("chunk does not start with the chunk magic")]
     BadMagic,
-    #[error("chunk format version {found} is not supported (this build reads version {CHUNK_FORMAT_VERSION}); upgrade Lazarus")]
+    #[error("chunk format version {found} is not supported (this build reads versions 1 to {CHUNK_FORMAT_VERSION}); upgrade Lazarus")]
     UnknownVersion { found: u16 },
     #[error("unknown codec byte {0}")]
     UnknownCodec(u8),

@@ -15,7 +15,8 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::Instant;
 
-use lazarus_shared::codec::{self, Codec, DeltaBase};
+use lazarus_shared::codec::{self, Codec, CodecPolicy, DeltaBase};
+use lazarus_shared::store::StoreOptions;
 use lazarus_shared::ChunkHash;
 use lazarus_tests::stats::{median, spread};
 use lazarus_tests::toy::Toy;
@@ -97,18 +98,22 @@ fn throughput() {
     let dir = tempfile::tempdir().expect("temp dir");
     let input = dir.path().join("model.safetensors");
     let per_tensor = megabytes * (1 << 20) / 4 / 4;
-    let tensors: Vec<(String, Vec<u64>, Vec<u8>)> = (0..4)
-        .map(|layer| {
+    let names = [
+        "layer0.weight",
+        "layer1.weight",
+        "layer2.weight",
+        "layer3.weight",
+    ];
+    let tensors: Vec<(&str, Vec<u64>, Vec<u8>)> = names
+        .iter()
+        .zip(1..)
+        .map(|(name, seed)| {
             (
-                format!("layer{layer}.weight"),
+                *name,
                 vec![per_tensor as u64],
-                random_f32_bytes(per_tensor, layer + 1),
+                random_f32_bytes(per_tensor, seed),
             )
         })
-        .collect();
-    let tensors: Vec<(&str, Vec<u64>, Vec<u8>)> = tensors
-        .iter()
-        .map(|(name, shape, data)| (name.as_str(), shape.clone(), data.clone()))
         .collect();
     write_safetensors(&input, &tensors);
     drop(tensors);
@@ -162,54 +167,69 @@ fn codec_ratios() {
     }
     println!();
     println!("codec stored/raw ratio on real training state (toy byte model on tinyshakespeare, {:.1} MB of state per step; lower is better):", model.state_bytes() as f64 / 1e6);
-    println!(
-        "{:<6} {:<22} {:>8} {:>8} {:>14} {:>22}",
-        "step", "tensor", "raw", "zstd", "shuffle4+zstd", "xor(prev)+shuffle4+zstd"
-    );
+    // (column, codec, zstd level, with the previous step as delta base); the last column is
+    // what the writer stores (`encode_best` at the store's default level).
+    let columns: [(&str, Codec, i32, bool); 6] = [
+        ("raw", Codec::Raw, 1, false),
+        ("zstd-3", Codec::Zstd, 3, false),
+        ("shuffle4+zstd-3", Codec::Shuffle4Zstd, 3, false),
+        ("xor+shuffle4+zstd-3", Codec::XorShuffle4Zstd, 3, true),
+        ("planes4-1", Codec::Planes4, 1, false),
+        ("xor+planes4-1", Codec::XorPlanes4, 1, true),
+    ];
+    let mut header = format!("{:<6} {:<22}", "step", "tensor");
+    for (name, ..) in &columns {
+        header += &format!(" {name:>19}");
+    }
+    println!("{header} {:>19}", "writer's choice");
     for pair in snapshots.chunks(2) {
         let [(_, previous), (step, current)] = pair else {
             continue;
         };
-        let mut totals = [0usize; 5];
+        let mut totals = [0usize; 8];
         for (before, after) in previous.iter().zip(current) {
             let raw = &after.data;
             let hash = ChunkHash::of(raw);
-            let size = |codec, base| codec::encode_with(raw, hash, codec, base, 3).bytes.len();
             let base = DeltaBase {
                 hash: ChunkHash::of(&before.data),
                 depth: 0,
                 raw: &before.data,
             };
-            let sizes = [
-                raw.len(),
-                size(Codec::Raw, None),
-                size(Codec::Zstd, None),
-                size(Codec::Shuffle4Zstd, None),
-                size(Codec::XorShuffle4Zstd, Some(base)),
-            ];
-            let ratio = |i: usize| sizes[i] as f64 / sizes[0] as f64;
-            println!(
-                "{step:<6} {:<22} {:>8.3} {:>8.3} {:>14.3} {:>22.3}",
-                after.name,
-                ratio(1),
-                ratio(2),
-                ratio(3),
-                ratio(4)
+            let mut sizes = vec![raw.len()];
+            for (_, codec, level, delta) in columns {
+                let base = delta.then_some(base);
+                sizes.push(
+                    codec::encode_with(raw, hash, codec, base, level)
+                        .bytes
+                        .len(),
+                );
+            }
+            let policy = CodecPolicy {
+                element_bytes: 4,
+                zstd_level: StoreOptions::default().zstd_level,
+                delta_depth_max: 8,
+            };
+            sizes.push(
+                codec::encode_best(raw, hash, Some(base), policy)
+                    .bytes
+                    .len(),
             );
-            for (total, size) in totals.iter_mut().zip(sizes) {
+            print_ratios(&format!("{step:<6} {:<22}", after.name), &sizes);
+            for (total, size) in totals.iter_mut().zip(&sizes) {
                 *total += size;
             }
         }
-        let ratio = |i: usize| totals[i] as f64 / totals[0] as f64;
-        println!(
-            "{step:<6} {:<22} {:>8.3} {:>8.3} {:>14.3} {:>22.3}",
-            "ALL",
-            ratio(1),
-            ratio(2),
-            ratio(3),
-            ratio(4)
-        );
+        print_ratios(&format!("{step:<6} {:<22}", "ALL"), &totals);
     }
+}
+
+/// One row of stored/raw ratios: `sizes[0]` is the raw size.
+fn print_ratios(label: &str, sizes: &[usize]) {
+    let mut line = label.to_string();
+    for size in &sizes[1..] {
+        line += &format!(" {:>19.3}", *size as f64 / sizes[0] as f64);
+    }
+    println!("{line}");
 }
 
 fn main() {

@@ -896,10 +896,10 @@ async fn import(
         if !file_names.insert(file_name.to_string()) {
             bail!(UsageError(format!("two input files are named {file_name}")));
         }
-        let layout = read_safetensors_layout(path, file_name)?;
-        let source: Arc<dyn ByteSource> = Arc::new(
-            FileSource::open(path).with_context(|| format!("opening {}", path.display()))?,
-        );
+        let (layout, file) = read_safetensors_layout(path, file_name)?;
+        // The tensors are read from the file whose header was checked, whatever the path
+        // names by then.
+        let source: Arc<dyn ByteSource> = Arc::new(FileSource::from_file(file, path));
         for place in layout.tensors {
             if !names.insert(place.name.clone()) {
                 bail!(UsageError(format!(
@@ -937,7 +937,11 @@ async fn import(
     if handle.load_commit(key).await.is_ok() {
         // Re-running an import that already finished is a no-op, if the content is the same.
         let checkpoint = handle.open_checkpoint(key).await?;
-        if !same_content(&checkpoint, &tensors, &blobs, info.chunk_bytes)? {
+        // Reading the files again blocks: the runtime is told so.
+        let same = tokio::task::block_in_place(|| {
+            same_content(&checkpoint, &tensors, &blobs, info.chunk_bytes)
+        })?;
+        if !same {
             return Err(lazarus_shared::StoreError::StepAlreadyCommitted {
                 run: run_id,
                 step: key,
@@ -983,22 +987,24 @@ async fn import(
     Ok(())
 }
 
-/// A `.safetensors` file's layout, read from its header alone.
-fn read_safetensors_layout(path: &Path, file_name: &str) -> Result<safetensors_io::FileLayout> {
+/// A `.safetensors` file's layout, read from its header alone, and the file, open.
+fn read_safetensors_layout(
+    path: &Path,
+    file_name: &str,
+) -> Result<(safetensors_io::FileLayout, std::fs::File)> {
     use std::io::Read;
     let reading = || format!("reading {}", path.display());
     let mut file = std::fs::File::open(path).with_context(reading)?;
     let file_len = file.metadata().with_context(reading)?.len();
     let mut prefix = [0u8; 8];
-    let got = file.read(&mut prefix).with_context(reading)?;
-    let header_len = safetensors_io::header_len(file_name, &prefix[..got], file_len)?;
+    let prefix_len = file_len.min(8) as usize;
+    file.read_exact(&mut prefix[..prefix_len])
+        .with_context(reading)?;
+    let header_len = safetensors_io::header_len(file_name, &prefix[..prefix_len], file_len)?;
     let mut header = vec![0u8; header_len as usize];
     file.read_exact(&mut header).with_context(reading)?;
-    Ok(safetensors_io::parse_layout(
-        file_name,
-        Bytes::from(header),
-        file_len,
-    )?)
+    let layout = safetensors_io::parse_layout(file_name, Bytes::from(header), file_len)?;
+    Ok((layout, file))
 }
 
 /// Whether a committed single-rank step holds exactly these tensors and blobs (the tensors'

@@ -420,47 +420,6 @@ impl Checkpoint {
         Ok(out)
     }
 
-    /// Streams the whole tensor `name` into `sink`, in order, each chunk verified before it is
-    /// passed on. When one rank holds the tensor whole, at most `download_concurrency` chunks
-    /// are in memory at once; otherwise the tensor is assembled first.
-    pub async fn stream_tensor(
-        &self,
-        name: &str,
-        sink: &mut (dyn FnMut(&[u8]) -> std::io::Result<()> + Send),
-        progress: &dyn Progress,
-    ) -> Result<(), StoreError> {
-        let io = |cause| StoreError::Io {
-            path: format!("output of tensor {name:?}"),
-            cause,
-        };
-        let Some((rank, entry)) = self
-            .pieces(name)
-            .into_iter()
-            .find(|(_, piece)| piece.is_whole())
-        else {
-            let bytes = self.read_tensor(name, progress).await?;
-            return sink(&bytes).map_err(io);
-        };
-        let context = ChunkContext {
-            step: self.step(),
-            rank,
-            item: "tensor",
-            name: name.to_string(),
-        };
-        let mut chunks = stream::iter(
-            entry
-                .chunks
-                .iter()
-                .cloned()
-                .map(|chunk| self.run.fetch_ref(chunk, &context, progress)),
-        )
-        .buffered(self.run.store.options.download_concurrency.max(1));
-        while let Some(raw) = chunks.try_next().await? {
-            sink(&raw).map_err(io)?;
-        }
-        Ok(())
-    }
-
     /// Writes tensors `names`, whole and back to back in this order, into `file` from
     /// `offset` with positional writes. Chunks are fetched, verified and written
     /// `download_concurrency` at a time, each at its own place in the file, so decoding and

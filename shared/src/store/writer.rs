@@ -98,10 +98,15 @@ pub struct FileSource {
 
 impl FileSource {
     pub fn open(path: &std::path::Path) -> std::io::Result<Self> {
-        Ok(Self {
-            file: std::fs::File::open(path)?,
+        Ok(Self::from_file(std::fs::File::open(path)?, path))
+    }
+
+    /// A file already open (`path` names it in errors).
+    pub fn from_file(file: std::fs::File, path: &std::path::Path) -> Self {
+        Self {
+            file,
             path: path.to_path_buf(),
-        })
+        }
     }
 }
 
