@@ -262,25 +262,30 @@ pub fn encode_with(
         raw_hash,
         base: base.map(|b| b.hash),
     };
-    let delta = base.map(|base| {
-        let mut delta = raw.to_vec();
-        xor_in_place(&mut delta, base.raw);
-        delta
-    });
-    let source = delta.as_deref().unwrap_or(raw);
     let mut bytes = Vec::with_capacity(HEADER_BYTES + PLANE_TABLE_BYTES + raw.len());
     bytes.extend_from_slice(&header.to_bytes());
-    match codec {
-        Codec::Raw => bytes.extend_from_slice(raw),
-        Codec::Zstd => bytes.extend_from_slice(&compress(raw, zstd_level)),
-        Codec::Shuffle4Zstd | Codec::XorShuffle4Zstd => {
-            bytes.extend_from_slice(&compress(&shuffle4(source), zstd_level))
+    with_scratch(&DELTA, raw.len(), |delta| {
+        // The bytes the codec transposes: the XOR delta for a delta codec, else `raw`.
+        let source = match base {
+            Some(base) => {
+                delta.copy_from_slice(raw);
+                xor_in_place(delta, base.raw);
+                &*delta
+            }
+            None => raw,
+        };
+        match codec {
+            Codec::Raw => bytes.extend_from_slice(raw),
+            Codec::Zstd => bytes.extend_from_slice(&compress(raw, zstd_level)),
+            Codec::Shuffle4Zstd | Codec::XorShuffle4Zstd => {
+                bytes.extend_from_slice(&compress(&shuffle4(source), zstd_level))
+            }
+            Codec::Planes4 | Codec::XorPlanes4 => with_scratch(&SHUFFLED, raw.len(), |shuffled| {
+                shuffle4_into(source, shuffled);
+                put_planes(&mut bytes, shuffled, zstd_level);
+            }),
         }
-        Codec::Planes4 | Codec::XorPlanes4 => with_scratch(source.len(), |shuffled| {
-            shuffle4_into(source, shuffled);
-            put_planes(&mut bytes, shuffled, zstd_level);
-        }),
-    }
+    });
     EncodedChunk { header, bytes }
 }
 
@@ -526,7 +531,7 @@ const ESTIMATE_SAMPLE_BYTES: usize = 512 << 10;
 /// What planes4 would store of `source`, from each plane's entropy (zstd's entropy coder gets
 /// close to it on such planes; a plane of noise is stored as it is).
 fn estimated_planes_bytes(source: &[u8]) -> f64 {
-    with_scratch(source.len(), |shuffled| {
+    with_scratch(&SHUFFLED, source.len(), |shuffled| {
         shuffle4_into(source, shuffled);
         let plane_len = shuffled.len() / 4;
         (0..4)
@@ -564,14 +569,19 @@ fn entropy_bits(bytes: &[u8]) -> f64 {
 }
 
 std::thread_local! {
-    /// Each thread's buffer for a chunk's shuffled bytes: a fresh one per chunk costs a page
-    /// fault and a zeroed page every 4 KiB of it.
-    static SCRATCH: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Each thread's buffers for a chunk's XOR delta and its shuffled bytes: a fresh one per
+    /// chunk costs a page fault and a zeroed page every 4 KiB of it.
+    static DELTA: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    static SHUFFLED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// Runs `work` on this thread's scratch buffer, `len` bytes long (contents unspecified).
-fn with_scratch<T>(len: usize, work: impl FnOnce(&mut [u8]) -> T) -> T {
-    SCRATCH.with(|scratch| {
+/// Runs `work` on this thread's `buffer`, `len` bytes long (contents unspecified).
+fn with_scratch<T>(
+    buffer: &'static std::thread::LocalKey<std::cell::RefCell<Vec<u8>>>,
+    len: usize,
+    work: impl FnOnce(&mut [u8]) -> T,
+) -> T {
+    buffer.with(|scratch| {
         let mut scratch = scratch.borrow_mut();
         if scratch.len() < len {
             scratch.resize(len, 0);
