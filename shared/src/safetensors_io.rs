@@ -88,10 +88,7 @@ fn from_dtype(dtype: DType) -> safetensors::Dtype {
 
 /// The header's length from a file's first 8 bytes, checked against the file's length.
 pub fn header_len(file_name: &str, prefix: &[u8], file_len: u64) -> Result<u64, SafetensorsError> {
-    let malformed = |reason: String| SafetensorsError::Malformed {
-        file: file_name.to_string(),
-        reason,
-    };
+    let malformed = |reason: String| malformed(file_name, reason);
     let Some(len) = prefix.get(..8) else {
         return Err(malformed(format!(
             "{file_len} bytes, shorter than the 8-byte header length"
@@ -116,36 +113,17 @@ pub fn parse_layout(
     file_len: u64,
 ) -> Result<FileLayout, SafetensorsError> {
     check_file_name(file_name)?;
-    let malformed = |reason: String| SafetensorsError::Malformed {
-        file: file_name.to_string(),
-        reason,
-    };
-    // Deserialising checks the offsets and sizes (the crate's `Metadata::validate`).
-    let metadata: Metadata =
-        serde_json::from_slice(&header).map_err(|e| malformed(e.to_string()))?;
+    let (tensors, data_end) = tensor_places(file_name, &header)?;
     let data_start = 8 + header.len() as u64;
-    let infos = metadata.tensors();
-    let mut data_end = 0;
-    let mut tensors = Vec::new();
-    for name in metadata.offset_keys() {
-        let info = infos[&name];
-        let dtype = to_dtype(file_name, &name, info.dtype)?;
-        let (begin, end) = info.data_offsets;
-        data_end = data_end.max(end as u64);
-        tensors.push(TensorPlace {
-            name,
-            dtype,
-            shape: info.shape.iter().map(|d| *d as u64).collect(),
-            offset: data_start + begin as u64,
-            len: (end - begin) as u64,
-        });
-    }
     // Offsets come from the file: an end past u64 is as wrong as one past the file's end.
     if data_start.checked_add(data_end) != Some(file_len) {
-        return Err(malformed(format!(
-            "the header describes {data_end} bytes of tensor data, the file holds {}",
-            file_len.saturating_sub(data_start)
-        )));
+        return Err(malformed(
+            file_name,
+            format!(
+                "the header describes {data_end} bytes of tensor data, the file holds {}",
+                file_len.saturating_sub(data_start)
+            ),
+        ));
     }
     Ok(FileLayout {
         file_name: file_name.to_string(),
@@ -170,25 +148,50 @@ pub fn header_layout(
     file_name: &str,
     header: &[u8],
 ) -> Result<Vec<(String, DType, Vec<u64>)>, SafetensorsError> {
-    let malformed = |reason: String| SafetensorsError::Malformed {
+    let (tensors, _) = tensor_places(file_name, header)?;
+    Ok(tensors
+        .into_iter()
+        .map(|place| (place.name, place.dtype, place.shape))
+        .collect())
+}
+
+/// The tensors `header` (the JSON after the 8-byte length) describes, in offset order, with
+/// where each lies in the file, and where the data they describe ends (relative to its start).
+/// Deserialising checks the offsets and sizes (the crate's `Metadata::validate`).
+fn tensor_places(
+    file_name: &str,
+    header: &[u8],
+) -> Result<(Vec<TensorPlace>, u64), SafetensorsError> {
+    let metadata: Metadata =
+        serde_json::from_slice(header).map_err(|e| malformed(file_name, e.to_string()))?;
+    let data_start = 8 + header.len() as u64;
+    let infos = metadata.tensors();
+    let mut data_end = 0;
+    let mut tensors = Vec::new();
+    for name in metadata.offset_keys() {
+        let info = infos[&name];
+        let dtype = to_dtype(file_name, &name, info.dtype)?;
+        let (begin, end) = info.data_offsets;
+        data_end = data_end.max(end as u64);
+        let offset = data_start
+            .checked_add(begin as u64)
+            .ok_or_else(|| malformed(file_name, format!("tensor {name:?} starts past u64")))?;
+        tensors.push(TensorPlace {
+            name,
+            dtype,
+            shape: info.shape.iter().map(|d| *d as u64).collect(),
+            offset,
+            len: (end - begin) as u64,
+        });
+    }
+    Ok((tensors, data_end))
+}
+
+fn malformed(file_name: &str, reason: String) -> SafetensorsError {
+    SafetensorsError::Malformed {
         file: file_name.to_string(),
         reason,
-    };
-    let metadata: Metadata =
-        serde_json::from_slice(header).map_err(|e| malformed(e.to_string()))?;
-    let infos = metadata.tensors();
-    metadata
-        .offset_keys()
-        .into_iter()
-        .map(|name| {
-            let info = infos[&name];
-            Ok((
-                name.clone(),
-                to_dtype(file_name, &name, info.dtype)?,
-                info.shape.iter().map(|d| *d as u64).collect(),
-            ))
-        })
-        .collect()
+    }
 }
 
 /// The 8-byte little-endian header length that starts every file.
