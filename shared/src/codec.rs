@@ -264,29 +264,32 @@ pub fn encode_with(
     };
     let mut bytes = Vec::with_capacity(HEADER_BYTES + PLANE_TABLE_BYTES + raw.len());
     bytes.extend_from_slice(&header.to_bytes());
-    with_scratch(&DELTA, raw.len(), |delta| {
-        // The bytes the codec transposes: the XOR delta for a delta codec, else `raw`.
-        let source = match base {
-            Some(base) => {
-                delta.copy_from_slice(raw);
-                xor_in_place(delta, base.raw);
-                &*delta
-            }
-            None => raw,
-        };
-        match codec {
-            Codec::Raw => bytes.extend_from_slice(raw),
-            Codec::Zstd => bytes.extend_from_slice(&compress(raw, zstd_level)),
-            Codec::Shuffle4Zstd | Codec::XorShuffle4Zstd => {
-                bytes.extend_from_slice(&compress(&shuffle4(source), zstd_level))
-            }
-            Codec::Planes4 | Codec::XorPlanes4 => with_scratch(&SHUFFLED, raw.len(), |shuffled| {
-                shuffle4_into(source, shuffled);
-                put_planes(&mut bytes, shuffled, zstd_level);
-            }),
-        }
-    });
+    match (codec, base) {
+        (Codec::Raw, _) => bytes.extend_from_slice(raw),
+        (Codec::Zstd, _) => bytes.extend_from_slice(&compress(raw, zstd_level)),
+        (_, None) => put_transposed(&mut bytes, codec, raw, zstd_level),
+        (_, Some(base)) => with_scratch(&DELTA, raw.len(), |delta| {
+            delta.copy_from_slice(raw);
+            xor_in_place(delta, base.raw);
+            put_transposed(&mut bytes, codec, delta, zstd_level);
+        }),
+    }
     EncodedChunk { header, bytes }
+}
+
+/// Appends the payload of a transposing codec (2 to 5) of `source`: the raw bytes, or the XOR
+/// delta for a delta codec.
+fn put_transposed(out: &mut Vec<u8>, codec: Codec, source: &[u8], zstd_level: i32) {
+    match codec {
+        Codec::Shuffle4Zstd | Codec::XorShuffle4Zstd => {
+            out.extend_from_slice(&compress(&shuffle4(source), zstd_level))
+        }
+        Codec::Planes4 | Codec::XorPlanes4 => with_scratch(&SHUFFLED, source.len(), |shuffled| {
+            shuffle4_into(source, shuffled);
+            put_planes(out, shuffled, zstd_level);
+        }),
+        Codec::Raw | Codec::Zstd => unreachable!("{codec:?} does not transpose"),
+    }
 }
 
 /// How the writer picks a codec for one chunk.

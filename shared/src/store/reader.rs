@@ -439,10 +439,13 @@ impl Checkpoint {
         }
         let mut pieces = Vec::new();
         let mut at = offset;
+        let infos: HashMap<String, TensorInfo> = self
+            .tensors()
+            .into_iter()
+            .map(|info| (info.name.clone(), info))
+            .collect();
         for name in names {
-            let info = self
-                .tensor_info(name)
-                .ok_or_else(|| self.no_such(None, name))?;
+            let info = infos.get(name).ok_or_else(|| self.no_such(None, name))?;
             match self.pieces(name).into_iter().find(|(_, p)| p.is_whole()) {
                 Some((rank, entry)) => {
                     for chunk in &entry.chunks {
