@@ -1077,7 +1077,8 @@ async fn delta_bases(run: &RunStore) -> Result<Option<DeltaBases>> {
         let raw = checkpoint.read_shard_tensor(0, &tensor.name, &()).await?;
         bases.insert(tensor.name.clone(), Bytes::from(raw), tensor.chunks.clone());
     }
-    Ok(Some(bases))
+    // Reading a tensor decodes and hashes every chunk of it: the writer need not again.
+    Ok(Some(bases.already_checked()))
 }
 
 /// An output file written under a `.partial` name, fsynced and renamed into place by

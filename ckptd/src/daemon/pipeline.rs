@@ -267,23 +267,57 @@ impl Progress for Counting<'_> {
     }
 }
 
-/// Uploads a rank's T0 through the store library and tells the leader its manifest is stored.
-/// A durable step committed to memory meanwhile is uploaded next.
+/// Uploads a rank's T0 through the store library and tells the leader its manifest is stored;
+/// then, while the slot is still held, makes it the delta base of the next upload. A durable
+/// step committed to memory meanwhile is uploaded next.
 async fn upload(daemon: Arc<Daemon>, rank: Rank, snap: Snap) {
-    let uploaded = snap.step;
+    let (uploaded, slot) = (snap.step, snap.slot);
     let result = upload_inner(&daemon, rank, snap).await;
-    let mut ranks = daemon.ranks.lock().await;
-    if let Some(state) = ranks.get_mut(&rank) {
+    let stored = {
+        let mut ranks = daemon.ranks.lock().await;
+        let Some(state) = ranks.get_mut(&rank) else {
+            return;
+        };
         match result {
-            Ok((step, base)) => {
-                if let Err(error) = state.stored(step, base) {
-                    tracing::error!(error = %format!("{error:#}"), "cannot record the delta base");
+            Ok((step, chunks)) => {
+                // The base file is about to change: from now until the new base is recorded,
+                // no upload (nor a daemon restarted meanwhile) pairs it with the old chunks.
+                let recorded = if daemon.cfg.delta {
+                    state.forget_base()
+                } else {
+                    Ok(())
+                }
+                .and_then(|()| state.stored(step, None));
+                if let Err(error) = recorded {
+                    tracing::error!(error = %format!("{error:#}"), "cannot record the stored step");
                 }
                 let _ = daemon.to_leader.send(stored_message(&daemon, state, step));
+                Some((step, chunks))
             }
             Err(error) => {
                 daemon.metrics.error("upload");
                 tracing::warn!(rank, error = %format!("{error:#}"), "durable upload failed; the next durable step tries again");
+                None
+            }
+        }
+    };
+    let base = match stored {
+        Some((step, chunks)) if daemon.cfg.delta => {
+            match new_base(&daemon, rank, slot, uploaded, chunks).await {
+                Ok(base) => Some((step, base)),
+                Err(error) => {
+                    tracing::warn!(rank, error = %format!("{error:#}"), "no delta base for the next upload; it stores whole chunks");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    let mut ranks = daemon.ranks.lock().await;
+    if let Some(state) = ranks.get_mut(&rank) {
+        if let Some((step, base)) = base {
+            if let Err(error) = state.stored(step, Some(base)) {
+                tracing::error!(error = %format!("{error:#}"), "cannot record the delta base");
             }
         }
         let next = state.upload_ended(uploaded);
@@ -291,12 +325,14 @@ async fn upload(daemon: Arc<Daemon>, rank: Rank, snap: Snap) {
     }
 }
 
+/// Writes `snap`'s shard (its T0 slot) through the store library. Returns the step as stored
+/// and, per tensor, the chunks the store recorded.
 async fn upload_inner(
     daemon: &Arc<Daemon>,
     rank: Rank,
     snap: Snap,
-) -> Result<(StepKey, Option<Base>)> {
-    let (path, dir, tensors, world_size, base, slot_bytes) = {
+) -> Result<(StepKey, Vec<Vec<lazarus_shared::format::ChunkRef>>)> {
+    let (path, dir, tensors, world_size, base) = {
         let ranks = daemon.ranks.lock().await;
         let state = ranks
             .get(&rank)
@@ -307,18 +343,22 @@ async fn upload_inner(
             state.tensors.clone(),
             state.world_size,
             state.base.clone(),
-            state.slot_bytes,
         )
     };
     let started = Instant::now();
     let timeline = daemon.run.current_timeline().await?;
     let key = StepKey::new(snap.step, timeline);
     let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&path)?);
-    let base_path = dir.join("base");
     let bases = match (base, daemon.cfg.delta) {
         (Some(base), true) if base.chunks.len() == tensors.len() => {
-            let base_source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&base_path)?);
-            DeltaBases::of_regions(&tensors, &base_source, base.chunks)
+            let base_source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&dir.join("base"))?);
+            DeltaBases::of_regions(&tensors, &base_source, base.chunks).map(|bases| {
+                if base.checked {
+                    bases.already_checked()
+                } else {
+                    bases
+                }
+            })
         }
         _ => None,
     };
@@ -340,24 +380,51 @@ async fn upload_inner(
         .upload_bytes_per_second
         .set(manifest.raw_bytes() as f64 / started.elapsed().as_secs_f64().max(1e-9));
     tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), uploaded = manifest.uploaded_bytes, seconds = started.elapsed().as_secs_f64(), "shard stored");
-    let new_base = if daemon.cfg.delta {
-        if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
-            state.forget_base()?;
-        }
-        let tmp = dir.join("base.tmp");
-        let from = path.clone();
-        let to = tmp.clone();
-        tokio::task::spawn_blocking(move || copy_file(&from, &to, slot_bytes)).await??;
-        std::fs::rename(&tmp, &base_path)?;
-        super::crash::point("base");
-        Some(Base {
-            step: snap.step,
-            chunks: manifest.tensors.iter().map(|t| t.chunks.clone()).collect(),
-        })
-    } else {
-        None
+    Ok((
+        key,
+        manifest.tensors.into_iter().map(|t| t.chunks).collect(),
+    ))
+}
+
+/// Copies the uploaded slot to the rank's delta-base file and hashes the copy against the
+/// chunks just stored, so the next upload encodes against it without hashing it again.
+async fn new_base(
+    daemon: &Arc<Daemon>,
+    rank: Rank,
+    slot: u32,
+    step: u64,
+    chunks: Vec<Vec<lazarus_shared::format::ChunkRef>>,
+) -> Result<Base> {
+    let (from, dir, tensors, slot_bytes) = {
+        let ranks = daemon.ranks.lock().await;
+        let state = ranks
+            .get(&rank)
+            .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+        (
+            state.slot_path(slot),
+            state.dir.clone(),
+            state.tensors.clone(),
+            state.slot_bytes,
+        )
     };
-    Ok((key, new_base))
+    let (base_path, tmp) = (dir.join("base"), dir.join("base.tmp"));
+    let to = tmp.clone();
+    tokio::task::spawn_blocking(move || copy_file(&from, &to, slot_bytes)).await??;
+    std::fs::rename(&tmp, &base_path)?;
+    super::crash::point("base");
+    let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&base_path)?);
+    let checked = match DeltaBases::of_regions(&tensors, &source, chunks.clone()) {
+        Some(mut bases) => bases.check(daemon.cfg.upload_concurrency).await?,
+        None => false,
+    };
+    if !checked {
+        tracing::warn!(rank, step, "the delta-base copy does not hash to the chunks just stored; the next upload hashes each base chunk before using it");
+    }
+    Ok(Base {
+        step,
+        chunks,
+        checked,
+    })
 }
 
 /// The blobs a snapshot carries, as the store takes them.

@@ -42,6 +42,10 @@ pub struct Base {
     pub step: u64,
     /// Per tensor, in slot order, the chunks the store wrote.
     pub chunks: Vec<Vec<ChunkRef>>,
+    /// The base file was hashed against `chunks` after it was copied, by this life of the
+    /// daemon: uploads need not hash it again. A restarted daemon checks it chunk by chunk.
+    #[serde(skip)]
+    pub checked: bool,
 }
 
 /// What survives a daemon restart (`state.json` in the rank's directory).

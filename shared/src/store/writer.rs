@@ -290,14 +290,64 @@ pub struct ShardInput {
 /// The previous step's raw tensors with their chunk lists, offered to the encoder as delta
 /// bases. Chunks are only delta-encoded against the chunk at the same position of the same
 /// tensor.
+///
+/// The writer hashes each base chunk before it encodes against it, and stores the chunk whole
+/// when the bytes are not the named chunk's: a delta against other bytes would decode to
+/// something else. Bases whose bytes were already checked against their hashes (decoded
+/// from storage, or [`DeltaBases::check`]ed once after they were copied) skip that hash.
 #[derive(Clone, Debug, Default)]
 pub struct DeltaBases {
     tensors: HashMap<String, (SourceRange, Vec<ChunkRef>)>,
+    checked: bool,
 }
 
 impl DeltaBases {
     pub fn insert(&mut self, name: String, raw: impl Into<SourceRange>, chunks: Vec<ChunkRef>) {
         self.tensors.insert(name, (raw.into(), chunks));
+        self.checked = false;
+    }
+
+    /// Says that every base's bytes were read back and found to hash to their chunk (the
+    /// caller decoded them from storage, which checks that): the writer trusts them.
+    pub fn already_checked(mut self) -> Self {
+        self.checked = true;
+        self
+    }
+
+    /// Whether the writer will trust these bases without hashing them.
+    pub fn is_checked(&self) -> bool {
+        self.checked
+    }
+
+    /// Hashes every base chunk (`concurrency` at a time, on blocking threads) and compares it
+    /// with its reference. `true`, and the bases marked checked, if every one matches: bytes
+    /// that then stay unchanged (a file only their owner writes) need no hash at each write.
+    pub async fn check(&mut self, concurrency: usize) -> Result<bool, StoreError> {
+        let mut chunks = Vec::new();
+        for (raw, refs) in self.tensors.values() {
+            let mut offset = 0u64;
+            for chunk in refs {
+                if offset + chunk.raw_len > raw.len {
+                    return Ok(false);
+                }
+                chunks.push((raw.sub(offset, chunk.raw_len), chunk.hash));
+                offset += chunk.raw_len;
+            }
+        }
+        let matching: Vec<bool> =
+            stream::iter(chunks.into_iter().map(|(range, hash)| async move {
+                let bytes = range.load().await?;
+                Ok::<_, StoreError>(
+                    tokio::task::spawn_blocking(move || ChunkHash::of(&bytes) == hash)
+                        .await
+                        .expect("hashing does not panic"),
+                )
+            }))
+            .buffer_unordered(concurrency.max(1))
+            .try_collect()
+            .await?;
+        self.checked = matching.iter().all(|m| *m);
+        Ok(self.checked)
     }
 
     fn base_for(
@@ -320,6 +370,8 @@ struct ChunkJob {
     raw: SourceRange,
     element_bytes: usize,
     base: Option<(SourceRange, ChunkRef)>,
+    /// The base's bytes are known to hash to its reference ([`DeltaBases::already_checked`]).
+    base_checked: bool,
 }
 
 struct ChunkDone {
@@ -395,6 +447,7 @@ impl RunStore {
                     raw: tensor.data.sub(offset as u64, len as u64),
                     element_bytes: tensor.dtype.element_bytes(),
                     base,
+                    base_checked: bases.is_some_and(DeltaBases::is_checked),
                 });
             }
             total_bytes += tensor_len as u64;
@@ -409,6 +462,7 @@ impl RunStore {
                     raw: SourceRange::from(data.clone()).sub(offset as u64, len as u64),
                     element_bytes: 1,
                     base: None,
+                    base_checked: false,
                 });
             }
             total_bytes += data.len() as u64;
@@ -579,12 +633,13 @@ impl RunStore {
         // `raw` is dropped once encoded: the writer holds at most `upload_concurrency` encoded
         // chunks, and the rare fallback of `put_chunk` reads its source again.
         let run = self.run.clone();
+        let base_checked = job.base_checked;
         let (encoded, base_ref) = tokio::task::spawn_blocking(move || {
             // A delta against bytes that are not its base's would decode to something else
             // under the base's name: a base offered with other bytes than its reference names
             // (a caller's stale delta-base file) is not used.
             let base = base.filter(|(base_raw, chunk)| {
-                let matches = ChunkHash::of(base_raw) == chunk.hash;
+                let matches = base_checked || ChunkHash::of(base_raw) == chunk.hash;
                 if !matches {
                     tracing::warn!(%run, base = %chunk.hash.short(), "a delta base's bytes do not match its chunk; storing without it");
                 }
@@ -1118,6 +1173,49 @@ mod tests {
         run_store.commit(StepKey::new(2, 0), 1).await.unwrap();
         let checkpoint = run_store.open_checkpoint(StepKey::new(2, 0)).await.unwrap();
         assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
+    }
+
+    /// `check` hashes the base bytes once: bytes that match are trusted by later writes (a
+    /// delta against them), other bytes are reported and left to the per-chunk hash, which
+    /// does not use them. Trusting unchecked bytes is what `already_checked` asserts.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn checked_bases_are_hashed_once_and_stale_ones_still_refused() {
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let run_store = open(objects, None).await;
+        let (a, b, stale) = (floats(1, 0), floats(1, 64), floats(1, 32));
+        let first = write(&run_store, 1, &a, None).await;
+
+        let mut good = bases_of(&a, &first);
+        assert!(!good.is_checked());
+        assert!(good.check(4).await.unwrap());
+        assert!(good.is_checked());
+        let second = write(&run_store, 2, &b, Some(&good)).await;
+        assert_eq!(
+            second.tensors[0].chunks[0].bases,
+            vec![first.tensors[0].chunks[0].hash]
+        );
+
+        let mut bad = bases_of(&stale, &first);
+        assert!(!bad.check(4).await.unwrap());
+        assert!(!bad.is_checked());
+        let third = write(&run_store, 3, &floats(1, 96), Some(&bad)).await;
+        assert!(third.tensors[0].chunks[0].bases.is_empty());
+
+        for step in [2, 3] {
+            run_store.commit(StepKey::new(step, 0), 1).await.unwrap();
+        }
+        let read = |step| {
+            let run_store = &run_store;
+            async move {
+                let checkpoint = run_store
+                    .open_checkpoint(StepKey::new(step, 0))
+                    .await
+                    .unwrap();
+                checkpoint.read_tensor("w", &()).await.unwrap()
+            }
+        };
+        assert_eq!(read(2).await, b.to_vec());
+        assert_eq!(read(3).await, floats(1, 96).to_vec());
     }
 
     /// `put_chunk` itself, losing the create-only race: it takes the stored encoding (nothing
