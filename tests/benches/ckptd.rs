@@ -1,12 +1,14 @@
 //! `ckptd` benchmark (two daemons on 127.0.0.1, two ranks under a real mpiexec): prints
 //! figures with baselines measured in the same run.
 //!
-//! 1. The training loop's stall per snapshot at three state sizes (it should be flat),
-//!    against the trainer's synchronous in-process save of the same state, and against
+//! 1. The training loop's stall per snapshot at three state sizes (it should be flat), each
+//!    snapshot's slowest rank, with the part of the largest stall that rank spent waiting for
+//!    a CPU; against the trainer's synchronous in-process save of the same state, and against
 //!    PyTorch DCP `async_save` of a state of the same bytes (skipped without torch).
 //! 2. Stored/raw bytes over a 100-step run, against plain zstd (level 3) of every durable step.
-//! 3. Upload MB/s of the two daemons' last durable shards, uploaded at once, against two `dd`
-//!    sequential writes (fsync) at once to the same file system, and against one alone.
+//! 3. Upload MB/s of the two daemons' shards of the run's last step (uploaded at once, after
+//!    the ranks finished), against two `dd` sequential writes (fsync) at once to the same file
+//!    system, and against one alone.
 //! 4. Peak RSS of a daemon against its node's snapshot bytes.
 //!
 //! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench ckptd
@@ -45,8 +47,9 @@ fn bench_args(
         .store(store)
 }
 
-/// (mean, median, max) ms and state bytes from the trainer's stall line.
-fn stall(text: &str) -> (f64, f64, f64, u64) {
+/// (mean, median, max, of the max the wait for a CPU) ms and state bytes from the trainer's
+/// stall line (each checkpoint's slowest rank).
+fn stall(text: &str) -> (f64, f64, f64, f64, u64) {
     let line = text
         .lines()
         .find(|l| l.starts_with("checkpoint stall"))
@@ -64,6 +67,7 @@ fn stall(text: &str) -> (f64, f64, f64, u64) {
         number_after("mean "),
         number_after("median "),
         number_after("max "),
+        number_after("of it "),
         number_after("state ") as u64,
     )
 }
@@ -139,10 +143,10 @@ fn main() {
 
     println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step)");
     println!(
-        "{:>8} {:>14} {:>26} {:>26} {:>20} {:>10} {:>16}",
+        "{:>8} {:>14} {:>34} {:>26} {:>20} {:>10} {:>16}",
         "d_model",
         "state/rank",
-        "ckptd mean/median/max ms",
+        "ckptd mean/median/max (CPU wait)",
         "in-process mean/median/max",
         "DCP async median/max",
         "in-proc/ckptd",
@@ -178,20 +182,26 @@ fn main() {
         let cluster = Cluster::start(dir, &run, &store, 2, &settings, Vec::new());
         let text = cluster.train(&args(dir, &run, &store, d_model, STEPS, 1));
         let ours = stall(&text);
-        let dcp = dcp_stall(ours.3, &dir.join(format!("dcp-{d_model}")));
+        let dcp = dcp_stall(ours.4, &dir.join(format!("dcp-{d_model}")));
         let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
-        memory.push((ours.3, rss));
+        memory.push((ours.4, rss));
         println!(
-            "{:>8} {:>11.1} MB {:>26} {:>26} {:>20} {:>9.0}x {:>13.1} MB",
+            "{:>8} {:>11.1} MB {:>34} {:>26} {:>20} {:>9.0}x {:>13.1} MB",
             d_model,
-            ours.3 as f64 / 1e6,
-            format!("{:.2} / {:.2} / {:.2}", ours.0, ours.1, ours.2),
+            ours.4 as f64 / 1e6,
+            format!(
+                "{:.2} / {:.2} / {:.2} ({:.1})",
+                ours.0, ours.1, ours.2, ours.3
+            ),
             format!("{:.1} / {:.1} / {:.1}", sync.0, sync.1, sync.2),
             dcp.map_or("skipped".into(), |(m, x)| format!("{m:.1} / {x:.1}")),
             sync.1 / ours.1.max(1e-6),
             rss as f64 / 1e6
         );
         if d_model == 512 {
+            // The run's last step is uploaded once the ranks are done: both daemons at once,
+            // nothing else on the cores, as the dd runs below. Its commit comes after both.
+            Ctl::new(store.clone(), &dir.join("index-512")).wait_for_latest(&run, STEPS);
             let upload =
                 [0, 1].map(|node| cluster.metric(node, "lazarus_ckptd_upload_bytes_per_second"));
             largest = Some((upload, store));
@@ -253,7 +263,7 @@ fn main() {
     let (upload, store) = largest.unwrap();
     println!();
     println!(
-        "3. upload rate of the last durable shard (d_model 512) against dd to the same file system"
+        "3. upload rate of the run's last durable step (d_model 512, uploaded after the ranks finished) against dd to the same file system"
     );
     let folder = Path::new(store.strip_prefix("file://").unwrap());
     let alone = dd_rates(folder, 1)[0];

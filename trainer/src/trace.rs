@@ -237,6 +237,17 @@ impl std::fmt::Display for StepProfile {
     }
 }
 
+/// How long the calling thread has been ready to run but waiting for a CPU, since it started
+/// (the kernel's `run_delay` in `/proc/thread-self/schedstat`); zero where the kernel does
+/// not say. The difference over a span of the training loop tells waiting for the cores
+/// (other processes on them) apart from waiting for an answer.
+pub fn cpu_wait() -> std::time::Duration {
+    std::fs::read_to_string("/proc/thread-self/schedstat")
+        .ok()
+        .and_then(|text| text.split_whitespace().nth(1)?.parse().ok())
+        .map_or(std::time::Duration::ZERO, std::time::Duration::from_nanos)
+}
+
 #[cfg(test)]
 mod tests {
     use super::{file_for, profile};

@@ -153,6 +153,8 @@ struct CkptdSaver {
     client: Ckptd,
     /// How long the last snapshot held the training loop.
     last_stall: std::time::Duration,
+    /// What the last [`Session::busy`] poll spent waiting for a CPU (part of the stall).
+    poll_cpu_wait: std::time::Duration,
     skipped: u64,
     /// When the last per-step heartbeat went, and this rank's time inside collectives then.
     heartbeat_mark: (Instant, f64),
@@ -181,8 +183,10 @@ struct Session {
     runtime: tokio::runtime::Runtime,
     state: TrainerState,
     saver: Saver,
-    /// Seconds the training loop stood still for each checkpoint or snapshot.
+    /// Seconds the training loop stood still for each checkpoint or snapshot, and of them
+    /// the seconds this thread was ready to run but waited for a CPU.
     stalls: Vec<f64>,
+    stalls_cpu_wait: Vec<f64>,
     /// Seconds of the pipeline steps so far, and of them waiting on neighbouring stages.
     pipeline_seconds: f64,
     pipeline_wait: f64,
@@ -201,23 +205,49 @@ struct Session {
 }
 
 impl Session {
-    /// How long the loop stood still for its checkpoints or snapshots, if it took any.
+    /// How long the loop stood still for its checkpoints or snapshots, if it took any: each
+    /// checkpoint's slowest rank (the others wait for it at the next collective), and how much
+    /// of that rank's stall it spent ready to run but waiting for a CPU (other processes on
+    /// its cores, the daemon's work among them). Collective: every rank checkpointed the same
+    /// steps.
     fn report_stalls(&self, log: &mut dyn Write) -> Result<()> {
-        if self.stalls.is_empty() {
+        let n = self.stalls.len();
+        let counts = self.world.all_gather_f64(Group::World, &[n as f64]);
+        if n == 0 || counts.iter().any(|c| *c as usize != n) {
             return Ok(());
         }
-        let n = self.stalls.len();
-        let mean = self.stalls.iter().sum::<f64>() / n as f64;
-        let max = self.stalls.iter().copied().fold(0.0, f64::max);
-        let mut sorted = self.stalls.clone();
+        let mine: Vec<f64> = self
+            .stalls
+            .iter()
+            .chain(&self.stalls_cpu_wait)
+            .copied()
+            .collect();
+        let all = self.world.all_gather_f64(Group::World, &mine);
+        // Per checkpoint, the slowest rank's (stall, CPU wait).
+        let slowest: Vec<(f64, f64)> = (0..n)
+            .map(|i| {
+                all.chunks(2 * n)
+                    .map(|rank| (rank[i], rank[n + i]))
+                    .fold((0.0, 0.0), |a, b| if b.0 > a.0 { b } else { a })
+            })
+            .collect();
+        let mean = slowest.iter().map(|s| s.0).sum::<f64>() / n as f64;
+        let max = slowest
+            .iter()
+            .copied()
+            .fold((0.0, 0.0), |a, b| if b.0 > a.0 { b } else { a });
+        let mut sorted: Vec<f64> = slowest.iter().map(|s| s.0).collect();
         sorted.sort_by(f64::total_cmp);
+        let cpu_wait = slowest.iter().map(|s| s.1).sum::<f64>();
         writeln!(
             log,
-            "checkpoint stall ({}) over {n} in-loop checkpoints: mean {:.3} ms, median {:.3} ms, max {:.3} ms, state {} bytes per rank",
+            "checkpoint stall ({}) over {n} in-loop checkpoints, slowest rank each: mean {:.3} ms, median {:.3} ms, max {:.3} ms (of it {:.3} ms waiting for a CPU; {:.0}% of all stall time), state {} bytes per rank",
             self.saver_name(),
             mean * 1e3,
             sorted[n / 2] * 1e3,
-            max * 1e3,
+            max.0 * 1e3,
+            max.1 * 1e3,
+            100.0 * cpu_wait / (mean * n as f64).max(f64::MIN_POSITIVE),
             4 * self.optim.state_len()
         )?;
         Ok(())
@@ -363,6 +393,7 @@ impl Session {
         self.saver = Saver::Ckptd(Box::new(CkptdSaver {
             client: ckptd,
             last_stall: std::time::Duration::ZERO,
+            poll_cpu_wait: std::time::Duration::ZERO,
             skipped: 0,
             heartbeat_mark: (Instant::now(), crate::dist::communication_seconds()),
         }));
@@ -501,10 +532,12 @@ impl Session {
             return (false, std::time::Duration::ZERO);
         };
         let started = Instant::now();
+        let waited = crate::trace::cpu_wait();
         let busy = saver
             .client
             .poll(step, std::time::Duration::ZERO, None)
             .unwrap_or(true);
+        saver.poll_cpu_wait = crate::trace::cpu_wait().saturating_sub(waited);
         (busy, started.elapsed())
     }
 
@@ -515,8 +548,11 @@ impl Session {
             return self.snapshot(last, Some((any_busy, poll_time)));
         }
         let started = Instant::now();
+        let waited = crate::trace::cpu_wait();
         self.checkpoint()?;
         self.stalls.push(started.elapsed().as_secs_f64());
+        self.stalls_cpu_wait
+            .push((crate::trace::cpu_wait().saturating_sub(waited)).as_secs_f64());
         Ok(true)
     }
 
@@ -603,6 +639,7 @@ impl Session {
         agreed: Option<(bool, std::time::Duration)>,
     ) -> Result<bool> {
         let started = Instant::now();
+        let waited = crate::trace::cpu_wait();
         let wait = last || self.config.checkpoint.busy == "wait";
         let deadline = Instant::now() + std::time::Duration::from_secs(600);
         let step = self.state.step;
@@ -646,6 +683,9 @@ impl Session {
         }
         saver.last_stall = started.elapsed() + poll_time;
         self.stalls.push(saver.last_stall.as_secs_f64());
+        let cpu_wait = crate::trace::cpu_wait().saturating_sub(waited)
+            + std::mem::take(&mut saver.poll_cpu_wait);
+        self.stalls_cpu_wait.push(cpu_wait.as_secs_f64());
         Ok(accepted)
     }
 
@@ -941,6 +981,7 @@ pub fn train(
         },
         saver: Saver::Store { bases: None },
         stalls: Vec::new(),
+        stalls_cpu_wait: Vec::new(),
         pipeline_seconds: 0.0,
         pipeline_wait: 0.0,
         activation_bytes: None,
