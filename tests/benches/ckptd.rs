@@ -11,6 +11,8 @@
 //!    system, and against one alone.
 //! 4. Peak RSS of a daemon against its node's snapshot bytes.
 //!
+//! Row 1 also prints the daemons' CPU seconds per snapshot over the run.
+//!
 //! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench ckptd
 
 // A benchmark program: a panic with its message is the failure report.
@@ -70,6 +72,18 @@ fn stall(text: &str) -> (f64, f64, f64, f64, u64) {
         number_after("of it "),
         number_after("state ") as u64,
     )
+}
+
+/// CPU seconds (user and system) process `pid` has used so far.
+fn cpu_seconds(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command's closing parenthesis; utime and stime are the 14th and 15th.
+    let fields: Vec<&str> = stat[stat.rfind(')').unwrap() + 2..]
+        .split_whitespace()
+        .collect();
+    let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
+    let output = Command::new("getconf").arg("CLK_TCK").output().unwrap();
+    ticks / text_of(&output).trim().parse::<f64>().unwrap()
 }
 
 fn vm_hwm_bytes(pid: u32) -> u64 {
@@ -143,14 +157,15 @@ fn main() {
 
     println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step)");
     println!(
-        "{:>8} {:>14} {:>34} {:>26} {:>20} {:>10} {:>16}",
+        "{:>8} {:>14} {:>34} {:>26} {:>20} {:>10} {:>16} {:>16}",
         "d_model",
         "state/rank",
         "ckptd mean/median/max (CPU wait)",
         "in-process mean/median/max",
         "DCP async median/max",
         "in-proc/ckptd",
-        "ckptd peak RSS"
+        "ckptd peak RSS",
+        "ckptd CPU/snap"
     );
     let mut largest = None;
     let mut memory = Vec::new();
@@ -182,11 +197,17 @@ fn main() {
         let cluster = Cluster::start(dir, &run, &store, 2, &settings, Vec::new());
         let text = cluster.train(&args(dir, &run, &store, d_model, STEPS, 1));
         let ours = stall(&text);
+        // Both daemons' CPU over the run, per snapshot (the hashing, sending and receiving of
+        // its replica, and the uploads of the durable steps finished by then).
+        let cpu = (0..2)
+            .map(|node| cpu_seconds(cluster.pid(node).unwrap()))
+            .sum::<f64>()
+            / (2 * STEPS) as f64;
         let dcp = dcp_stall(ours.4, &dir.join(format!("dcp-{d_model}")));
         let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
         memory.push((ours.4, rss));
         println!(
-            "{:>8} {:>11.1} MB {:>34} {:>26} {:>20} {:>9.0}x {:>13.1} MB",
+            "{:>8} {:>11.1} MB {:>34} {:>26} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
             d_model,
             ours.4 as f64 / 1e6,
             format!(
@@ -196,7 +217,8 @@ fn main() {
             format!("{:.1} / {:.1} / {:.1}", sync.0, sync.1, sync.2),
             dcp.map_or("skipped".into(), |(m, x)| format!("{m:.1} / {x:.1}")),
             sync.1 / ours.1.max(1e-6),
-            rss as f64 / 1e6
+            rss as f64 / 1e6,
+            cpu
         );
         if d_model == 512 {
             // The run's last step is uploaded once the ranks are done: both daemons at once,

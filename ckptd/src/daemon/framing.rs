@@ -1,6 +1,7 @@
 //! Authenticated framing between daemons (and `ckptctl status`) over TCP.
 //!
-//! Every frame carries the job key's MAC (`wire::encode`); `wire::read_frame` rejects one
+//! Every frame carries the job key's MAC (`wire::encode`, or over the payload's hash for a
+//! replica chunk, `wire::write_frame_hashed`); `wire::read_frame` rejects one
 //! that does not, or that is malformed or oversized. Here the network's time limits are
 //! added: a peer gets `CONNECT_TIMEOUT` to accept and `FRAME_TIMEOUT` to send its next frame
 //! of a conversation, so a silent or stopped peer never holds a task forever.
@@ -10,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, Context, Result};
 use lazarus_shared::wire::{self, Frame, JobKey, Message};
+use lazarus_shared::ChunkHash;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::{TcpSocket, TcpStream};
 
@@ -72,6 +74,25 @@ pub async fn write(
     tokio::time::timeout(
         FRAME_TIMEOUT,
         wire::write_frame(writer, message, payload, Some(key)),
+    )
+    .await
+    .map_err(|_| anyhow!("the peer took nothing for {FRAME_TIMEOUT:?}"))??;
+    Ok(())
+}
+
+/// [`write`] for a payload whose blake3 the sender already has (a replica chunk): the MAC
+/// covers that hash, and the reader's one pass over the bytes both checks it and names them
+/// (`wire::write_frame_hashed`).
+pub async fn write_hashed(
+    key: &JobKey,
+    writer: &mut (impl AsyncWrite + Unpin),
+    message: &Message,
+    payload: &[u8],
+    payload_hash: &ChunkHash,
+) -> Result<()> {
+    tokio::time::timeout(
+        FRAME_TIMEOUT,
+        wire::write_frame_hashed(writer, message, payload, payload_hash, Some(key)),
     )
     .await
     .map_err(|_| anyhow!("the peer took nothing for {FRAME_TIMEOUT:?}"))??;

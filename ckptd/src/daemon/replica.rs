@@ -12,8 +12,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
-use bytes::Bytes;
-use lazarus_shared::wire::{self, JobKey, Message, SlotTensor, WireError};
+use lazarus_shared::wire::{self, Frame, JobKey, Message, SlotTensor, WireError};
 use lazarus_shared::{ChunkHash, Rank, RunId};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
@@ -96,7 +95,7 @@ pub async fn receive(
                         frame.payload.len()
                     )));
                 }
-                if !write_chunk(&file, offset, hash, frame.payload).await? {
+                if !write_chunk(&file, offset, hash, frame).await? {
                     bail!(WireError::Malformed(format!(
                         "chunk {index} does not hash to its name"
                     )));
@@ -177,14 +176,19 @@ async fn write_chunk(
     file: &Arc<std::fs::File>,
     offset: u64,
     hash: ChunkHash,
-    payload: Bytes,
+    frame: Frame,
 ) -> Result<bool> {
     let file = file.clone();
     tokio::task::spawn_blocking(move || {
-        if ChunkHash::of(&payload) != hash {
+        // A hashed frame's reader already hashed the payload (one pass for the MAC and the
+        // name); a plain frame's payload is hashed here.
+        let found = frame
+            .payload_hash
+            .unwrap_or_else(|| ChunkHash::of(&frame.payload));
+        if found != hash {
             return Ok(false);
         }
-        file.write_all_at(&payload, offset)?;
+        file.write_all_at(&frame.payload, offset)?;
         Ok(true)
     })
     .await?
@@ -261,7 +265,9 @@ pub async fn send(
             index: index as u32,
             hash: *hash,
         };
-        framing::write(&daemon.key, stream, &message, &data).await?;
+        // Named by the hash taken when the replica arrived: bytes changed since then do not
+        // hash to it, and the asker refuses the frame.
+        framing::write_hashed(&daemon.key, stream, &message, &data, hash).await?;
     }
     framing::write(
         &daemon.key,
@@ -299,7 +305,7 @@ impl ReplicaSender {
 
     pub async fn data(&mut self, index: u32, hash: ChunkHash, data: &[u8]) -> Result<()> {
         let message = Message::ReplicaData { index, hash };
-        framing::write(&self.key, &mut self.stream, &message, data).await
+        framing::write_hashed(&self.key, &mut self.stream, &message, data, &hash).await
     }
 
     pub async fn end(mut self, chunks: Vec<ChunkHash>) -> Result<()> {
@@ -370,7 +376,7 @@ pub async fn fetch(
                     bail!("chunk {index} arrived out of order");
                 }
                 let offset = u64::from(index) * SLOT_CHUNK_BYTES;
-                if !write_chunk(&file, offset, hash, frame.payload).await? {
+                if !write_chunk(&file, offset, hash, frame).await? {
                     bail!("replica chunk {index} of rank {rank} step {step} does not verify");
                 }
                 hashes.push(hash);
