@@ -312,12 +312,8 @@ async fn session(
                     daemon.heartbeat_now.notify_one();
                 }
                 state.saw_compute(compute_us);
-                if let Some(loss) = loss {
-                    // Bounded: a node cut off from its leader keeps the newest.
-                    if state.losses.len() >= 1024 {
-                        state.losses.remove(0);
-                    }
-                    state.losses.push((step, loss));
+                if loss.is_some_and(|loss| state.heard_loss(step, loss)) {
+                    daemon.heartbeat_now.notify_one();
                 }
                 (state.reply(), Vec::new())
             }

@@ -43,7 +43,7 @@ pub async fn snapshot(
             daemon.metrics.snapshots_skipped.inc();
             return Ok(state.held_reply(true, false));
         }
-        HandOver::Accepted => {}
+        HandOver::Accepted => state.snapshot_step = Some(step),
     }
     daemon.metrics.snapshots.inc();
     let reply = state.held_reply(true, true);

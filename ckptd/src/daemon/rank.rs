@@ -107,6 +107,9 @@ pub struct RankState {
     pub unhealthy: Option<lazarus_shared::wire::BadStep>,
     /// `(step, loss)` reported since the last node heartbeat.
     pub losses: Vec<(u64, f64)>,
+    /// The step of the newest snapshot handed over: the loss of the step after it is what a
+    /// restore of it is checked against, so the leader hears that one at once.
+    pub snapshot_step: Option<u64>,
 }
 
 /// The answer to a snapshot hand-over.
@@ -170,6 +173,7 @@ impl RankState {
             restored_from: None,
             unhealthy: None,
             losses: Vec::new(),
+            snapshot_step: None,
         }
     }
 
@@ -291,6 +295,18 @@ impl RankState {
         }
         self.last_step = step;
         early
+    }
+
+    /// The rank reported the loss of `step`. True when the leader should hear it at once:
+    /// the step after the newest snapshot, whose loss a restore of that snapshot must repeat
+    /// (heard only with the next heartbeat, a restore could come first and go unchecked).
+    pub fn heard_loss(&mut self, step: u64, loss: f64) -> bool {
+        // Bounded: a node cut off from its leader keeps the newest.
+        if self.losses.len() >= 1024 {
+            self.losses.remove(0);
+        }
+        self.losses.push((step, loss));
+        self.snapshot_step.is_some_and(|s| s + 1 == step)
     }
 
     /// The rank's compute per step, smoothed: one slow step is not a straggler.
@@ -795,6 +811,25 @@ mod tests {
                 world.check();
             }
         }
+    }
+
+    /// The loss of the step after the newest snapshot goes to the leader at once (a restore
+    /// of that snapshot is checked against it); other losses wait for the heartbeat. Losses
+    /// kept for the leader stay bounded while it is unreachable.
+    #[test]
+    fn the_loss_after_a_snapshot_is_told_at_once_and_losses_stay_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut rank = RankState::new(0, 1, 64, Vec::new(), dir.path().to_path_buf());
+        assert!(!rank.heard_loss(71, 3.0), "no snapshot yet");
+        rank.snapshot_step = Some(70);
+        assert!(!rank.heard_loss(70, 3.1));
+        assert!(rank.heard_loss(71, 3.2));
+        assert!(!rank.heard_loss(72, 3.3));
+        for step in 0..2000 {
+            rank.heard_loss(step, 1.0);
+        }
+        assert_eq!(rank.losses.len(), 1024);
+        assert_eq!(rank.losses.last(), Some(&(1999, 1.0)));
     }
 
     #[test]
