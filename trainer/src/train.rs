@@ -183,10 +183,9 @@ struct Session {
     runtime: tokio::runtime::Runtime,
     state: TrainerState,
     saver: Saver,
-    /// Seconds the training loop stood still for each checkpoint or snapshot, and of them
+    /// Per checkpoint or snapshot: the seconds the training loop stood still, and of them
     /// the seconds this thread was ready to run but waited for a CPU.
-    stalls: Vec<f64>,
-    stalls_cpu_wait: Vec<f64>,
+    stalls: Vec<(f64, f64)>,
     /// Seconds of the pipeline steps so far, and of them waiting on neighbouring stages.
     pipeline_seconds: f64,
     pipeline_wait: f64,
@@ -216,26 +215,19 @@ impl Session {
         if n == 0 || counts.iter().any(|c| *c as usize != n) {
             return Ok(());
         }
-        let mine: Vec<f64> = self
-            .stalls
-            .iter()
-            .chain(&self.stalls_cpu_wait)
-            .copied()
-            .collect();
+        let mine: Vec<f64> = self.stalls.iter().flat_map(|&(s, w)| [s, w]).collect();
         let all = self.world.all_gather_f64(Group::World, &mine);
+        let by_stall = |a: &(f64, f64), b: &(f64, f64)| a.0.total_cmp(&b.0);
         // Per checkpoint, the slowest rank's (stall, CPU wait).
         let slowest: Vec<(f64, f64)> = (0..n)
-            .map(|i| {
+            .filter_map(|i| {
                 all.chunks(2 * n)
-                    .map(|rank| (rank[i], rank[n + i]))
-                    .fold((0.0, 0.0), |a, b| if b.0 > a.0 { b } else { a })
+                    .map(|rank| (rank[2 * i], rank[2 * i + 1]))
+                    .max_by(by_stall)
             })
             .collect();
         let mean = slowest.iter().map(|s| s.0).sum::<f64>() / n as f64;
-        let max = slowest
-            .iter()
-            .copied()
-            .fold((0.0, 0.0), |a, b| if b.0 > a.0 { b } else { a });
+        let max = slowest.iter().copied().max_by(by_stall).unwrap_or_default();
         let mut sorted: Vec<f64> = slowest.iter().map(|s| s.0).collect();
         sorted.sort_by(f64::total_cmp);
         let cpu_wait = slowest.iter().map(|s| s.1).sum::<f64>();
@@ -550,9 +542,12 @@ impl Session {
         let started = Instant::now();
         let waited = crate::trace::cpu_wait();
         self.checkpoint()?;
-        self.stalls.push(started.elapsed().as_secs_f64());
-        self.stalls_cpu_wait
-            .push((crate::trace::cpu_wait().saturating_sub(waited)).as_secs_f64());
+        self.stalls.push((
+            started.elapsed().as_secs_f64(),
+            crate::trace::cpu_wait()
+                .saturating_sub(waited)
+                .as_secs_f64(),
+        ));
         Ok(true)
     }
 
@@ -682,10 +677,10 @@ impl Session {
             let _ = ckptd.skipped(step);
         }
         saver.last_stall = started.elapsed() + poll_time;
-        self.stalls.push(saver.last_stall.as_secs_f64());
         let cpu_wait = crate::trace::cpu_wait().saturating_sub(waited)
             + std::mem::take(&mut saver.poll_cpu_wait);
-        self.stalls_cpu_wait.push(cpu_wait.as_secs_f64());
+        self.stalls
+            .push((saver.last_stall.as_secs_f64(), cpu_wait.as_secs_f64()));
         Ok(accepted)
     }
 
@@ -981,7 +976,6 @@ pub fn train(
         },
         saver: Saver::Store { bases: None },
         stalls: Vec::new(),
-        stalls_cpu_wait: Vec::new(),
         pipeline_seconds: 0.0,
         pipeline_wait: 0.0,
         activation_bytes: None,
