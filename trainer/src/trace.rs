@@ -237,20 +237,58 @@ impl std::fmt::Display for StepProfile {
     }
 }
 
-/// How long the calling thread has been ready to run but waiting for a CPU, since it started
-/// (the kernel's `run_delay` in `/proc/thread-self/schedstat`); zero where the kernel does
-/// not say. The difference over a span of the training loop tells waiting for the cores
-/// (other processes on them) apart from waiting for an answer.
-pub fn cpu_wait() -> std::time::Duration {
-    std::fs::read_to_string("/proc/thread-self/schedstat")
-        .ok()
-        .and_then(|text| text.split_whitespace().nth(1)?.parse().ok())
-        .map_or(std::time::Duration::ZERO, std::time::Duration::from_nanos)
+/// How long one thread has been ready to run but waiting for a CPU, since it started (the
+/// kernel's `run_delay` in `/proc/thread-self/schedstat`); zero where the kernel does not
+/// say. The difference over a span of the training loop tells waiting for the cores (other
+/// processes on them) apart from waiting for an answer. The file is opened once, by the
+/// thread it describes, and read again from its start: a read is one syscall, on the
+/// snapshot hand-off's path.
+#[derive(Debug)]
+pub struct CpuWait(Option<std::fs::File>);
+
+impl CpuWait {
+    /// For the calling thread.
+    pub fn of_this_thread() -> Self {
+        Self(std::fs::File::open("/proc/thread-self/schedstat").ok())
+    }
+
+    pub fn now(&self) -> std::time::Duration {
+        use std::os::unix::fs::FileExt;
+        let mut buffer = [0u8; 128];
+        self.0
+            .as_ref()
+            .and_then(|file| file.read_at(&mut buffer, 0).ok())
+            .and_then(|len| std::str::from_utf8(&buffer[..len]).ok())
+            .and_then(|text| text.split_whitespace().nth(1)?.parse().ok())
+            .map_or(std::time::Duration::ZERO, std::time::Duration::from_nanos)
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::{file_for, profile};
+    use super::{file_for, profile, CpuWait};
+
+    /// Read again through the one open file, the wait matches a fresh read of the kernel's
+    /// figure taken between two reads.
+    #[test]
+    fn the_cpu_wait_rereads_the_threads_schedstat() {
+        let wait = CpuWait::of_this_thread();
+        let before = wait.now();
+        let fresh = std::fs::read_to_string("/proc/thread-self/schedstat")
+            .unwrap()
+            .split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse()
+            .map(std::time::Duration::from_nanos)
+            .unwrap();
+        let after = wait.now();
+        assert!(
+            before <= fresh && fresh <= after,
+            "{before:?} {fresh:?} {after:?}"
+        );
+        assert!(after >= wait.now().saturating_sub(std::time::Duration::from_secs(1)));
+    }
     use std::path::Path;
 
     #[test]

@@ -186,6 +186,8 @@ struct Session {
     /// Per checkpoint or snapshot: the seconds the training loop stood still, and of them
     /// the seconds this thread was ready to run but waited for a CPU.
     stalls: Vec<(f64, f64)>,
+    /// This (the training) thread's wait for a CPU, for the stalls.
+    cpu_wait: crate::trace::CpuWait,
     /// Seconds of the pipeline steps so far, and of them waiting on neighbouring stages.
     pipeline_seconds: f64,
     pipeline_wait: f64,
@@ -524,12 +526,12 @@ impl Session {
             return (false, std::time::Duration::ZERO);
         };
         let started = Instant::now();
-        let waited = crate::trace::cpu_wait();
+        let waited = self.cpu_wait.now();
         let busy = saver
             .client
             .poll(step, std::time::Duration::ZERO, None)
             .unwrap_or(true);
-        saver.poll_cpu_wait = crate::trace::cpu_wait().saturating_sub(waited);
+        saver.poll_cpu_wait = self.cpu_wait.now().saturating_sub(waited);
         (busy, started.elapsed())
     }
 
@@ -540,13 +542,11 @@ impl Session {
             return self.snapshot(last, Some((any_busy, poll_time)));
         }
         let started = Instant::now();
-        let waited = crate::trace::cpu_wait();
+        let waited = self.cpu_wait.now();
         self.checkpoint()?;
         self.stalls.push((
             started.elapsed().as_secs_f64(),
-            crate::trace::cpu_wait()
-                .saturating_sub(waited)
-                .as_secs_f64(),
+            self.cpu_wait.now().saturating_sub(waited).as_secs_f64(),
         ));
         Ok(true)
     }
@@ -634,7 +634,7 @@ impl Session {
         agreed: Option<(bool, std::time::Duration)>,
     ) -> Result<bool> {
         let started = Instant::now();
-        let waited = crate::trace::cpu_wait();
+        let waited = self.cpu_wait.now();
         let wait = last || self.config.checkpoint.busy == "wait";
         let deadline = Instant::now() + std::time::Duration::from_secs(600);
         let step = self.state.step;
@@ -677,8 +677,8 @@ impl Session {
             let _ = ckptd.skipped(step);
         }
         saver.last_stall = started.elapsed() + poll_time;
-        let cpu_wait = crate::trace::cpu_wait().saturating_sub(waited)
-            + std::mem::take(&mut saver.poll_cpu_wait);
+        let cpu_wait =
+            self.cpu_wait.now().saturating_sub(waited) + std::mem::take(&mut saver.poll_cpu_wait);
         self.stalls
             .push((saver.last_stall.as_secs_f64(), cpu_wait.as_secs_f64()));
         Ok(accepted)
@@ -976,6 +976,7 @@ pub fn train(
         },
         saver: Saver::Store { bases: None },
         stalls: Vec::new(),
+        cpu_wait: crate::trace::CpuWait::of_this_thread(),
         pipeline_seconds: 0.0,
         pipeline_wait: 0.0,
         activation_bytes: None,
