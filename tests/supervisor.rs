@@ -261,14 +261,20 @@ fn two_ranks_per_node_under_srun_restart_in_place_and_move_together_to_a_spare()
     let Some((conf, _exclusive)) = lazarus_tests::exclusive_slurm_cluster() else {
         return;
     };
-    // The leader drains the lost node n2 in Slurm: it serves the other tests again after.
+    // The leader drains the lost node in Slurm (the world's second, whichever that is): it
+    // serves the other tests again after. Resuming a node that is not drained is refused
+    // and harmless.
     struct Resume(std::path::PathBuf);
     impl Drop for Resume {
         fn drop(&mut self) {
-            let _ = Command::new("scontrol")
-                .env("SLURM_CONF", &self.0)
-                .args(["update", "nodename=n2", "state=resume"])
-                .status();
+            for node in ["n1", "n2", "n3"] {
+                let _ = Command::new("scontrol")
+                    .env("SLURM_CONF", &self.0)
+                    .args(["update", &format!("nodename={node}"), "state=resume"])
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
+                    .status();
+            }
         }
     }
     let _resume = Resume(conf.clone());
@@ -328,9 +334,25 @@ fn two_ranks_per_node(launcher: &str, envs: Vec<(String, String)>) {
         cluster.logs()
     );
 
-    // 2. Node n2 dies with both its ranks: the spare n3 takes ranks 2 and 3.
+    // 2. The world's second node dies with both its ranks (2 and 3): the spare takes them.
+    // Which two of n1, n2 and n3 the leader launched on depends on the order their daemons
+    // linked to it: the launch event says ("mpiexec on n1,n2 (launcher pid P)").
+    let launched = detail_of(&timeline, "launch");
+    let active: Vec<String> = launched
+        .split_once(" on ")
+        .and_then(|(_, nodes)| nodes.split_whitespace().next())
+        .unwrap_or_default()
+        .split(',')
+        .map(str::to_string)
+        .collect();
+    assert_eq!(active.len(), 2, "{launched}");
+    let index = |node: &str| -> usize { node[1..].parse::<usize>().unwrap() - 1 };
+    let spare = ["n1", "n2", "n3"]
+        .into_iter()
+        .find(|n| !active.iter().any(|a| a == n))
+        .unwrap();
     let pids = [2, 3].map(|rank| rank_pid(&cluster, &ctl, rank, 70));
-    cluster.kill_node(1);
+    cluster.kill_node(index(&active[1]));
     for pid in pids {
         kill("KILL", pid);
     }
@@ -343,7 +365,10 @@ fn two_ranks_per_node(launcher: &str, envs: Vec<(String, String)>) {
         .nth(1)
         .unwrap();
     assert!(
-        lost["detail"].as_str().unwrap().contains("node n2 lost"),
+        lost["detail"]
+            .as_str()
+            .unwrap()
+            .contains(&format!("node {} lost", active[1])),
         "{lost}"
     );
     let relaunch = timeline
@@ -351,20 +376,26 @@ fn two_ranks_per_node(launcher: &str, envs: Vec<(String, String)>) {
         .filter(|e| e["kind"] == "relaunch")
         .nth(1)
         .unwrap();
+    let relaunched = relaunch["detail"].as_str().unwrap();
     assert!(
-        relaunch["detail"].as_str().unwrap().contains("n1,n3"),
+        relaunched.contains(active[0].as_str())
+            && relaunched.contains(spare)
+            && !relaunched.contains(active[1].as_str()),
         "{relaunch}"
     );
-    // Both of n2's ranks came to the spare from the buddy's replicas; n1's two ranks
-    // restored from their own memory both times.
+    // Both of the lost node's ranks came to the spare from the buddy's replicas; the first
+    // node's two ranks restored from their own memory both times.
     assert_eq!(
-        cluster.metric(2, "lazarus_ckptd_restores_total{tier=\"t1\"}"),
+        cluster.metric(index(spare), "lazarus_ckptd_restores_total{tier=\"t1\"}"),
         2.0,
         "{}",
         cluster.logs()
     );
     assert_eq!(
-        cluster.metric(0, "lazarus_ckptd_restores_total{tier=\"t0\"}"),
+        cluster.metric(
+            index(&active[0]),
+            "lazarus_ckptd_restores_total{tier=\"t0\"}"
+        ),
         4.0,
         "{}",
         cluster.logs()
