@@ -218,6 +218,8 @@ fn traced_profile(preset: &str, threads: usize, ranks: usize, data: &Path, out: 
 }
 
 fn main() {
+    // As the trainer does: the in-process timings run on the heap the trainer runs on.
+    lazarus_trainer::memory::keep_freed_memory();
     let preset = env_or("LAZARUS_BENCH_PRESET", "tiny");
     let threads: usize = env_or("LAZARUS_BENCH_THREADS", "2")
         .parse()

@@ -127,6 +127,7 @@ fn exit_code(error: &anyhow::Error) -> u8 {
 }
 
 pub fn main(cli: Cli) -> ExitCode {
+    crate::memory::keep_freed_memory();
     match run(cli) {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
