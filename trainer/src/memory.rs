@@ -9,7 +9,7 @@
 //! purges freed memory after a delay. [`keep_freed_memory`] turns the purge off: the heap
 //! stays at its peak and a step reuses the pages the step before used.
 
-use libmimalloc_sys::{mi_option_get, mi_option_set, mi_option_t};
+use libmimalloc_sys::{mi_option_set, mi_option_t};
 
 #[global_allocator]
 static HEAP: cap::Cap<mimalloc::MiMalloc> = cap::Cap::new(mimalloc::MiMalloc, usize::MAX);
@@ -32,17 +32,17 @@ pub fn keep_freed_memory() {
     }
 }
 
-/// The allocator's purge delay in milliseconds (-1: never).
-pub fn purge_delay() -> std::ffi::c_long {
-    // SAFETY: reads one integer option of the allocator.
-    #[allow(unsafe_code)]
-    unsafe {
-        mi_option_get(PURGE_DELAY)
-    }
-}
-
 #[cfg(test)]
 mod tests {
+    /// The allocator's purge delay in milliseconds (-1: never).
+    fn purge_delay() -> std::ffi::c_long {
+        // SAFETY: reads one integer option of the allocator.
+        #[allow(unsafe_code)]
+        unsafe {
+            libmimalloc_sys::mi_option_get(super::PURGE_DELAY)
+        }
+    }
+
     #[test]
     fn the_heap_count_follows_allocations() {
         let before = super::heap_bytes();
@@ -57,13 +57,13 @@ mod tests {
     fn the_purge_delay_option_is_the_one_turned_off() {
         // mimalloc's documented default purge delay is a positive number of milliseconds
         // (10 in version 2, 1000 in version 3); no other option near it defaults to either.
-        let default = super::purge_delay();
+        let default = purge_delay();
         assert!(
             default == 10 || default == 1000 || default == -1,
             "option {} reads {default}: not mimalloc's purge delay",
             super::PURGE_DELAY
         );
         super::keep_freed_memory();
-        assert_eq!(super::purge_delay(), -1);
+        assert_eq!(purge_delay(), -1);
     }
 }
