@@ -4,7 +4,9 @@
 //! 1. The training loop's stall per snapshot at three state sizes (it should be flat), each
 //!    snapshot's slowest rank, with the part of the largest stall that rank spent waiting for
 //!    a CPU; against the trainer's synchronous in-process save of the same state, and against
-//!    PyTorch DCP `async_save` of a state of the same bytes (skipped without torch).
+//!    PyTorch DCP `async_save` of a state of the same bytes (skipped without torch). The run's
+//!    last snapshot, which waits for a daemon still busy with the step before, in a column of
+//!    its own ("last snap", ms).
 //! 2. Stored/raw bytes over a 100-step run, against plain zstd (level 3) of every durable step.
 //! 3. Upload MB/s of the two daemons' shards of the run's last step (uploaded at once, after
 //!    the ranks finished), against two `dd` sequential writes (fsync) at once to the same file
@@ -72,6 +74,15 @@ fn stall(text: &str) -> (f64, f64, f64, f64, u64) {
         number_after("of it "),
         number_after("state ") as u64,
     )
+}
+
+/// Milliseconds the run's last snapshot took (it waits for a busy daemon, so the trainer
+/// does not count it among the stalls), if the stall line gives it.
+fn last_snapshot_ms(text: &str) -> Option<f64> {
+    let key = "busy with the step before, ";
+    let line = text.lines().find(|l| l.starts_with("checkpoint stall"))?;
+    let rest = &line[line.find(key)? + key.len()..];
+    rest.split_whitespace().next()?.parse().ok()
 }
 
 /// CPU seconds (user and system) process `pid` has used so far.
@@ -155,12 +166,13 @@ fn main() {
     let dir = dir.path();
     lazarus_tests::train::prepare_data(dir);
 
-    println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step)");
+    println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step; the last, which waits for a busy daemon, in its own column)");
     println!(
-        "{:>8} {:>14} {:>34} {:>26} {:>20} {:>10} {:>16} {:>16}",
+        "{:>8} {:>14} {:>34} {:>10} {:>26} {:>20} {:>10} {:>16} {:>16}",
         "d_model",
         "state/rank",
         "ckptd mean/median/max (CPU wait)",
+        "last snap",
         "in-process mean/median/max",
         "DCP async median/max",
         "in-proc/ckptd",
@@ -207,13 +219,14 @@ fn main() {
         let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
         memory.push((ours.4, rss));
         println!(
-            "{:>8} {:>11.1} MB {:>34} {:>26} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
+            "{:>8} {:>11.1} MB {:>34} {:>10} {:>26} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
             d_model,
             ours.4 as f64 / 1e6,
             format!(
                 "{:.2} / {:.2} / {:.2} ({:.1})",
                 ours.0, ours.1, ours.2, ours.3
             ),
+            last_snapshot_ms(&text).map_or("-".into(), |ms| format!("{ms:.1}")),
             format!("{:.1} / {:.1} / {:.1}", sync.0, sync.1, sync.2),
             dcp.map_or("skipped".into(), |(m, x)| format!("{m:.1} / {x:.1}")),
             sync.1 / ours.1.max(1e-6),

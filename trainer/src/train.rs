@@ -156,6 +156,9 @@ struct CkptdSaver {
     /// What the last [`Session::busy`] poll spent waiting for a CPU (part of the stall).
     poll_cpu_wait: std::time::Duration,
     skipped: u64,
+    /// Seconds the run's last snapshot took: it waits for a daemon still busy with the step
+    /// before, so it is not counted among the loop's stalls. 0 before it.
+    last_wait: f64,
     /// When the last per-step heartbeat went, and this rank's time inside collectives then.
     heartbeat_mark: (Instant, f64),
 }
@@ -210,20 +213,30 @@ impl Session {
     /// checkpoint's slowest rank (the others wait for it at the next collective), and how much
     /// of that rank's stall it spent ready to run but waiting for a CPU (other processes on
     /// its cores, the daemon's work among them). Collective: every rank checkpointed the same
-    /// steps.
+    /// steps. The run's last snapshot through `ckptd` waits for a daemon still busy with the
+    /// step before (the last step must be taken): its time is given on its own, not counted.
     fn report_stalls(&self, log: &mut dyn Write) -> Result<()> {
         let n = self.stalls.len();
         let counts = self.world.all_gather_f64(Group::World, &[n as f64]);
         if n == 0 || counts.iter().any(|c| *c as usize != n) {
             return Ok(());
         }
-        let mine: Vec<f64> = self.stalls.iter().flat_map(|&(s, w)| [s, w]).collect();
+        let last_wait = match &self.saver {
+            Saver::Ckptd(saver) => saver.last_wait,
+            Saver::Store { .. } => 0.0,
+        };
+        let mut mine: Vec<f64> = self.stalls.iter().flat_map(|&(s, w)| [s, w]).collect();
+        mine.push(last_wait);
         let all = self.world.all_gather_f64(Group::World, &mine);
+        let last_wait = all
+            .chunks(2 * n + 1)
+            .map(|rank| rank[2 * n])
+            .fold(0.0, f64::max);
         let by_stall = |a: &(f64, f64), b: &(f64, f64)| a.0.total_cmp(&b.0);
         // Per checkpoint, the slowest rank's (stall, CPU wait).
         let slowest: Vec<(f64, f64)> = (0..n)
             .filter_map(|i| {
-                all.chunks(2 * n)
+                all.chunks(2 * n + 1)
                     .map(|rank| (rank[2 * i], rank[2 * i + 1]))
                     .max_by(by_stall)
             })
@@ -233,9 +246,17 @@ impl Session {
         let mut sorted: Vec<f64> = slowest.iter().map(|s| s.0).collect();
         sorted.sort_by(f64::total_cmp);
         let cpu_wait = slowest.iter().map(|s| s.1).sum::<f64>();
+        let last = if last_wait > 0.0 {
+            format!(
+                "; the run's last snapshot, which waits for a daemon busy with the step before, {:.3} ms (not counted)",
+                last_wait * 1e3
+            )
+        } else {
+            String::new()
+        };
         writeln!(
             log,
-            "checkpoint stall ({}) over {n} in-loop checkpoints, slowest rank each: mean {:.3} ms, median {:.3} ms, max {:.3} ms (of it {:.3} ms waiting for a CPU; {:.0}% of all stall time), state {} bytes per rank",
+            "checkpoint stall ({}) over {n} in-loop checkpoints, slowest rank each: mean {:.3} ms, median {:.3} ms, max {:.3} ms (of it {:.3} ms waiting for a CPU; {:.0}% of all stall time), state {} bytes per rank{last}",
             self.saver_name(),
             mean * 1e3,
             sorted[n / 2] * 1e3,
@@ -389,6 +410,7 @@ impl Session {
             last_stall: std::time::Duration::ZERO,
             poll_cpu_wait: std::time::Duration::ZERO,
             skipped: 0,
+            last_wait: 0.0,
             heartbeat_mark: (Instant::now(), crate::dist::communication_seconds()),
         }));
         Ok(result)
@@ -679,8 +701,12 @@ impl Session {
         saver.last_stall = started.elapsed() + poll_time;
         let cpu_wait =
             self.cpu_wait.now().saturating_sub(waited) + std::mem::take(&mut saver.poll_cpu_wait);
-        self.stalls
-            .push((saver.last_stall.as_secs_f64(), cpu_wait.as_secs_f64()));
+        if last {
+            saver.last_wait = saver.last_wait.max(saver.last_stall.as_secs_f64());
+        } else {
+            self.stalls
+                .push((saver.last_stall.as_secs_f64(), cpu_wait.as_secs_f64()));
+        }
         Ok(accepted)
     }
 
