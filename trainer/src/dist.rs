@@ -443,43 +443,6 @@ impl World {
         }
         Cow::Owned(out)
     }
-
-    /// Variable all-to-all of f32 within a group: `send` holds the parts for rank 0, 1, ...
-    /// back to back, `send_counts[i]` elements for rank `i`; returns what each rank sent here,
-    /// in rank order, with the counts received from each.
-    pub fn all_to_all_v(
-        &self,
-        group: Group,
-        send: &[f32],
-        send_counts: &[usize],
-    ) -> (Vec<f32>, Vec<usize>) {
-        let Some(comm) = self.comm(group) else {
-            return (send.to_vec(), send_counts.to_vec());
-        };
-        let size = comm.size() as usize;
-        assert_eq!(send_counts.len(), size);
-        let counts: Vec<Count> = send_counts.iter().map(|c| count(*c)).collect();
-        let mut recv_counts = vec![0 as Count; size];
-        waiting(|| {
-            mpi::request::scope(|scope| {
-                yielding(comm.immediate_all_to_all_into(scope, &counts[..], &mut recv_counts[..]))
-            })
-        });
-        let send_displs = displacements(&counts);
-        let recv_displs = displacements(&recv_counts);
-        let total: usize = recv_counts.iter().map(|c| *c as usize).sum();
-        let mut received = vec![0f32; total];
-        {
-            let send = Partition::new(send, &counts[..], &send_displs[..]);
-            let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
-            waiting(|| {
-                mpi::request::scope(|scope| {
-                    yielding(comm.immediate_all_to_all_varcount_into(scope, &send, &mut recv))
-                })
-            });
-        }
-        (received, recv_counts.iter().map(|c| *c as usize).collect())
-    }
 }
 
 /// What travels between pipeline stages: a micro-batch's activations forward, their
@@ -540,17 +503,6 @@ impl World {
     }
 }
 
-/// Rows of `width` floats that travel between the ranks of an expert-parallel group: out in
-/// the forward pass ([`Dispatch`]) and back in the backward pass, or the reverse
-/// ([`Combine`]). `send_rows[i]` rows go to rank `i`; `recv_rows[i]` come from it.
-#[derive(Debug)]
-pub struct Exchange {
-    pub world: std::sync::Arc<World>,
-    pub width: usize,
-    pub send_rows: Vec<usize>,
-    pub recv_rows: Vec<usize>,
-}
-
 /// Time this rank spent inside collectives (moving data, or waiting for slower ranks).
 static COMMUNICATION_NANOS: AtomicU64 = AtomicU64::new(0);
 
@@ -586,146 +538,293 @@ pub fn communication_seconds() -> f64 {
     COMMUNICATION_NANOS.load(Ordering::Relaxed) as f64 / 1e9
 }
 
-/// Bytes this rank sent to and received from other ranks in expert exchanges, and the time
-/// spent in them, since the process started.
+/// Which of the four expert exchanges of a layer a pipelined all-to-all is: its name in the
+/// trace, where its span covers only the time the rank spends posting and waiting.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ExpertExchange {
+    /// Routed rows out to the ranks that hold their experts.
+    Dispatch,
+    /// The experts' outputs back to the ranks the rows came from.
+    Combine,
+    /// The gradient of the dispatched rows, back (the dispatch's backward).
+    DispatchBackward,
+    /// The gradient of the outputs, out again (the combine's backward).
+    CombineBackward,
+}
+
+impl ExpertExchange {
+    fn span(self) -> tracing::Span {
+        match self {
+            Self::Dispatch => tracing::info_span!("expert_dispatch"),
+            Self::Combine => tracing::info_span!("expert_combine"),
+            Self::DispatchBackward => tracing::info_span!("expert_dispatch_backward"),
+            Self::CombineBackward => tracing::info_span!("expert_combine_backward"),
+        }
+    }
+}
+
+/// One chunk of a pipelined variable all-to-all of f32: `send_counts[i]` values at
+/// `send_displs[i]` of the send buffer go to rank `i` of the group, and `recv_counts[i]`
+/// values come from it, stored back to back in rank order.
+#[derive(Clone, Debug, Default)]
+pub struct ChunkPlan {
+    pub send_counts: Vec<usize>,
+    pub send_displs: Vec<usize>,
+    pub recv_counts: Vec<usize>,
+}
+
+impl ChunkPlan {
+    pub fn recv_len(&self) -> usize {
+        self.recv_counts.iter().sum()
+    }
+}
+
+/// A [`ChunkPlan`] in MPI's counts.
+struct Posted {
+    send_counts: Vec<Count>,
+    send_displs: Vec<Count>,
+    recv_counts: Vec<Count>,
+    recv_displs: Vec<Count>,
+}
+
+impl From<&ChunkPlan> for Posted {
+    fn from(plan: &ChunkPlan) -> Self {
+        let recv_counts: Vec<Count> = plan.recv_counts.iter().map(|c| count(*c)).collect();
+        Self {
+            send_counts: plan.send_counts.iter().map(|c| count(*c)).collect(),
+            send_displs: plan.send_displs.iter().map(|d| count(*d)).collect(),
+            recv_displs: displacements(&recv_counts),
+            recv_counts,
+        }
+    }
+}
+
+/// The time a pipelined exchange spends in MPI calls (exposed: the rank waits) from its
+/// first post to its last completion (in flight: the chunks travel while the rank computes
+/// the others).
+struct Clock {
+    kind: ExpertExchange,
+    first_post: Option<std::time::Instant>,
+    exposed: std::time::Duration,
+}
+
+impl Clock {
+    fn new(kind: ExpertExchange) -> Self {
+        Self {
+            kind,
+            first_post: None,
+            exposed: std::time::Duration::ZERO,
+        }
+    }
+
+    fn exposed<T>(&mut self, call: impl FnOnce() -> T) -> T {
+        let _span = self.kind.span().entered();
+        let started = std::time::Instant::now();
+        self.first_post.get_or_insert(started);
+        let out = call();
+        self.exposed += started.elapsed();
+        out
+    }
+
+    fn finish(self, plans: &[ChunkPlan], me: usize) {
+        let remote: usize = plans
+            .iter()
+            .flat_map(|plan| {
+                let sent = plan.send_counts.iter().enumerate();
+                let received = plan.recv_counts.iter().enumerate();
+                sent.chain(received).filter(|(rank, _)| *rank != me)
+            })
+            .map(|(_, values)| values)
+            .sum();
+        let exposed = self.exposed.as_nanos() as u64;
+        let flight = self
+            .first_post
+            .map_or(0, |at| at.elapsed().as_nanos() as u64);
+        EXCHANGE_BYTES.fetch_add(4 * remote as u64, Ordering::Relaxed);
+        EXCHANGE_NANOS.fetch_add(exposed, Ordering::Relaxed);
+        EXCHANGE_FLIGHT_NANOS.fetch_add(flight, Ordering::Relaxed);
+        COMMUNICATION_NANOS.fetch_add(exposed, Ordering::Relaxed);
+    }
+}
+
+/// Bytes this rank sent to and received from other ranks in expert exchanges, the time it
+/// spent in MPI calls for them, and the time they were in flight, since the process started.
 static EXCHANGE_BYTES: AtomicU64 = AtomicU64::new(0);
 static EXCHANGE_NANOS: AtomicU64 = AtomicU64::new(0);
+static EXCHANGE_FLIGHT_NANOS: AtomicU64 = AtomicU64::new(0);
 
-/// `(bytes moved to or from other ranks, seconds)` of this rank's expert exchanges so far.
-pub fn exchange_totals() -> (u64, f64) {
-    (
-        EXCHANGE_BYTES.load(Ordering::Relaxed),
-        EXCHANGE_NANOS.load(Ordering::Relaxed) as f64 / 1e9,
-    )
+/// This rank's expert exchanges so far.
+#[derive(Clone, Copy, Debug)]
+pub struct ExchangeTotals {
+    /// Bytes moved to or from other ranks.
+    pub bytes: u64,
+    /// Seconds from each exchange's first post to its last completion.
+    pub in_flight_s: f64,
+    /// Seconds of those the rank spent in MPI calls, waiting; the rest it computed.
+    pub exposed_s: f64,
 }
 
-impl Exchange {
-    fn run(&self, data: &[f32], rows: &[usize], expect: &[usize]) -> candle_core::Result<Vec<f32>> {
-        let counts: Vec<usize> = rows.iter().map(|r| r * self.width).collect();
-        let started = std::time::Instant::now();
-        let (out, received) = self.world.all_to_all_v(Group::Expert, data, &counts);
-        let me = self.world.ep_rank();
-        let remote: usize = counts
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != me)
-            .map(|(_, c)| c)
-            .sum::<usize>()
-            + received
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| *i != me)
-                .map(|(_, c)| c)
-                .sum::<usize>();
-        EXCHANGE_BYTES.fetch_add(4 * remote as u64, Ordering::Relaxed);
-        EXCHANGE_NANOS.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        let expected: Vec<usize> = expect.iter().map(|r| r * self.width).collect();
-        if received != expected {
-            return Err(candle_core::Error::Msg(format!(
-                "expert exchange: received {received:?} values, expected {expected:?}"
-            )));
-        }
-        Ok(out)
+pub fn exchange_totals() -> ExchangeTotals {
+    let seconds = |nanos: &AtomicU64| nanos.load(Ordering::Relaxed) as f64 / 1e9;
+    ExchangeTotals {
+        bytes: EXCHANGE_BYTES.load(Ordering::Relaxed),
+        in_flight_s: seconds(&EXCHANGE_FLIGHT_NANOS),
+        exposed_s: seconds(&EXCHANGE_NANOS),
     }
 }
 
-fn exchange_op(
-    exchange: &Exchange,
-    storage: &candle_core::CpuStorage,
-    layout: &candle_core::Layout,
-    outbound: bool,
-) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-    let candle_core::CpuStorage::F32(values) = storage else {
-        return Err(candle_core::Error::Msg("expert exchange: f32 only".into()));
+/// Computes on one chunk's received values (`chunk`, values).
+pub type OnArrival<'c> = dyn FnMut(usize, &[f32]) -> candle_core::Result<()> + 'c;
+
+/// The local work of [`World::compute_then_exchange`], chunk by chunk.
+pub trait ChunkWork {
+    /// Makes chunk `chunk`'s send buffer.
+    fn produce(&mut self, chunk: usize) -> candle_core::Result<Vec<f32>>;
+    /// Work that the exchange does not wait for, run while chunk `chunk` is in flight.
+    fn meanwhile(&mut self, _chunk: usize) -> candle_core::Result<()> {
+        Ok(())
+    }
+}
+
+impl World {
+    /// A pipelined all-to-all whose data is all ready: every chunk of `send` (placed by
+    /// `plans`) is posted at once, and `on_arrival(c, values)` runs on chunk `c`'s values,
+    /// received into `into[c]`, in chunk order, while the later chunks are still in flight.
+    ///
+    /// The chunks are posted last first (in the same order on every rank, as MPI requires
+    /// of collectives): each chunk's request borrows its buffer only within its own scope, and
+    /// the scopes nest, so chunk 0's closes first and its values can be read while the outer
+    /// ones are still posted.
+    pub fn exchange_then_compute(
+        &self,
+        kind: ExpertExchange,
+        send: &[f32],
+        plans: &[ChunkPlan],
+        into: &mut [&mut [f32]],
+        on_arrival: &mut OnArrival<'_>,
+    ) -> candle_core::Result<()> {
+        assert_eq!(plans.len(), into.len(), "one buffer per chunk");
+        let (me, _) = self.position(Group::Expert);
+        let Some(comm) = self.comm(Group::Expert) else {
+            for (chunk, (plan, buffer)) in plans.iter().zip(into.iter_mut()).enumerate() {
+                let start = plan.send_displs[0];
+                buffer.copy_from_slice(&send[start..start + plan.send_counts[0]]);
+                on_arrival(chunk, buffer)?;
+            }
+            return Ok(());
+        };
+        let posted: Vec<Posted> = plans.iter().map(Posted::from).collect();
+        let mut clock = Clock::new(kind);
+        let result = receive_chunks(comm, send, &posted, into, on_arrival, &mut clock);
+        clock.finish(plans, me);
+        result
+    }
+
+    /// A pipelined all-to-all whose data is made chunk by chunk: `work.produce(c)` makes
+    /// chunk `c`'s send buffer, which is posted at once; `work.meanwhile(c)` then runs while it
+    /// travels, and so does the making of the next chunk. Returns each chunk's received values.
+    pub fn compute_then_exchange(
+        &self,
+        kind: ExpertExchange,
+        plans: &[ChunkPlan],
+        work: &mut dyn ChunkWork,
+    ) -> candle_core::Result<Vec<Vec<f32>>> {
+        let (me, _) = self.position(Group::Expert);
+        let mut received: Vec<Vec<f32>> = vec![Vec::new(); plans.len()];
+        let Some(comm) = self.comm(Group::Expert) else {
+            for (chunk, (plan, buffer)) in plans.iter().zip(received.iter_mut()).enumerate() {
+                let send = work.produce(chunk)?;
+                let start = plan.send_displs[0];
+                *buffer = send[start..start + plan.send_counts[0]].to_vec();
+                work.meanwhile(chunk)?;
+            }
+            return Ok(received);
+        };
+        let posted: Vec<Posted> = plans.iter().map(Posted::from).collect();
+        let mut clock = Clock::new(kind);
+        let mut stage = SendStage {
+            comm,
+            work,
+            clock: &mut clock,
+        };
+        let result = stage.send_chunks(&posted, 0, &mut received);
+        clock.finish(plans, me);
+        result.map(|()| received)
+    }
+}
+
+/// Posts the last of `plans` first, then the others inside its scope; runs `on_arrival` on
+/// each chunk once its scope has closed.
+fn receive_chunks(
+    comm: &SimpleCommunicator,
+    send: &[f32],
+    plans: &[Posted],
+    into: &mut [&mut [f32]],
+    on_arrival: &mut OnArrival<'_>,
+    clock: &mut Clock,
+) -> candle_core::Result<()> {
+    let (Some((plan, earlier)), Some((buffer, earlier_buffers))) =
+        (plans.split_last(), into.split_last_mut())
+    else {
+        return Ok(());
     };
-    let (start, end) = layout
-        .contiguous_offsets()
-        .ok_or_else(|| candle_core::Error::Msg("expert exchange: contiguous input only".into()))?;
-    let (send, recv) = if outbound {
-        (&exchange.send_rows, &exchange.recv_rows)
-    } else {
-        (&exchange.recv_rows, &exchange.send_rows)
-    };
-    let out = exchange.run(&values[start..end], send, recv)?;
-    let rows = out.len() / exchange.width.max(1);
-    Ok((
-        candle_core::CpuStorage::F32(out),
-        candle_core::Shape::from((rows, exchange.width)),
-    ))
+    let outgoing = Partition::new(send, &plan.send_counts[..], &plan.send_displs[..]);
+    let mut incoming = PartitionMut::new(
+        &mut buffer[..],
+        &plan.recv_counts[..],
+        &plan.recv_displs[..],
+    );
+    let before = mpi::request::scope(|scope| {
+        let request = clock
+            .exposed(|| comm.immediate_all_to_all_varcount_into(scope, &outgoing, &mut incoming));
+        let before = receive_chunks(comm, send, earlier, earlier_buffers, on_arrival, clock);
+        clock.exposed(|| yielding(request));
+        before
+    });
+    before?;
+    on_arrival(earlier.len(), buffer)
 }
 
-fn exchange_grad(
-    exchange: &Exchange,
-    grad: &candle_core::Tensor,
-    outbound: bool,
-) -> candle_core::Result<candle_core::Tensor> {
-    let grad = grad.contiguous()?;
-    let values: Vec<f32> = grad.flatten_all()?.to_vec1()?;
-    let (send, recv) = if outbound {
-        (&exchange.send_rows, &exchange.recv_rows)
-    } else {
-        (&exchange.recv_rows, &exchange.send_rows)
-    };
-    let out = exchange.run(&values, send, recv)?;
-    let rows = out.len() / exchange.width.max(1);
-    candle_core::Tensor::from_vec(out, (rows, exchange.width), &candle_core::Device::Cpu)
+/// What [`World::compute_then_exchange`] carries down its chunks.
+struct SendStage<'s> {
+    comm: &'s SimpleCommunicator,
+    work: &'s mut dyn ChunkWork,
+    clock: &'s mut Clock,
 }
 
-/// Sends each rank's rows to the ranks that hold their experts; the gradient goes back.
-#[derive(Clone, Debug)]
-pub struct Dispatch(pub std::sync::Arc<Exchange>);
-
-/// Returns the experts' outputs to the ranks the rows came from; the gradient goes out.
-#[derive(Clone, Debug)]
-pub struct Combine(pub std::sync::Arc<Exchange>);
-
-impl candle_core::CustomOp1 for Dispatch {
-    fn name(&self) -> &'static str {
-        "expert-dispatch"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let _span = tracing::info_span!("expert_dispatch").entered();
-        exchange_op(&self.0, storage, layout, true)
-    }
-
-    fn bwd(
-        &self,
-        _arg: &candle_core::Tensor,
-        _res: &candle_core::Tensor,
-        grad: &candle_core::Tensor,
-    ) -> candle_core::Result<Option<candle_core::Tensor>> {
-        let _span = tracing::info_span!("expert_dispatch_backward").entered();
-        exchange_grad(&self.0, grad, false).map(Some)
-    }
-}
-
-impl candle_core::CustomOp1 for Combine {
-    fn name(&self) -> &'static str {
-        "expert-combine"
-    }
-
-    fn cpu_fwd(
-        &self,
-        storage: &candle_core::CpuStorage,
-        layout: &candle_core::Layout,
-    ) -> candle_core::Result<(candle_core::CpuStorage, candle_core::Shape)> {
-        let _span = tracing::info_span!("expert_combine").entered();
-        exchange_op(&self.0, storage, layout, false)
-    }
-
-    fn bwd(
-        &self,
-        _arg: &candle_core::Tensor,
-        _res: &candle_core::Tensor,
-        grad: &candle_core::Tensor,
-    ) -> candle_core::Result<Option<candle_core::Tensor>> {
-        let _span = tracing::info_span!("expert_combine_backward").entered();
-        exchange_grad(&self.0, grad, true).map(Some)
+impl SendStage<'_> {
+    /// Makes and posts the first of `plans`, then the others inside its scope.
+    fn send_chunks(
+        &mut self,
+        plans: &[Posted],
+        chunk: usize,
+        received: &mut [Vec<f32>],
+    ) -> candle_core::Result<()> {
+        let (Some((plan, later)), Some((buffer, later_buffers))) =
+            (plans.split_first(), received.split_first_mut())
+        else {
+            return Ok(());
+        };
+        let data = self.work.produce(chunk)?;
+        *buffer = vec![0f32; plan.recv_counts.iter().map(|c| *c as usize).sum()];
+        let outgoing = Partition::new(&data[..], &plan.send_counts[..], &plan.send_displs[..]);
+        let mut incoming = PartitionMut::new(
+            &mut buffer[..],
+            &plan.recv_counts[..],
+            &plan.recv_displs[..],
+        );
+        let comm = self.comm;
+        mpi::request::scope(|scope| {
+            let request = self.clock.exposed(|| {
+                comm.immediate_all_to_all_varcount_into(scope, &outgoing, &mut incoming)
+            });
+            let rest = self
+                .work
+                .meanwhile(chunk)
+                .and_then(|()| self.send_chunks(later, chunk + 1, later_buffers));
+            self.clock.exposed(|| yielding(request));
+            rest
+        })
     }
 }
 

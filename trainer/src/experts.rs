@@ -85,11 +85,12 @@ impl Groups {
     ) -> Vec<T> {
         let mut out = vec![T::ZERO; rows * outer];
         for (expert, first, last) in self.owned() {
-            matmul(
+            expert_forward(
                 &mut out[first * outer..last * outer],
-                MatRef::row_major(&x[first * inner..last * inner], last - first, inner),
-                expert_weight(w, expert, inner, outer),
-                false,
+                &x[first * inner..last * inner],
+                w,
+                expert,
+                (last - first, inner, outer),
             );
         }
         out
@@ -105,10 +106,12 @@ impl Groups {
         accumulate: bool,
     ) {
         for (expert, first, last) in self.owned() {
-            matmul(
+            expert_backward_input(
                 &mut grad_x[first * inner..last * inner],
-                MatRef::row_major(&grad[first * outer..last * outer], last - first, outer),
-                expert_weight(w, expert, inner, outer).t(),
+                &grad[first * outer..last * outer],
+                w,
+                expert,
+                (last - first, inner, outer),
                 accumulate,
             );
         }
@@ -123,15 +126,63 @@ impl Groups {
     ) -> Vec<T> {
         let mut grad_w = vec![T::ZERO; self.experts() * inner * outer];
         for (expert, first, last) in self.owned() {
-            matmul(
+            expert_backward_weight(
                 &mut grad_w[expert * inner * outer..(expert + 1) * inner * outer],
-                MatRef::row_major(&x[first * inner..last * inner], last - first, inner).t(),
-                MatRef::row_major(&grad[first * outer..last * outer], last - first, outer),
-                false,
+                &x[first * inner..last * inner],
+                &grad[first * outer..last * outer],
+                (last - first, inner, outer),
             );
         }
         grad_w
     }
+}
+
+/// `out = x w[expert]` for one expert's rows: `x: [rows, in]`, `w: [experts, in, out]`.
+pub(crate) fn expert_forward<T: SoftmaxRow>(
+    out: &mut [T],
+    x: &[T],
+    w: &[T],
+    expert: usize,
+    (rows, inner, outer): (usize, usize, usize),
+) {
+    matmul(
+        out,
+        MatRef::row_major(x, rows, inner),
+        expert_weight(w, expert, inner, outer),
+        false,
+    );
+}
+
+/// `grad_x (+)= grad w[expert]^T` for one expert's rows.
+pub(crate) fn expert_backward_input<T: SoftmaxRow>(
+    grad_x: &mut [T],
+    grad: &[T],
+    w: &[T],
+    expert: usize,
+    (rows, inner, outer): (usize, usize, usize),
+    accumulate: bool,
+) {
+    matmul(
+        grad_x,
+        MatRef::row_major(grad, rows, outer),
+        expert_weight(w, expert, inner, outer).t(),
+        accumulate,
+    );
+}
+
+/// `grad_w = x^T grad`: one expert's `[in, out]` weight gradient from its rows.
+pub(crate) fn expert_backward_weight<T: SoftmaxRow>(
+    grad_w: &mut [T],
+    x: &[T],
+    grad: &[T],
+    (rows, inner, outer): (usize, usize, usize),
+) {
+    matmul(
+        grad_w,
+        MatRef::row_major(x, rows, inner).t(),
+        MatRef::row_major(grad, rows, outer),
+        false,
+    );
 }
 
 /// Expert `expert`'s `[in, out]` matrix inside a stacked `[experts, in, out]` weight.
@@ -249,6 +300,12 @@ fn sigmoid<T: SoftmaxRow>(a: T) -> T {
 /// `silu(gate) * up`, elementwise, in parallel.
 fn swiglu<T: SoftmaxRow>(gate: &[T], up: &[T]) -> Vec<T> {
     let mut out = vec![T::ZERO; gate.len()];
+    swiglu_into(&mut out, gate, up);
+    out
+}
+
+/// [`swiglu`] into `out`.
+pub(crate) fn swiglu_into<T: SoftmaxRow>(out: &mut [T], gate: &[T], up: &[T]) {
     out.par_chunks_mut(4096)
         .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
         .for_each(|(out, (gate, up))| {
@@ -256,11 +313,10 @@ fn swiglu<T: SoftmaxRow>(gate: &[T], up: &[T]) -> Vec<T> {
                 *o = *a * sigmoid(*a) * *b;
             }
         });
-    out
 }
 
 /// Gradients of the gate and up projections given the upstream gradient of `silu(a) * b`.
-fn swiglu_backward<T: SoftmaxRow>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+pub(crate) fn swiglu_backward<T: SoftmaxRow>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
     let mut grad_gate = vec![T::ZERO; gate.len()];
     let mut grad_up = vec![T::ZERO; gate.len()];
     let one = T::from_f64(1.0);

@@ -8,6 +8,7 @@ pub mod config;
 mod custom_op;
 pub mod data;
 pub mod dist;
+pub mod expert_parallel;
 pub mod experts;
 pub mod health;
 pub mod kernels;

@@ -21,7 +21,8 @@ use rand_distr::{Distribution, Normal};
 
 use crate::attention::CausalAttention;
 use crate::config::ModelConfig;
-use crate::dist::{Combine, Dispatch, Exchange, Group, World};
+use crate::dist::{Group, World};
+use crate::expert_parallel::{DispatchSwiGlu, DownCombine, Route};
 use crate::experts::{GroupedMatmul, Groups, SwiGlu};
 use crate::loss::LinearCrossEntropy;
 use crate::norm::RmsNorm;
@@ -592,9 +593,9 @@ impl Model {
     /// Expert parallelism: `sorted` holds this rank's routed rows in global expert order,
     /// which is destination-rank order; `sent[i]` rows for the `i`-th expert this rank's
     /// tensor-parallel place runs (`local` experts on each rank of the expert-parallel group).
-    /// They travel to the ranks that hold their experts (all-to-all with variable counts), run
-    /// through the local experts, and come back in the same order. Gradients travel both
-    /// exchanges in reverse.
+    /// They travel to the ranks that hold their experts, run through the local experts, and
+    /// come back in the same order, each exchange pipelined with the experts' compute
+    /// (`expert_parallel.rs`). Gradients travel both exchanges in reverse.
     fn remote_experts(
         &self,
         layer: &Layer,
@@ -603,48 +604,23 @@ impl Model {
         sent: &[usize],
         local: usize,
     ) -> Result<Tensor> {
-        let ep = world.layout.ep;
         // received[src * local + e]: rows rank src sends for local expert e.
         let received = world.all_to_all_usize(Group::Expert, sent, local);
-        let exchange = Arc::new(Exchange {
-            world: world.clone(),
-            width: self.config.d_model,
-            send_rows: sent.chunks(local).map(|c| c.iter().sum()).collect(),
-            recv_rows: received.chunks(local).map(|c| c.iter().sum()).collect(),
-        });
-        let arrived = sorted.apply_op1(Dispatch(exchange.clone()))?;
-        // Arrived rows are by source rank, then local expert; the experts want them by expert.
-        let mut starts = vec![0usize; ep * local];
-        let mut next = 0;
-        for (slot, count) in received.iter().enumerate() {
-            starts[slot] = next;
-            next += count;
-        }
-        let mut by_expert = Vec::with_capacity(next);
-        for expert in 0..local {
-            for source in 0..ep {
-                let slot = source * local + expert;
-                by_expert.extend((starts[slot]..starts[slot] + received[slot]).map(|r| r as u32));
-            }
-        }
-        let mut back = vec![0u32; by_expert.len()];
-        for (position, row) in by_expert.iter().enumerate() {
-            back[*row as usize] = position as u32;
-        }
-        let counts: Vec<usize> = (0..local)
-            .map(|e| (0..ep).map(|s| received[s * local + e]).sum())
-            .collect();
-        let groups = Groups::from_counts(&counts);
-        let outputs = arrived
-            .index_select(&Tensor::new(by_expert.as_slice(), &self.device)?, 0)?
+        let route = Arc::new(Route::new(
+            world.clone(),
+            self.config.d_model,
+            local,
+            sent.to_vec(),
+            received,
+        ));
+        sorted
+            .contiguous()?
             .apply_op3(
                 &layer.expert_gate,
                 &layer.expert_up,
-                SwiGlu::new(groups.clone()),
+                DispatchSwiGlu::new(route.clone()),
             )?
-            .apply_op2(&layer.expert_down, GroupedMatmul(groups))?
-            .index_select(&Tensor::new(back.as_slice(), &self.device)?, 0)?;
-        outputs.apply_op1(Combine(exchange))
+            .apply_op2(&layer.expert_down, DownCombine(route))
     }
 
     /// The dropless MoE block on `x: [tokens, d_model]`.

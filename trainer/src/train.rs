@@ -1356,12 +1356,14 @@ pub fn train(
         )?;
     }
     if layout.ep > 1 {
-        let (bytes, seconds) = crate::dist::exchange_totals();
+        let totals = crate::dist::exchange_totals();
+        let meanwhile = (totals.in_flight_s - totals.exposed_s).max(0.0);
         writeln!(
             log,
-            "expert all-to-all on rank 0: {:.1} MB to and from other ranks in {seconds:.2} s ({:.0} MB/s)",
-            bytes as f64 / 1e6,
-            bytes as f64 / 1e6 / seconds.max(1e-9)
+            "expert all-to-all on rank 0: {:.1} MB to and from other ranks; the rank waited in it {:.2} s ({:.0} MB/s) and computed {meanwhile:.2} s while chunks of it were posted",
+            totals.bytes as f64 / 1e6,
+            totals.exposed_s,
+            totals.bytes as f64 / 1e6 / totals.exposed_s.max(1e-9),
         )?;
     }
     checks.report(
