@@ -160,6 +160,11 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     run(1, &args(&dir, "single", 10, 4));
     let said = run(2, &args(&dir, "dp2", 10, 2));
     assert!(said.contains("2 ranks (data parallel 2"), "{said}");
+    // The gradient was reduced layer by layer around the backward pass (the default).
+    assert!(
+        said.contains("gradient reduce-scatter on rank 0, layer by layer"),
+        "{said}"
+    );
     let single = losses(&dir, "single");
     let dp2 = losses(&dir, "dp2");
     println!("single: {single:?}\ndp2:    {dp2:?}");

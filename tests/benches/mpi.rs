@@ -1,7 +1,9 @@
 //! Distributed trainer benchmark (real mpiexec): prints figures with baselines from the same run.
 //!
 //! 1. Tokens/s of the `tiny` preset at 1 rank (2 threads) and 2 ranks (1 thread each), data
-//!    parallel and expert parallel, on the same global batch of 8 sequences.
+//!    parallel and expert parallel, on the same global batch of 8 sequences; data parallel
+//!    also with the gradient reduced after the backward pass instead of around it, and the
+//!    time the reduce-scatter was in flight and waited on.
 //! 2. Optimizer-state bytes per rank against the ZeRO-1 formula.
 //! 3. The expert all-to-all's MB/s against a plain MPI all-to-all of 1 MiB per peer.
 //!
@@ -19,8 +21,8 @@ use lazarus_tests::train::{line_with, mean_tokens_per_second, TrainerArgs};
 const STEPS: u64 = 6;
 const WARMUP: u64 = 2;
 
-fn train(dir: &Path, ranks: usize, ep: usize) -> (f64, String) {
-    let run = format!("n{ranks}-ep{ep}");
+fn train(dir: &Path, ranks: usize, ep: usize, overlap: bool) -> (f64, String) {
+    let run = format!("n{ranks}-ep{ep}-overlap-{overlap}");
     let mut command = if ranks == 1 {
         Command::new(bin("trainer"))
     } else {
@@ -36,6 +38,7 @@ fn train(dir: &Path, ranks: usize, ep: usize) -> (f64, String) {
             .set("train.micro_batch", 8 / ranks)
             .set("train.threads", 2 / ranks)
             .set("parallel.ep", ep)
+            .set("parallel.overlap_grad_reduce", overlap)
             .sets([
                 "train.log_every=1",
                 "train.val_every=1000",
@@ -56,18 +59,25 @@ fn main() {
     let dir = tempfile::tempdir().unwrap();
     lazarus_tests::train::prepare_data(dir.path());
     println!("distributed trainer benchmark: preset tiny, global batch 8 x 256 tokens, {STEPS} steps, tokens/s averaged after {WARMUP}");
-    let (one, _) = train(dir.path(), 1, 1);
-    let (dp2, dp2_text) = train(dir.path(), 2, 1);
-    let (ep2, ep2_text) = train(dir.path(), 2, 2);
+    let (one, _) = train(dir.path(), 1, 1, true);
+    let (after, _) = train(dir.path(), 2, 1, false);
+    let (dp2, dp2_text) = train(dir.path(), 2, 1, true);
+    let (ep2, ep2_text) = train(dir.path(), 2, 2, true);
     println!("  N=1 (2 threads):          {one:>6.0} tokens/s   1.00x");
     println!(
         "  N=2 EP=1 (1 thread each): {dp2:>6.0} tokens/s   {:.2}x",
         dp2 / one
     );
     println!(
+        "  N=2 EP=1, gradient reduced after the backward pass (overlap_grad_reduce = false): {after:>6.0} tokens/s   {:.2}x",
+        after / one
+    );
+    println!(
         "  N=2 EP=2 (1 thread each): {ep2:>6.0} tokens/s   {:.2}x",
         ep2 / one
     );
+    println!("gradient reduce-scatter, layer by layer around the backward pass:");
+    println!("  N=2 EP=1: {}", line_with(&dp2_text, "gradient reduce-scatter"));
     println!("optimizer state per rank (rank 0) against ZeRO-1's prediction:");
     println!("  N=2 EP=1: {}", line_with(&dp2_text, "ZeRO-1 predicts"));
     println!("  N=2 EP=2: {}", line_with(&ep2_text, "ZeRO-1 predicts"));

@@ -133,6 +133,14 @@ pub struct ParallelConfig {
     /// Model chunks per pipeline rank under the interleaved schedule.
     #[serde(default = "one")]
     pub virtual_stages: usize,
+    /// Reduce-scatter each layer's gradients while the layers below it run their backward
+    /// pass (the step's last micro-batch), rather than all of them after it.
+    #[serde(default = "yes")]
+    pub overlap_grad_reduce: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 fn one() -> usize {
@@ -152,6 +160,7 @@ impl Default for ParallelConfig {
             micro_batches: 1,
             schedule: one_f_one_b(),
             virtual_stages: 1,
+            overlap_grad_reduce: true,
         }
     }
 }

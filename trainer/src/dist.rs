@@ -402,13 +402,68 @@ impl World {
                 })
             });
         }
-        let mut sum = vec![0f32; mine];
-        for contribution in received.chunks(mine.max(1)) {
-            for (total, value) in sum.iter_mut().zip(contribution) {
-                *total += value;
+        Cow::Owned(sum_in_rank_order(&received, mine))
+    }
+
+    /// One piece of a [`World::reduce_scatter`], posted before `meanwhile` runs and completed
+    /// after it, so that the transfer overlaps whatever `meanwhile` computes: `piece` holds
+    /// the elements `at..at + piece.len()` of this rank's full vector, which `bounds`
+    /// (absolute) splits over the group. Returns what `meanwhile` returned and the sums of
+    /// the part of this rank's share that `piece` covers, each element added in rank order:
+    /// the pieces of a vector give the bits its whole reduce-scatter gives.
+    pub fn reduce_scatter_around<R>(
+        &self,
+        group: Group,
+        piece: &[f32],
+        at: usize,
+        bounds: &[usize],
+        meanwhile: impl FnOnce() -> R,
+    ) -> (R, Vec<f32>) {
+        let (me, size) = self.position(group);
+        assert_eq!(bounds.len(), size + 1, "one bound per rank and the end");
+        let end = at + piece.len();
+        let clipped = |rank: usize| bounds[rank].clamp(at, end)..bounds[rank + 1].clamp(at, end);
+        let mine = clipped(me);
+        let Some(comm) = self.comm(group) else {
+            return (meanwhile(), piece[mine.start - at..mine.end - at].to_vec());
+        };
+        let send_counts: Vec<Count> = (0..size).map(|r| count(clipped(r).len())).collect();
+        let send_displs: Vec<Count> = (0..size).map(|r| count(clipped(r).start - at)).collect();
+        let recv_counts = vec![count(mine.len()); size];
+        let recv_displs = displacements(&recv_counts);
+        let mut received = vec![0f32; mine.len() * size];
+        let send = Partition::new(piece, &send_counts[..], &send_displs[..]);
+        let mut recv = PartitionMut::new(&mut received[..], &recv_counts[..], &recv_displs[..]);
+        // Pieces nest (each one's `meanwhile` posts the next): the outermost one's time in
+        // flight is all of theirs.
+        let outermost = REDUCE_NESTING.fetch_add(1, Ordering::Relaxed) == 0;
+        let posted = std::time::Instant::now();
+        let mut exposed = std::time::Duration::ZERO;
+        let span = || tracing::info_span!("reduce_scatter", floats = piece.len());
+        let result = mpi::request::scope(|scope| {
+            let request = {
+                let _span = span().entered();
+                comm.immediate_all_to_all_varcount_into(scope, &send, &mut recv)
+            };
+            exposed += posted.elapsed();
+            let result = meanwhile();
+            let waiting = std::time::Instant::now();
+            {
+                let _span = span().entered();
+                yielding(request);
             }
+            exposed += waiting.elapsed();
+            result
+        });
+        let exposed_nanos = exposed.as_nanos() as u64;
+        COMMUNICATION_NANOS.fetch_add(exposed_nanos, Ordering::Relaxed);
+        GRAD_REDUCE_NANOS.fetch_add(exposed_nanos, Ordering::Relaxed);
+        REDUCE_NESTING.fetch_sub(1, Ordering::Relaxed);
+        if outermost {
+            GRAD_REDUCE_FLIGHT_NANOS
+                .fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
-        Cow::Owned(sum)
+        (result, sum_in_rank_order(&received, mine.len()))
     }
 
     /// All-gather of pieces split at `bounds`: every rank gets the whole vector. A group of
@@ -501,6 +556,35 @@ impl World {
         COMMUNICATION_NANOS.fetch_add(nanos, Ordering::Relaxed);
         received
     }
+}
+
+/// Each rank's contribution to `len` elements, back to back in rank order, summed in rank
+/// order.
+fn sum_in_rank_order(received: &[f32], len: usize) -> Vec<f32> {
+    let mut sum = vec![0f32; len];
+    for contribution in received.chunks(len.max(1)) {
+        for (total, value) in sum.iter_mut().zip(contribution) {
+            *total += value;
+        }
+    }
+    sum
+}
+
+/// The time this rank spent in MPI calls for gradient reduce-scatters posted around the
+/// backward pass ([`World::reduce_scatter_around`]), and the time they were in flight.
+static GRAD_REDUCE_NANOS: AtomicU64 = AtomicU64::new(0);
+static GRAD_REDUCE_FLIGHT_NANOS: AtomicU64 = AtomicU64::new(0);
+/// How many [`World::reduce_scatter_around`] calls are under way on this rank.
+static REDUCE_NESTING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// `(seconds in flight, seconds of those waited in MPI)` of this rank's gradient
+/// reduce-scatters posted around the backward pass, since the process started.
+pub fn overlapped_reduce_totals() -> (f64, f64) {
+    let seconds = |nanos: &AtomicU64| nanos.load(Ordering::Relaxed) as f64 / 1e9;
+    (
+        seconds(&GRAD_REDUCE_FLIGHT_NANOS),
+        seconds(&GRAD_REDUCE_NANOS),
+    )
 }
 
 /// Time this rank spent inside collectives (moving data, or waiting for slower ranks).

@@ -166,6 +166,27 @@ pub struct Forward {
     pub expert_load: Vec<Vec<u64>>,
     /// A stage before the last: its output, for the next stage.
     pub hidden: Option<Tensor>,
+    /// With [`Model::stage_forward_cut`], the stage's layers one by one, bottom to top, each
+    /// differentiable on its own: the backward pass can hand each layer's gradients on (to a
+    /// reduce-scatter) before the layers below it have run. Empty otherwise.
+    pub segments: Vec<Segment>,
+}
+
+/// One layer of a forward pass cut apart ([`Model::stage_forward_cut`]): the backward pass of
+/// the whole is `objective`'s, plus `<output, gradient of the next segment's input>` where a
+/// segment above was cut from this one, segment by segment from the top.
+#[derive(Debug)]
+pub struct Segment {
+    /// The layer (absolute index). The bottom segment of the first stage holds the embedding
+    /// as well, the top segment of the last stage the final norm and the LM head.
+    pub layer: usize,
+    /// This segment's part of the loss: its layer's share of the router losses, and on the
+    /// top segment of the last stage the cross-entropy.
+    pub objective: Tensor,
+    /// The input, cut from the segment below: the variable whose gradient flows down.
+    pub input: Option<Var>,
+    /// The output, where the segment above was cut from it.
+    pub output: Option<Tensor>,
 }
 
 /// What a stage's blocks return: their output and each layer's router figures.
@@ -174,6 +195,9 @@ struct Body {
     load_balancing: Vec<Tensor>,
     router_z: Vec<Tensor>,
     expert_load: Vec<Vec<u64>>,
+    /// Where the layers were cut apart (see [`Segment`]): before each layer but the first,
+    /// the output of the layers below and the next layer's input, a copy of it as a variable.
+    cuts: Vec<(Tensor, Var)>,
 }
 
 /// What one MoE block returns.
@@ -398,6 +422,19 @@ impl Model {
         hidden: Option<&Tensor>,
         training: bool,
     ) -> Result<Forward> {
+        self.stage_forward_cut(tokens, batch, hidden, training, false)
+    }
+
+    /// [`Model::stage_forward`], cut apart at every layer when `cut` (see [`Segment`]): the
+    /// same values; each cut holds one more copy of the residual stream.
+    pub fn stage_forward_cut(
+        &self,
+        tokens: &[u32],
+        batch: usize,
+        hidden: Option<&Tensor>,
+        training: bool,
+        cut: bool,
+    ) -> Result<Forward> {
         let c = &self.config;
         let seq = tokens.len() / batch - 1;
         assert_eq!(
@@ -423,13 +460,37 @@ impl Model {
         };
         let Body {
             hidden: x,
-            load_balancing,
-            router_z,
+            load_balancing: layer_balancing,
+            router_z: layer_z,
             expert_load,
-        } = self.body(x, batch, seq)?;
+            cuts,
+        } = self.body(x, batch, seq, cut)?;
         let layers = c.layers as f64;
-        let load_balancing = (Tensor::stack(&load_balancing, 0)?.sum_all()? / layers)?;
-        let router_z = (Tensor::stack(&router_z, 0)?.sum_all()? / layers)?;
+        // Each layer's share of the router losses, for the layers in `range`.
+        let router_share = |range: Range<usize>| -> Result<Tensor> {
+            let balancing =
+                (Tensor::stack(&layer_balancing[range.clone()], 0)?.sum_all()? / layers)?;
+            let z = (Tensor::stack(&layer_z[range], 0)?.sum_all()? / layers)?;
+            (balancing * c.router_aux_coef)? + (z * c.router_z_coef)?
+        };
+        let mut segments = Vec::with_capacity(cuts.len() + 1);
+        if cut {
+            let mut inputs = std::iter::once(None).chain(cuts.iter().map(|(_, v)| Some(v.clone())));
+            let mut outputs = cuts
+                .iter()
+                .map(|(o, _)| Some(o.clone()))
+                .chain(std::iter::once(None));
+            for (index, layer) in (self.first_layer..).take(layer_balancing.len()).enumerate() {
+                segments.push(Segment {
+                    layer,
+                    objective: router_share(index..index + 1)?,
+                    input: inputs.next().flatten(),
+                    output: outputs.next().flatten(),
+                });
+            }
+        }
+        let load_balancing = (Tensor::stack(&layer_balancing, 0)?.sum_all()? / layers)?;
+        let router_z = (Tensor::stack(&layer_z, 0)?.sum_all()? / layers)?;
         let router_losses = |loss: Tensor| -> Result<Tensor> {
             (loss + (&load_balancing * c.router_aux_coef)?)? + (&router_z * c.router_z_coef)?
         };
@@ -442,6 +503,7 @@ impl Model {
                 router_z: scalar(&router_z)?,
                 expert_load,
                 hidden: Some(x),
+                segments,
             });
         };
         let x = rms_norm(&x, final_norm, c.norm_eps)?;
@@ -464,6 +526,9 @@ impl Model {
             .enter(&x)?
             .apply_op3(lm_head, &targets, head)?
             .mean_all()?;
+        if let Some(top) = segments.last_mut() {
+            top.objective = (&cross_entropy + &top.objective)?;
+        }
         Ok(Forward {
             cross_entropy: scalar(&cross_entropy)?,
             load_balancing: scalar(&load_balancing)?,
@@ -471,6 +536,7 @@ impl Model {
             loss: router_losses(cross_entropy)?,
             expert_load,
             hidden: None,
+            segments,
         })
     }
 
@@ -487,12 +553,14 @@ impl Model {
         if self.place.tp > 1 {
             candle_core::bail!("logits: this rank holds a share of the vocabulary only");
         }
-        let x = self.body(self.embed_tokens(tokens)?, batch, seq)?.hidden;
+        let x = self
+            .body(self.embed_tokens(tokens)?, batch, seq, false)?
+            .hidden;
         rms_norm(&x, final_norm, self.config.norm_eps)?.matmul(&lm_head.t()?)
     }
 
     /// This stage's blocks over the hidden states of `batch * seq` tokens.
-    fn body(&self, mut x: Tensor, batch: usize, seq: usize) -> Result<Body> {
+    fn body(&self, mut x: Tensor, batch: usize, seq: usize, cut: bool) -> Result<Body> {
         let c = &self.config;
         let (h, heads) = (c.d_model, c.heads);
         let head_dim = h / heads;
@@ -509,7 +577,13 @@ impl Model {
             };
             x.contiguous()?.apply_op2(weight, op)
         };
-        for layer in &self.layers {
+        let mut cuts = Vec::new();
+        for (index, layer) in self.layers.iter().enumerate() {
+            if cut && index > 0 {
+                let input = Var::from_tensor(&x.detach())?;
+                let below = std::mem::replace(&mut x, input.as_tensor().clone());
+                cuts.push((below, input));
+            }
             // Attention: column-parallel Q, K, V (this rank's heads), row-parallel output.
             let _layer = tracing::info_span!("layer").entered();
             let normed = self.enter(&rms_norm(&x, &layer.attn_norm, c.norm_eps)?)?;
@@ -542,6 +616,7 @@ impl Model {
             load_balancing,
             router_z,
             expert_load,
+            cuts,
         })
     }
 

@@ -120,6 +120,12 @@ pub struct AdamW {
     /// of the last one, kept to reuse its memory.
     grads: Vec<f32>,
     accumulated: usize,
+    /// Each shard's part of the coming update's gradient, summed over its group already
+    /// (by [`AdamW::accumulate_overlapped`]); `None` when the update reduces it.
+    reduced: Option<Vec<Vec<f32>>>,
+    /// Whether the step reduces the gradient around its last backward pass (the
+    /// configuration's `parallel.overlap_grad_reduce`, and a shard group of more than one).
+    pub overlap_grad_reduce: bool,
     beta1: f64,
     beta2: f64,
     eps: f64,
@@ -226,6 +232,8 @@ impl AdamW {
             world,
             grads: Vec::new(),
             accumulated: 0,
+            reduced: None,
+            overlap_grad_reduce: false,
             beta1: config.beta1,
             beta2: config.beta2,
             eps: config.eps,
@@ -317,9 +325,126 @@ impl AdamW {
         Ok(())
     }
 
+    /// Whether reducing the gradient around the backward pass can overlap anything: some
+    /// shard is split over more than one rank.
+    pub fn can_overlap_grad_reduce(&self) -> bool {
+        self.shards
+            .iter()
+            .any(|shard| self.world.position(shard.group).1 > 1)
+    }
+
+    /// The last micro-batch's backward pass, cut into `segments` (bottom to top, their
+    /// layers), run from the top: `backward(k)` differentiates segment `k`. Its parameters'
+    /// gradients are added to the coming update's at once, and their reduce-scatter is posted
+    /// before the segments below run and completed after: the transfer overlaps the rest of
+    /// the backward pass, as Megatron's and MegaScale's overlapped gradient reduction do. The
+    /// sums are the bits [`AdamW::apply`]'s own reduce-scatter gives.
+    pub fn accumulate_overlapped(
+        &mut self,
+        model: &Model,
+        segments: &[usize],
+        backward: &mut dyn FnMut(usize) -> Result<GradStore>,
+    ) -> Result<()> {
+        let owner = self.segment_owners(segments)?;
+        let first = self.accumulated == 0;
+        if self.grads.len() != self.len {
+            self.grads.clear();
+            self.grads.resize(self.len, 0.0);
+        }
+        // Each segment's dense and expert gradients: two runs of the flat buffer, since the
+        // placements of each kind are in layer order.
+        let mut lengths = vec![[0usize; 2]; segments.len()];
+        let mut last = [0usize; 2];
+        for (placement, segment) in self.placements.iter().zip(&owner) {
+            let kind = usize::from(is_expert(&placement.name));
+            if *segment < last[kind] {
+                return Err(candle_core::Error::msg(format!(
+                    "{} comes after a later layer's parameters",
+                    placement.name
+                )));
+            }
+            last[kind] = *segment;
+            lengths[*segment][kind] += placement.len;
+        }
+        let dense_len = self.shards[0].bounds[self.shards[0].bounds.len() - 1];
+        let mut slices: Vec<[(usize, &mut [f32]); 2]> = Vec::with_capacity(segments.len());
+        let (mut dense, mut experts) = self.grads.split_at_mut(dense_len);
+        let (mut dense_at, mut expert_at) = (0, dense_len);
+        for [dense_len, expert_len] in lengths {
+            let (d, dense_rest) = std::mem::take(&mut dense).split_at_mut(dense_len);
+            let (e, expert_rest) = std::mem::take(&mut experts).split_at_mut(expert_len);
+            slices.push([(dense_at, d), (expert_at, e)]);
+            (dense, experts) = (dense_rest, expert_rest);
+            dense_at += dense_len;
+            expert_at += expert_len;
+        }
+        debug_assert!(dense.is_empty() && experts.is_empty());
+        let mut run = Overlapped {
+            world: &self.world,
+            model,
+            placements: &self.placements,
+            owner: &owner,
+            shards: &self.shards,
+            first,
+            backward,
+            slices,
+            reduced: Vec::new(),
+        };
+        run.next()?;
+        let pieces = std::mem::take(&mut run.reduced);
+        let mut reduced: Vec<Vec<f32>> = self
+            .shards
+            .iter()
+            .map(|shard| vec![0f32; shard.mine.len()])
+            .collect();
+        let mut covered = vec![0usize; self.shards.len()];
+        for (shard, start, values) in pieces {
+            let at = start - self.shards[shard].mine.start;
+            reduced[shard][at..at + values.len()].copy_from_slice(&values);
+            covered[shard] += values.len();
+        }
+        for (shard, covered) in self.shards.iter().zip(covered) {
+            assert_eq!(
+                covered,
+                shard.mine.len(),
+                "the pieces cover this rank's share"
+            );
+        }
+        self.reduced = Some(reduced);
+        self.accumulated += 1;
+        Ok(())
+    }
+
+    /// The segment (index into `segments`, the layers bottom to top) whose backward pass
+    /// computes each placement's gradient: its layer's; the embedding's is the bottom one's,
+    /// the final norm's and the LM head's the top one's.
+    fn segment_owners(&self, segments: &[usize]) -> Result<Vec<usize>> {
+        self.placements
+            .iter()
+            .map(|placement| {
+                let name = placement.name.as_str();
+                let layer = name
+                    .strip_prefix("layers.")
+                    .and_then(|rest| rest.split('.').next())
+                    .and_then(|index| index.parse::<usize>().ok());
+                match layer {
+                    Some(layer) => segments.iter().position(|l| *l == layer),
+                    None if name == "embed" => Some(0),
+                    None => segments.len().checked_sub(1),
+                }
+                .ok_or_else(|| {
+                    candle_core::Error::msg(format!("{name} is in no segment of {segments:?}"))
+                })
+            })
+            .collect()
+    }
+
     /// Puts a NaN into the gradient of the coming update (`test_faults.nan_at_step`).
     pub fn poison_gradient(&mut self) {
         if let Some(first) = self.grads.first_mut() {
+            *first = f32::NAN;
+        }
+        if let Some(first) = self.reduced.iter_mut().flatten().flatten().next() {
             *first = f32::NAN;
         }
     }
@@ -335,16 +460,20 @@ impl AdamW {
         assert!(self.accumulated > 0, "an update without a gradient");
         self.accumulated = 0;
         let flat = std::mem::take(&mut self.grads);
-        // A group of one borrows its part of the accumulated gradient.
-        let shard_grads: Vec<std::borrow::Cow<'_, [f32]>> = self
-            .shards
-            .iter()
-            .map(|s| {
-                let range = s.bounds[0]..s.bounds[s.bounds.len() - 1];
-                let relative: Vec<usize> = s.bounds.iter().map(|b| b - range.start).collect();
-                self.world.reduce_scatter(s.group, &flat[range], &relative)
-            })
-            .collect();
+        // Reduced already around the backward pass; else here, where a group of one borrows
+        // its part of the accumulated gradient.
+        let shard_grads: Vec<std::borrow::Cow<'_, [f32]>> = match self.reduced.take() {
+            Some(reduced) => reduced.into_iter().map(std::borrow::Cow::Owned).collect(),
+            None => self
+                .shards
+                .iter()
+                .map(|s| {
+                    let range = s.bounds[0]..s.bounds[s.bounds.len() - 1];
+                    let relative: Vec<usize> = s.bounds.iter().map(|b| b - range.start).collect();
+                    self.world.reduce_scatter(s.group, &flat[range], &relative)
+                })
+                .collect(),
+        };
         // Fixed-size blocks summed in order, then pieces and ranks in order: the same norm
         // whatever the thread count. Each element of the model counts once over the world:
         // a tensor-parallel group's replicated parameters on its first rank only.
@@ -482,6 +611,91 @@ impl AdamW {
                         .to_dtype(model.dtype)?,
                 )?;
             }
+        }
+        Ok(())
+    }
+}
+
+/// [`AdamW::accumulate_overlapped`]'s walk down the segments.
+struct Overlapped<'a, 'b> {
+    world: &'a World,
+    model: &'a Model,
+    placements: &'a [Placement],
+    /// Each placement's segment.
+    owner: &'a [usize],
+    /// The dense shard, then the experts'.
+    shards: &'a [Shard],
+    /// The step's first micro-batch: its gradients are copied, not added.
+    first: bool,
+    backward: &'b mut dyn FnMut(usize) -> Result<GradStore>,
+    /// The segments not yet run, bottom to top: their dense and expert gradients with the
+    /// flat offset each starts at.
+    slices: Vec<[(usize, &'a mut [f32]); 2]>,
+    /// The reduced pieces so far: (shard, absolute offset, sums).
+    reduced: Vec<(usize, usize, Vec<f32>)>,
+}
+
+impl Overlapped<'_, '_> {
+    /// Runs the top segment left, adds its gradients, and posts their reduce-scatter around
+    /// the segments below it.
+    fn next(&mut self) -> Result<()> {
+        let Some([(dense_at, dense), (expert_at, experts)]) = self.slices.pop() else {
+            return Ok(());
+        };
+        let segment = self.slices.len();
+        {
+            let grads = (self.backward)(segment)?;
+            let _span = tracing::info_span!("accumulate_gradients").entered();
+            let parameters = self.model.parameters();
+            for (placement, _) in self
+                .placements
+                .iter()
+                .zip(self.owner)
+                .filter(|(_, owner)| **owner == segment)
+            {
+                let (at, slice) = if is_expert(&placement.name) {
+                    (expert_at, &mut *experts)
+                } else {
+                    (dense_at, &mut *dense)
+                };
+                let sum = &mut slice[placement.offset - at..placement.offset - at + placement.len];
+                match grads.get(parameters[placement.index].1) {
+                    None if self.first => sum.fill(0.0),
+                    None => {}
+                    Some(grad) => crate::custom_op::with_f32_values(grad, |grad| {
+                        if self.first {
+                            sum.copy_from_slice(grad);
+                        } else {
+                            for (total, g) in sum.iter_mut().zip(grad) {
+                                *total += g;
+                            }
+                        }
+                    })?,
+                }
+            }
+        }
+        let (world, shards) = (self.world, self.shards);
+        let (dense, experts): (&[f32], &[f32]) = (dense, experts);
+        let ((below, expert_sums), dense_sums) = world.reduce_scatter_around(
+            shards[0].group,
+            dense,
+            dense_at,
+            &shards[0].bounds,
+            || {
+                world.reduce_scatter_around(
+                    shards[1].group,
+                    experts,
+                    expert_at,
+                    &shards[1].bounds,
+                    || self.next(),
+                )
+            },
+        );
+        below?;
+        for (shard, at, sums) in [(0, dense_at, dense_sums), (1, expert_at, expert_sums)] {
+            let mine = &shards[shard].mine;
+            self.reduced
+                .push((shard, at.clamp(mine.start, mine.end), sums));
         }
         Ok(())
     }

@@ -66,6 +66,7 @@ struct Step<'a> {
     rows: usize,
     /// The loss of each micro-batch is multiplied by this: `1 / (dp * micro_batches)`.
     scale: f64,
+    micro_batches: usize,
     figures: StepFigures,
     /// The heap when the step started.
     heap_at_start: usize,
@@ -86,11 +87,15 @@ impl Step<'_> {
             }
             None => None,
         };
-        let mut forward = self.model.stage_forward(
+        // The step's last micro-batch (backward passes run in forward order) is cut at every
+        // layer when its backward pass reduces the gradient as it goes.
+        let cut = self.optim.overlap_grad_reduce && index + 1 == self.micro_batches;
+        let mut forward = self.model.stage_forward_cut(
             tokens,
             self.micro,
             input.as_ref().map(|v| v.as_tensor()),
             true,
+            cut,
         )?;
         let f = &mut self.figures;
         f.loss += forward
@@ -111,6 +116,9 @@ impl Step<'_> {
         }
         if self.scale != 1.0 {
             forward.loss = (forward.loss * self.scale)?;
+            for segment in &mut forward.segments {
+                segment.objective = (&segment.objective * self.scale)?;
+            }
         }
         f.forward_seconds += started.elapsed().as_secs_f64();
         f.activation_bytes = f
@@ -129,6 +137,11 @@ impl Step<'_> {
         let _span = tracing::info_span!("backward").entered();
         let started = Instant::now();
         let InFlight { input, forward } = flight;
+        if !forward.segments.is_empty() {
+            let back = self.backward_segments(input, forward, gradient)?;
+            self.figures.backward_seconds += started.elapsed().as_secs_f64();
+            return Ok(back);
+        }
         let objective = match (forward.hidden, gradient) {
             (Some(output), Some(gradient)) => {
                 let gradient = Tensor::from_vec(gradient, output.shape(), &self.model.device)?
@@ -153,6 +166,66 @@ impl Step<'_> {
             None => Vec::new(),
         };
         self.figures.backward_seconds += started.elapsed().as_secs_f64();
+        Ok(back)
+    }
+
+    /// The backward pass of a micro-batch cut at its layers, layer by layer from the top,
+    /// each layer's gradients reduced while the layers below run
+    /// ([`AdamW::accumulate_overlapped`]). Returns the gradient of the stage's input.
+    fn backward_segments(
+        &mut self,
+        input: Option<Var>,
+        forward: Forward,
+        gradient: Option<Vec<f32>>,
+    ) -> anyhow::Result<Vec<f32>> {
+        let (model, segments) = (self.model, &forward.segments);
+        let top = segments.len() - 1;
+        // The gradient of the stage's output (from the next stage), then of each segment's.
+        let mut flowing = match (&forward.hidden, gradient) {
+            (Some(output), Some(gradient)) => Some((
+                output.clone(),
+                Tensor::from_vec(gradient, output.shape(), &model.device)?.to_dtype(model.dtype)?,
+            )),
+            (None, None) => None,
+            _ => anyhow::bail!("a stage's output and the gradient it receives go together"),
+        };
+        let mut back = Vec::new();
+        let layers: Vec<usize> = segments.iter().map(|s| s.layer).collect();
+        self.optim
+            .accumulate_overlapped(model, &layers, &mut |index| {
+                let segment = &segments[index];
+                let objective = match flowing.take() {
+                    Some((output, gradient)) => {
+                        (&segment.objective + (output * gradient)?.sum_all()?)?
+                    }
+                    None if index == top => segment.objective.clone(),
+                    None => candle_core::bail!("no gradient reached layer {}", segment.layer),
+                };
+                let grads = objective.backward()?;
+                // What flows into the segment below, or out of the stage.
+                let bottom = match &segment.input {
+                    Some(var) => Some(var),
+                    None => input.as_ref(),
+                };
+                if let Some(var) = bottom {
+                    let gradient = match grads.get(var) {
+                        Some(gradient) => gradient.clone(),
+                        None => var.zeros_like()?,
+                    };
+                    if index > 0 {
+                        let below = segments[index - 1].output.clone().ok_or_else(|| {
+                            candle_core::Error::msg("a cut segment has an output below it")
+                        })?;
+                        flowing = Some((below, gradient));
+                    } else {
+                        back = gradient
+                            .to_dtype(candle_core::DType::F32)?
+                            .flatten_all()?
+                            .to_vec1::<f32>()?;
+                    }
+                }
+                Ok(grads)
+            })?;
         Ok(back)
     }
 }
@@ -198,6 +271,7 @@ pub fn train_step(
         sample,
         rows,
         scale: 1.0 / shares,
+        micro_batches: m,
         figures: StepFigures::default(),
         heap_at_start: crate::memory::heap_bytes(),
     };
@@ -335,6 +409,18 @@ mod tests {
 
     /// One rank's step over `micro_batches`: its figures and the accumulated gradient.
     fn step(model: &Model, micro_batches: usize, tokens: &[u32]) -> (StepFigures, Vec<f32>) {
+        let (figures, optim) = step_with(model, micro_batches, tokens, false);
+        (figures, optim.gradient().to_vec())
+    }
+
+    /// [`step`], with the backward pass cut at the layers and reduced as it goes when
+    /// `overlap`; returns the optimizer, ready for its update.
+    fn step_with(
+        model: &Model,
+        micro_batches: usize,
+        tokens: &[u32],
+        overlap: bool,
+    ) -> (StepFigures, AdamW) {
         let layout = Layout {
             micro_batches,
             ..Layout::data_parallel(1)
@@ -342,8 +428,54 @@ mod tests {
         let world = Arc::new(World::init(|_| Ok::<_, ConfigError>(layout)).unwrap());
         let train = Config::load("tiny", &[]).unwrap().train;
         let mut optim = AdamW::new(model, &train, world.clone()).unwrap();
+        optim.overlap_grad_reduce = overlap;
         let figures = train_step(model, &world, &mut optim, tokens, 4).unwrap();
-        (figures, optim.gradient().to_vec())
+        (figures, optim)
+    }
+
+    /// A step whose last micro-batch runs backward layer by layer (each layer's gradients
+    /// handed to the reduce-scatter before the layers below run) computes the gradient and
+    /// the update the whole backward pass does, router losses included.
+    #[test]
+    fn a_backward_pass_cut_at_the_layers_computes_the_whole_gradient() {
+        let config = crate::model::tests::small_config(4, 2);
+        let tokens: Vec<u32> = (0..4 * (config.seq_len + 1))
+            .map(|i| (i as u32 * 7 + 3) % 40)
+            .collect();
+        for micro_batches in [1, 2] {
+            let whole_model = Model::new(&config, 7, candle_core::DType::F32).unwrap();
+            let cut_model = Model::new(&config, 7, candle_core::DType::F32).unwrap();
+            let (whole, mut whole_optim) = step_with(&whole_model, micro_batches, &tokens, false);
+            let (cut, mut cut_optim) = step_with(&cut_model, micro_batches, &tokens, true);
+            assert_eq!(
+                whole.loss.to_bits(),
+                cut.loss.to_bits(),
+                "the same forward pass"
+            );
+            let (a, b) = (whole_optim.gradient(), cut_optim.gradient());
+            let largest = a.iter().fold(0f32, |m, g| m.max(g.abs()));
+            assert!(largest > 0.0);
+            for (index, (x, y)) in a.iter().zip(b).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-5 * largest,
+                    "{micro_batches} micro-batches, element {index}: {x} vs {y}"
+                );
+            }
+            // Every parameter's gradient reached the update through the reduced pieces.
+            let held = crate::snapshot::HeldSlots::default();
+            let whole_update = whole_optim.apply(&whole_model, 0.01, &held).unwrap();
+            let cut_update = cut_optim.apply(&cut_model, 0.01, &held).unwrap();
+            let relative =
+                (whole_update.grad_norm - cut_update.grad_norm).abs() / whole_update.grad_norm;
+            assert!(relative < 1e-5, "{whole_update:?} vs {cut_update:?}");
+            for ((name, a), (_, b)) in whole_model.parameters().iter().zip(cut_model.parameters()) {
+                let a: Vec<f32> = a.flatten_all().unwrap().to_vec1().unwrap();
+                let b: Vec<f32> = b.flatten_all().unwrap().to_vec1().unwrap();
+                for (x, y) in a.iter().zip(&b) {
+                    assert!((x - y).abs() <= 1e-5, "{name}: {x} vs {y}");
+                }
+            }
+        }
     }
 
     /// Micro-batches' gradients add up to the whole batch's. The router losses are left out:

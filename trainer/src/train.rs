@@ -981,7 +981,9 @@ pub fn train(
     } else {
         Model::new(&config.model, config.run.seed, DType::F32)?
     };
-    let optim = AdamW::new(&model, &config.train, world.clone())?;
+    let mut optim = AdamW::new(&model, &config.train, world.clone())?;
+    optim.overlap_grad_reduce =
+        config.parallel.overlap_grad_reduce && optim.can_overlap_grad_reduce();
     let parameters = optim.len;
     let optimizer_bytes = optim.state_bytes();
     let predicted_bytes = optim.predicted_state_bytes();
@@ -1353,6 +1355,14 @@ pub fn train(
             100.0 * layout.bubble_fraction(),
             layout.pp,
             layout.micro_batches
+        )?;
+    }
+    if session.optim.overlap_grad_reduce {
+        let (in_flight, waited) = crate::dist::overlapped_reduce_totals();
+        writeln!(
+            log,
+            "gradient reduce-scatter on rank 0, layer by layer during the last micro-batch's backward pass: in flight {in_flight:.2} s, of which the rank waited in it {waited:.2} s and computed {:.2} s",
+            (in_flight - waited).max(0.0)
         )?;
     }
     if layout.ep > 1 {
