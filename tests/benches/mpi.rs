@@ -77,7 +77,10 @@ fn main() {
         ep2 / one
     );
     println!("gradient reduce-scatter, layer by layer around the backward pass:");
-    println!("  N=2 EP=1: {}", line_with(&dp2_text, "gradient reduce-scatter"));
+    println!(
+        "  N=2 EP=1: {}",
+        line_with(&dp2_text, "gradient reduce-scatter")
+    );
     println!("optimizer state per rank (rank 0) against ZeRO-1's prediction:");
     println!("  N=2 EP=1: {}", line_with(&dp2_text, "ZeRO-1 predicts"));
     println!("  N=2 EP=2: {}", line_with(&ep2_text, "ZeRO-1 predicts"));
