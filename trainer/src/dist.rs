@@ -209,9 +209,22 @@ impl World {
     /// job down on an abort without draining the ranks' pipes, and lost the aborting rank's
     /// whole output (its error line and MPICH's own abort line) in 14 of 100 runs of a
     /// write-then-abort program; with a 100 ms pause, in none.
+    ///
+    /// Should `MPI_Abort` not end the job within [`ABORT_GRACE`] (a full-suite run saw one
+    /// such job of a rank that had written its error stay up until its test's deadline), the
+    /// process exits with `code` on its own: a launcher ends the job of a rank that exits
+    /// without finalizing.
     pub fn abort(&self, code: i32) {
         if let Some(comm) = self.comm(Group::World) {
             std::thread::sleep(std::time::Duration::from_millis(250));
+            std::thread::spawn(move || {
+                std::thread::sleep(ABORT_GRACE);
+                eprintln!(
+                    "trainer: MPI_Abort did not end the job in {} s; exiting with {code}",
+                    ABORT_GRACE.as_secs()
+                );
+                std::process::exit(code);
+            });
             comm.abort(code);
         }
     }
@@ -499,6 +512,9 @@ impl World {
         Cow::Owned(out)
     }
 }
+
+/// How long [`World::abort`] waits for `MPI_Abort` to end the job before the process exits.
+pub const ABORT_GRACE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What travels between pipeline stages: a micro-batch's activations forward, their
 /// gradients back. Each kind keeps its order between two stages (MPI does not overtake).
