@@ -208,22 +208,37 @@ impl World {
     /// It first gives the launcher a moment to forward what this rank wrote: Hydra tears the
     /// job down on an abort without draining the ranks' pipes, and lost the aborting rank's
     /// whole output (its error line and MPICH's own abort line) in 14 of 100 runs of a
-    /// write-then-abort program; with a 100 ms pause, in none.
+    /// write-then-abort program; with a 100 ms pause, in none. It pauses 250 ms.
     ///
     /// Should `MPI_Abort` not end the job within [`ABORT_GRACE`] (a full-suite run saw one
     /// such job of a rank that had written its error stay up until its test's deadline), the
-    /// process exits with `code` on its own: a launcher ends the job of a rank that exits
-    /// without finalizing.
+    /// process ends itself with `code`: Hydra, and `srun --kill-on-bad-exit=1` as the
+    /// supervisor launches, end the job of a rank that exits without finalizing.
     pub fn abort(&self, code: i32) {
         if let Some(comm) = self.comm(Group::World) {
             std::thread::sleep(std::time::Duration::from_millis(250));
             std::thread::spawn(move || {
                 std::thread::sleep(ABORT_GRACE);
-                eprintln!(
-                    "trainer: MPI_Abort did not end the job in {} s; exiting with {code}",
-                    ABORT_GRACE.as_secs()
-                );
-                std::process::exit(code);
+                // Said on a thread of its own: a full or closed pipe must not keep the
+                // process from ending.
+                std::thread::spawn(move || {
+                    let _ = std::io::Write::write_all(
+                        &mut std::io::stderr(),
+                        format!(
+                            "trainer: MPI_Abort did not end the job in {} s; exiting with {code}\n",
+                            ABORT_GRACE.as_secs()
+                        )
+                        .as_bytes(),
+                    );
+                });
+                std::thread::sleep(std::time::Duration::from_millis(100));
+                // SAFETY: `_exit` ends the process at once, running no atexit handler (the
+                // main thread is inside MPI_Abort) and no destructor; nothing depends on them
+                // for a job that is being torn down.
+                #[allow(unsafe_code)]
+                unsafe {
+                    libc::_exit(code)
+                }
             });
             comm.abort(code);
         }
@@ -459,7 +474,7 @@ impl World {
                 comm.immediate_all_to_all_varcount_into(scope, &send, &mut recv)
             };
             exposed += posted.elapsed();
-            let result = meanwhile();
+            let result = completing(meanwhile);
             let waiting = std::time::Instant::now();
             {
                 let _span = span().entered();
@@ -476,7 +491,7 @@ impl World {
             GRAD_REDUCE_FLIGHT_NANOS
                 .fetch_add(posted.elapsed().as_nanos() as u64, Ordering::Relaxed);
         }
-        (result, sum_in_rank_order(&received, mine.len()))
+        (resumed(result), sum_in_rank_order(&received, mine.len()))
     }
 
     /// All-gather of pieces split at `bounds`: every rank gets the whole vector. A group of
@@ -572,6 +587,18 @@ impl World {
         COMMUNICATION_NANOS.fetch_add(nanos, Ordering::Relaxed);
         received
     }
+}
+
+/// Runs `work` while a request is posted, catching a panic: a request dropped in flight (as
+/// unwinding would) aborts the process, so the caller completes it first and then goes on
+/// with the panic ([`resumed`]), which `cli` turns into the rank's error line.
+fn completing<R>(work: impl FnOnce() -> R) -> std::thread::Result<R> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(work))
+}
+
+/// What [`completing`] caught: the value, or the panic, raised again.
+fn resumed<R>(outcome: std::thread::Result<R>) -> R {
+    outcome.unwrap_or_else(|panic| std::panic::resume_unwind(panic))
 }
 
 /// Each rank's contribution to `len` elements, back to back in rank order, summed in rank
@@ -705,6 +732,8 @@ impl From<&ChunkPlan> for Posted {
 struct Clock {
     kind: ExpertExchange,
     first_post: Option<std::time::Instant>,
+    /// When the last request completed.
+    last_completion: Option<std::time::Instant>,
     exposed: std::time::Duration,
 }
 
@@ -713,8 +742,15 @@ impl Clock {
         Self {
             kind,
             first_post: None,
+            last_completion: None,
             exposed: std::time::Duration::ZERO,
         }
+    }
+
+    /// A request completed just now.
+    fn completed(&mut self) {
+        let now = std::time::Instant::now();
+        self.last_completion = Some(self.last_completion.map_or(now, |last| last.max(now)));
     }
 
     fn exposed<T>(&mut self, call: impl FnOnce() -> T) -> T {
@@ -737,9 +773,10 @@ impl Clock {
             .map(|(_, values)| values)
             .sum();
         let exposed = self.exposed.as_nanos() as u64;
-        let flight = self
-            .first_post
-            .map_or(0, |at| at.elapsed().as_nanos() as u64);
+        let flight = match (self.first_post, self.last_completion) {
+            (Some(first), Some(last)) => last.duration_since(first).as_nanos() as u64,
+            _ => 0,
+        };
         EXCHANGE_BYTES.fetch_add(4 * remote as u64, Ordering::Relaxed);
         EXCHANGE_NANOS.fetch_add(exposed, Ordering::Relaxed);
         EXCHANGE_FLIGHT_NANOS.fetch_add(flight, Ordering::Relaxed);
@@ -877,11 +914,13 @@ fn receive_chunks(
     let before = mpi::request::scope(|scope| {
         let request = clock
             .exposed(|| comm.immediate_all_to_all_varcount_into(scope, &outgoing, &mut incoming));
-        let before = receive_chunks(comm, send, earlier, earlier_buffers, on_arrival, clock);
+        let before =
+            completing(|| receive_chunks(comm, send, earlier, earlier_buffers, on_arrival, clock));
         clock.exposed(|| yielding(request));
+        clock.completed();
         before
     });
-    before?;
+    resumed(before)?;
     on_arrival(earlier.len(), buffer)
 }
 
@@ -914,17 +953,20 @@ impl SendStage<'_> {
             &plan.recv_displs[..],
         );
         let comm = self.comm;
-        mpi::request::scope(|scope| {
+        let rest = mpi::request::scope(|scope| {
             let request = self.clock.exposed(|| {
                 comm.immediate_all_to_all_varcount_into(scope, &outgoing, &mut incoming)
             });
-            let rest = self
-                .work
-                .meanwhile(chunk)
-                .and_then(|()| self.send_chunks(later, chunk + 1, later_buffers));
+            let rest = completing(|| {
+                self.work
+                    .meanwhile(chunk)
+                    .and_then(|()| self.send_chunks(later, chunk + 1, later_buffers))
+            });
             self.clock.exposed(|| yielding(request));
+            self.clock.completed();
             rest
-        })
+        });
+        resumed(rest)
     }
 }
 

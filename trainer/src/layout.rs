@@ -348,10 +348,15 @@ impl RankBytes {
 ///   (k d/t), SwiGLU's output and its saved gate and up projections (3 k f/t), the down
 ///   projection (k d/t), gate weights (k/t), weighted rows
 ///   (k d/t), the scatter's zeros and result (2 d) and the residual sum (d); with expert
-///   parallel, the rows' trips to and from other ranks (4 k d/t);
+///   parallel, the rows that arrived from other ranks, which the dispatch keeps for its
+///   backward pass (k d/t);
 /// - with tp > 1, the copies entering and leaving each split part (4 d + E);
 /// - the last stage's fused head keeps its gradients from the forward pass: the hidden rows'
 ///   (d per token) and the LM head's (vocab/t x d per micro-batch).
+///
+/// Left out: a step's last micro-batch cut at its layers for the overlapped gradient
+/// reduction holds one more copy of the residual stream per layer but the first (d per token
+/// and layer, about 1% of the `tiny` total).
 pub fn predicted_activation_bytes(
     model: &ModelConfig,
     layout: &Layout,
@@ -370,8 +375,7 @@ pub fn predicted_activation_bytes(
     let heads = model.heads as f64;
     let seq = model.seq_len as f64;
     let attention = 3.0 * d + 8.0 * d / t + heads / t * seq;
-    let moe =
-        4.0 * d + 6.0 * e + k * d / t * (3.0 + 4.0 * expert_parallel) + 3.0 * k * f / t + k / t;
+    let moe = 4.0 * d + 6.0 * e + k * d / t * (3.0 + expert_parallel) + 3.0 * k * f / t + k / t;
     let per_token_layer = attention + moe + split * (4.0 * d + e);
     let layers = (model.layers / layout.pp) as f64;
     let tokens = (micro_batch / layout.micro_batches * model.seq_len) as f64;

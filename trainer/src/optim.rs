@@ -4,8 +4,10 @@
 //! Every local parameter is a slice of one flat buffer: the dense parameters first, then this
 //! rank's experts. The dense range is split over all ranks and the expert range over the ranks
 //! that hold the same experts; each rank keeps the fp32 master weights and both moments of its
-//! shard only. An update reduce-scatters the gradients (summed in rank order), clips by the
-//! global norm, updates the shard, and all-gathers the weights back into the model. With one
+//! shard only. An update reduce-scatters the gradients (summed in rank order; with
+//! `overlap_grad_reduce`, the last micro-batch's backward pass has done so layer by layer),
+//! clips by the global norm, updates the shard, and all-gathers the weights back into the
+//! model. With one
 //! rank the shard is everything. The update matches `torch.optim.AdamW`, and every reduction
 //! has a fixed order, so a step is bit-reproducible for a given layout.
 
@@ -444,8 +446,15 @@ impl AdamW {
         if let Some(first) = self.grads.first_mut() {
             *first = f32::NAN;
         }
-        if let Some(first) = self.reduced.iter_mut().flatten().flatten().next() {
-            *first = f32::NAN;
+        // Reduced already: into an element of this rank's share that the global norm counts.
+        let tp_rank = self.world.coords().tp;
+        let counted = self.shards.iter().enumerate().find_map(|(index, shard)| {
+            self.pieces(shard)
+                .find(|(placement, _)| placement.counted(tp_rank))
+                .map(|(_, range)| (index, range.start - shard.mine.start))
+        });
+        if let (Some(reduced), Some((shard, at))) = (self.reduced.as_mut(), counted) {
+            reduced[shard][at] = f32::NAN;
         }
     }
 

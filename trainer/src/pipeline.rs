@@ -57,6 +57,9 @@ struct InFlight {
 /// One step's state on this rank.
 struct Step<'a> {
     model: &'a Model,
+    world: &'a World,
+    /// The stage before this one, which the gradient of this stage's input goes to.
+    gradients_out: Option<Peer>,
     optim: &'a mut AdamW,
     tokens: &'a [u32],
     /// Samples per micro-batch, and tokens per sample (`seq + 1`).
@@ -128,19 +131,20 @@ impl Step<'_> {
     }
 
     /// The backward pass of `flight`, with the gradient of its output from the next stage
-    /// (none on the last); returns the gradient of its input (empty on the first stage).
+    /// (none on the last); returns the gradient of its input to send to the stage before
+    /// (empty on the first stage), or `None` where it has been sent already.
     fn backward(
         &mut self,
         flight: InFlight,
         gradient: Option<Vec<f32>>,
-    ) -> anyhow::Result<Vec<f32>> {
+    ) -> anyhow::Result<Option<Vec<f32>>> {
         let _span = tracing::info_span!("backward").entered();
         let started = Instant::now();
         let InFlight { input, forward } = flight;
         if !forward.segments.is_empty() {
-            let back = self.backward_segments(input, forward, gradient)?;
+            self.backward_segments(input, forward, gradient)?;
             self.figures.backward_seconds += started.elapsed().as_secs_f64();
-            return Ok(back);
+            return Ok(None);
         }
         let objective = match (forward.hidden, gradient) {
             (Some(output), Some(gradient)) => {
@@ -166,19 +170,21 @@ impl Step<'_> {
             None => Vec::new(),
         };
         self.figures.backward_seconds += started.elapsed().as_secs_f64();
-        Ok(back)
+        Ok(Some(back))
     }
 
     /// The backward pass of a micro-batch cut at its layers, layer by layer from the top,
     /// each layer's gradients reduced while the layers below run
-    /// ([`AdamW::accumulate_overlapped`]). Returns the gradient of the stage's input.
+    /// ([`AdamW::accumulate_overlapped`]). The gradient of the stage's input goes to the stage
+    /// before as soon as the bottom layer has it, before this stage waits for its reductions.
     fn backward_segments(
         &mut self,
         input: Option<Var>,
         forward: Forward,
         gradient: Option<Vec<f32>>,
-    ) -> anyhow::Result<Vec<f32>> {
-        let (model, segments) = (self.model, &forward.segments);
+    ) -> anyhow::Result<()> {
+        let (model, world, segments) = (self.model, self.world, &forward.segments);
+        let gradients_out = self.gradients_out;
         let top = segments.len() - 1;
         // The gradient of the stage's output (from the next stage), then of each segment's.
         let mut flowing = match (&forward.hidden, gradient) {
@@ -189,7 +195,6 @@ impl Step<'_> {
             (None, None) => None,
             _ => anyhow::bail!("a stage's output and the gradient it receives go together"),
         };
-        let mut back = Vec::new();
         let layers: Vec<usize> = segments.iter().map(|s| s.layer).collect();
         self.optim
             .accumulate_overlapped(model, &layers, &mut |index| {
@@ -217,16 +222,17 @@ impl Step<'_> {
                             candle_core::Error::msg("a cut segment has an output below it")
                         })?;
                         flowing = Some((below, gradient));
-                    } else {
-                        back = gradient
+                    } else if let Some(to) = gradients_out {
+                        let back = gradient
                             .to_dtype(candle_core::DType::F32)?
                             .flatten_all()?
                             .to_vec1::<f32>()?;
+                        world.pipe(Some((to, &back)), None);
                     }
                 }
                 Ok(grads)
             })?;
-        Ok(back)
+        Ok(())
     }
 }
 
@@ -263,8 +269,14 @@ pub fn train_step(
     let shares = (layout.dp * m) as f64;
     let rows = micro * (sample - 1);
     let width = rows * model.config.d_model;
+    let gradients_out = Peer {
+        stage: stage.wrapping_sub(1),
+        flow: Flow::Gradients,
+    };
     let mut step = Step {
         model,
+        world,
+        gradients_out: (!first).then_some(gradients_out),
         optim,
         tokens,
         micro,
@@ -292,10 +304,6 @@ pub fn train_step(
     let activations_out = Peer {
         stage: stage + 1,
         flow: Flow::Activations,
-    };
-    let gradients_out = Peer {
-        stage: stage.wrapping_sub(1),
-        flow: Flow::Gradients,
     };
     // Receives the next micro-batch's activations (nothing on the first stage).
     let receive_forward =
@@ -337,18 +345,19 @@ pub fn train_step(
         if first {
             continue;
         }
-        // Send the input's gradient back; receive the next micro-batch's activations.
+        // Send the input's gradient back (unless sent already); receive the next
+        // micro-batch's activations.
+        let back = back.as_ref().map(|back| (gradients_out, back.as_slice()));
         if i + 1 < steady {
-            received = Some(world.pipe(Some((gradients_out, &back)), activations_in));
-        } else {
-            world.pipe(Some((gradients_out, &back)), None);
+            received = Some(world.pipe(back, activations_in));
+        } else if back.is_some() {
+            world.pipe(back, None);
         }
     }
     for _ in 0..warmup {
         let gradient = gradients_in.map(|receive| world.pipe(None, Some(receive)));
         let oldest = in_flight.pop_front().expect("a micro-batch in flight");
-        let back = step.backward(oldest, gradient)?;
-        if !first {
+        if let (Some(back), false) = (step.backward(oldest, gradient)?, first) {
             world.pipe(Some((gradients_out, &back)), None);
         }
     }

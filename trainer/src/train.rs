@@ -1361,8 +1361,7 @@ pub fn train(
         let (in_flight, waited) = crate::dist::overlapped_reduce_totals();
         writeln!(
             log,
-            "gradient reduce-scatter on rank 0, layer by layer during the last micro-batch's backward pass: in flight {in_flight:.2} s, of which the rank waited in it {waited:.2} s and computed {:.2} s",
-            (in_flight - waited).max(0.0)
+            "gradient reduce-scatter on rank 0, layer by layer during the last micro-batch's backward pass: in flight {in_flight:.2} s while the layers below ran theirs, of which the rank waited in it {waited:.2} s"
         )?;
     }
     if layout.ep > 1 {
