@@ -218,15 +218,22 @@ fn parameter(
     device: &Device,
 ) -> Result<Var> {
     let count: usize = shape.iter().product();
-    let values: Vec<f64> = match init {
-        None => vec![1.0; count],
-        Some(std) => {
-            let normal = Normal::new(0.0, std).expect("a positive standard deviation");
-            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-            (0..count).map(|_| normal.sample(&mut rng)).collect()
+    let mut samples = init.map(|std| {
+        let normal = Normal::new(0.0, std).expect("a positive standard deviation");
+        let rng = rand::rngs::StdRng::seed_from_u64(seed);
+        normal.sample_iter(rng)
+    });
+    let mut sample = move || samples.as_mut().map_or(1.0, |s| s.next().expect("endless"));
+    // Drawn in f64 and rounded to the parameter's type one value at a time: the same values
+    // as an f64 tensor converted whole, without a transient f64 copy of the model.
+    let values = match dtype {
+        DType::F32 => {
+            Tensor::from_vec((0..count).map(|_| sample() as f32).collect(), shape, device)?
         }
+        _ => Tensor::from_vec((0..count).map(|_| sample()).collect(), shape, device)?
+            .to_dtype(dtype)?,
     };
-    Var::from_tensor(&Tensor::from_vec(values, shape, device)?.to_dtype(dtype)?)
+    Var::from_tensor(&values)
 }
 
 /// RMSNorm over the last dimension (an op with its own backward).

@@ -19,6 +19,7 @@ use candle_core::{Result, Tensor};
 use rayon::prelude::*;
 
 use crate::config::TrainConfig;
+use crate::custom_op::with_f32_values;
 use crate::dist::{even_bounds, Group, World};
 use crate::kernels::{adamw, adamw_into, AdamWSlices, AdamWSlicesMut, AdamWStep};
 use crate::model::Model;
@@ -164,14 +165,13 @@ impl AdamW {
         let parameters = model.parameters();
         let place = model.place;
         let mut placements = Vec::new();
-        let mut flat = Vec::new();
+        let mut len = 0;
         // Dense parameters first, then this rank's experts: two contiguous ranges.
         for experts in [false, true] {
             for (index, (name, var)) in parameters.iter().enumerate() {
                 if is_expert(name) != experts {
                     continue;
                 }
-                let values: Vec<f32> = var.flatten_all()?.to_vec1()?;
                 let weight_decay = if name.ends_with("norm") {
                     config.norm_weight_decay
                 } else {
@@ -187,15 +187,15 @@ impl AdamW {
                 placements.push(Placement {
                     name: name.clone(),
                     index,
-                    offset: flat.len(),
-                    len: values.len(),
+                    offset: len,
+                    len: var.elem_count(),
                     shape,
                     weight_decay,
                     global_shape,
                     global_start,
                     replicated_over_tp: place.replicated_over_tp(name),
                 });
-                flat.extend(values);
+                len += var.elem_count();
             }
         }
         let dense_len = placements
@@ -204,10 +204,10 @@ impl AdamW {
             .map(|s| s.len)
             .sum::<usize>();
         let mut shards = Vec::new();
-        let mut state = Vec::new();
+        let mut base = 0;
         for (group, range) in [
             (Group::Data, 0..dense_len),
-            (Group::ExpertData, dense_len..flat.len()),
+            (Group::ExpertData, dense_len..len),
         ] {
             let (me, size) = world.position(group);
             let bounds: Vec<usize> = even_bounds(range.len(), size)
@@ -215,21 +215,41 @@ impl AdamW {
                 .map(|b| at_a_row(&placements, range.start + b))
                 .collect();
             let mine = bounds[me]..bounds[me + 1];
-            let base = state.len();
-            state.extend_from_slice(&flat[mine.clone()]);
-            state.resize(state.len() + 2 * mine.len(), 0.0);
+            let next = base + 3 * mine.len();
             shards.push(Shard {
                 group,
                 bounds,
                 mine,
                 base,
             });
+            base = next;
+        }
+        // The shards' master weights come straight from the model's parameters and the
+        // moments start at zero: no flat copy of the whole model is made (at start-up, that
+        // copy and its growth faulted in fresh pages for twice the model's bytes).
+        let mut state = vec![0f32; base];
+        for shard in &shards {
+            for placement in &placements {
+                let start = placement.offset.max(shard.mine.start);
+                let end = (placement.offset + placement.len).min(shard.mine.end);
+                if start >= end {
+                    continue;
+                }
+                let into = shard.range(
+                    Part::Params,
+                    start - shard.mine.start..end - shard.mine.start,
+                );
+                with_f32_values(parameters[placement.index].1.as_tensor(), |values| {
+                    state[into]
+                        .copy_from_slice(&values[start - placement.offset..end - placement.offset]);
+                })?;
+            }
         }
         Ok(Self {
             placements,
             shards,
             memory: StateMemory::heap(state),
-            len: flat.len(),
+            len,
             step: 0,
             world,
             grads: Vec::new(),
@@ -312,7 +332,7 @@ impl AdamW {
             };
             // Straight from the gradient's storage: no copy of it on the way.
             let grads = &mut self.grads;
-            crate::custom_op::with_f32_values(grad, |grad| {
+            with_f32_values(grad, |grad| {
                 if first {
                     grads.extend_from_slice(grad);
                 } else {
@@ -671,7 +691,7 @@ impl Overlapped<'_, '_> {
                 match grads.get(parameters[placement.index].1) {
                     None if self.first => sum.fill(0.0),
                     None => {}
-                    Some(grad) => crate::custom_op::with_f32_values(grad, |grad| {
+                    Some(grad) => with_f32_values(grad, |grad| {
                         if self.first {
                             sum.copy_from_slice(grad);
                         } else {
