@@ -733,6 +733,17 @@ mod tests {
         values.iter().flat_map(|v| v.to_le_bytes()).collect()
     }
 
+    /// `count` floats uniform in [0, 1) from a xorshift generator seeded with `seed`.
+    fn uniform(seed: u64, count: usize) -> impl Iterator<Item = f32> {
+        let mut state = seed;
+        (0..count).map(move |_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 24) as f32
+        })
+    }
+
     proptest! {
         #[test]
         fn every_codec_round_trips(raw in proptest::collection::vec(any::<u8>(), 0..5000), codec_index in 0usize..4) {
@@ -897,14 +908,8 @@ mod tests {
     fn planes_of_noise_are_stored_raw_and_the_others_compressed() {
         // Floats of one sign and a narrow range, with random mantissas: the exponent plane
         // compresses, the two low mantissa planes are noise.
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        let values: Vec<f32> = (0..(1 << 18))
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                0.01 + (state >> 40) as f32 / (1u64 << 24) as f32 * 0.01
-            })
+        let values: Vec<f32> = uniform(0x9e37_79b9_7f4a_7c15, 1 << 18)
+            .map(|u| 0.01 + u * 0.01)
             .collect();
         let mut raw = floats(&values);
         raw.extend_from_slice(&[1, 2, 3]);
@@ -940,14 +945,8 @@ mod tests {
     fn at_the_default_level_a_skewed_plane_is_stored_no_larger_than_plain_level_1() {
         // The exponent plane of uniform floats in (-0.5, 0.5): sign and exponent bytes, a few
         // values of skewed frequency, without long runs.
-        let mut state = 0x2545_f491_4f6c_dd1du64;
-        let values: Vec<f32> = (0..(1 << 18))
-            .map(|_| {
-                state ^= state << 13;
-                state ^= state >> 7;
-                state ^= state << 17;
-                (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
-            })
+        let values: Vec<f32> = uniform(0x2545_f491_4f6c_dd1d, 1 << 18)
+            .map(|u| u - 0.5)
             .collect();
         let raw = floats(&values);
         let exponents = &shuffle4(&raw)[3 * values.len()..];
@@ -959,7 +958,10 @@ mod tests {
             tuned.len(),
             plain.len()
         );
-        assert_eq!(decompress(&tuned, exponents.len() as u64).unwrap(), exponents);
+        assert_eq!(
+            decompress(&tuned, exponents.len() as u64).unwrap(),
+            exponents
+        );
         let hash = ChunkHash::of(&raw);
         let encoded = encode_with(&raw, hash, Codec::Planes4, None, 1);
         assert_eq!(plane_lengths(&encoded)[3], tuned.len());
