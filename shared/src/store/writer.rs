@@ -12,7 +12,6 @@
 //! after our manifest was stored sees the manifest and keeps its chunks; a gc that took it
 //! earlier has finished deleting by the time the re-check runs.
 
-use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -659,7 +658,9 @@ impl RunStore {
             (Some(_), Some(base)) => std::iter::once(base.hash).chain(base.bases).collect(),
             _ => Vec::new(),
         };
-        let (info, uploaded_bytes) = self.put_chunk(hash, &job.raw, encoded, bases).await?;
+        let (info, uploaded_bytes) = self
+            .put_chunk(hash, &job.raw, encoded, bases, job.element_bytes)
+            .await?;
         progress.advance(raw_len);
         Ok(ChunkDone {
             item: job.item,
@@ -687,6 +688,7 @@ impl RunStore {
         source: &SourceRange,
         encoded: codec::EncodedChunk,
         bases: Vec<ChunkHash>,
+        element_bytes: usize,
     ) -> Result<(ChunkInfo, u64), StoreError> {
         let bytes = Bytes::from(encoded.bytes);
         let info = ChunkInfo {
@@ -711,21 +713,30 @@ impl RunStore {
             return Ok((info, uploaded));
         }
         let info = self
-            .put_whole(hash, load_verified(source, hash).await?)
+            .put_whole(hash, load_verified(source, hash).await?, element_bytes)
             .await?;
         let uploaded = info.stored_len;
         Ok((info, uploaded))
     }
 
-    /// Encodes `raw` whole (zstd, no delta base) and puts it over whatever is stored under
-    /// `hash`. Replacing any encoding with a whole one breaks no manifest's chain.
-    async fn put_whole(&self, hash: ChunkHash, raw: Bytes) -> Result<ChunkInfo, StoreError> {
-        let level = self.store.options.zstd_level;
-        let encoded = tokio::task::spawn_blocking(move || {
-            codec::encode_with(&raw, hash, codec::Codec::Zstd, None, level)
-        })
-        .await
-        .expect("encoding does not panic");
+    /// Encodes `raw` whole (as a write without delta bases would, for elements of
+    /// `element_bytes`) and puts it over whatever is stored under `hash`. Replacing any
+    /// encoding with a whole one breaks no manifest's chain.
+    async fn put_whole(
+        &self,
+        hash: ChunkHash,
+        raw: Bytes,
+        element_bytes: usize,
+    ) -> Result<ChunkInfo, StoreError> {
+        let policy = CodecPolicy {
+            element_bytes,
+            zstd_level: self.store.options.zstd_level,
+            delta_depth_max: self.store.options.delta_depth_max,
+        };
+        let encoded =
+            tokio::task::spawn_blocking(move || codec::encode_best(&raw, hash, None, policy))
+                .await
+                .expect("encoding does not panic");
         let info = ChunkInfo {
             stored_len: encoded.bytes.len() as u64,
             codec: encoded.header.codec,
@@ -855,27 +866,47 @@ impl RunStore {
             }
             false
         };
-        let mut repaired: HashMap<ChunkHash, ChunkInfo> = HashMap::new();
+        // The unsound chunks, each once, with the element width of the first item naming it
+        // (a stale index or a wiped store can make it every chunk of the write: they are
+        // stored again as the write stores them, concurrently, not as plain zstd in turn).
+        let mut unsound: HashMap<ChunkHash, usize> = HashMap::new();
+        let tensors = manifest
+            .tensors
+            .iter()
+            .flat_map(|t| t.chunks.iter().map(|c| (c, t.dtype.element_bytes())));
+        for (chunk, element_bytes) in tensors.chain(
+            manifest
+                .blobs
+                .iter()
+                .flat_map(|b| b.chunks.iter().map(|c| (c, 1))),
+        ) {
+            if !unsound.contains_key(&chunk.hash) && !sound(chunk) {
+                unsound.insert(chunk.hash, element_bytes);
+            }
+        }
+        let repaired: HashMap<ChunkHash, ChunkInfo> = stream::iter(unsound)
+            .map(|(hash, element_bytes)| async move {
+                let source = raw_by_hash
+                    .get(&hash)
+                    .expect("every referenced chunk came from this write");
+                let raw = load_verified(source, hash).await?;
+                let info = self.put_whole(hash, raw, element_bytes).await?;
+                Ok::<_, StoreError>((hash, info))
+            })
+            .buffer_unordered(self.store.options.upload_concurrency.max(1))
+            .try_collect()
+            .await?;
         let refs = manifest
             .tensors
             .iter_mut()
             .flat_map(|t| t.chunks.iter_mut())
             .chain(manifest.blobs.iter_mut().flat_map(|b| b.chunks.iter_mut()));
         for chunk in refs {
-            if let Entry::Vacant(slot) = repaired.entry(chunk.hash) {
-                if sound(chunk) {
-                    continue;
-                }
-                let source = raw_by_hash
-                    .get(&chunk.hash)
-                    .expect("every referenced chunk came from this write");
-                let raw = load_verified(source, chunk.hash).await?;
-                slot.insert(self.put_whole(chunk.hash, raw).await?);
+            if let Some(info) = repaired.get(&chunk.hash) {
+                chunk.stored_len = info.stored_len;
+                chunk.codec = info.codec;
+                chunk.bases.clear();
             }
-            let info = &repaired[&chunk.hash];
-            chunk.stored_len = info.stored_len;
-            chunk.codec = info.codec;
-            chunk.bases.clear();
         }
         manifest.uploaded_bytes += repaired.values().map(|i| i.stored_len).sum::<u64>();
         Ok(repaired.len())
@@ -1114,7 +1145,8 @@ mod tests {
         let b_now = &fourth.tensors[0].chunks[0];
         assert_eq!(b_now.hash, b_ref.hash);
         assert!(b_now.bases.is_empty(), "{b_now:?}");
-        assert_eq!(b_now.codec, Codec::Zstd);
+        // Whole as a write without bases stores f32 data: in byte planes.
+        assert_eq!(b_now.codec, Codec::Planes4);
         run_store.commit(StepKey::new(4, 0), 1).await.unwrap();
 
         // gc of c (no retained manifest lists it) leaves step 4 whole.
@@ -1125,6 +1157,37 @@ mod tests {
         let checkpoint = run_store.open_checkpoint(StepKey::new(4, 0)).await.unwrap();
         assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
         assert_eq!(ChunkHash::of(&b), b_ref.hash);
+    }
+
+    /// A store wiped behind the local index (recreated at the same address): the index says
+    /// every chunk is there, the re-check finds none, and the write stores them all again,
+    /// each as a fresh write would (the same codec and bytes), and the step reads back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_behind_a_stale_index_stores_its_chunks_as_a_fresh_write_would() {
+        let dir = tempfile::tempdir().unwrap();
+        let index = dir.path().join("index");
+        let data = floats(3, 0);
+        let fresh = {
+            let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+            write(&open(objects, None).await, 1, &data, None).await
+        };
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let run_store = open(objects.clone(), Some(&index)).await;
+        write(&run_store, 1, &data, None).await;
+        drop(run_store);
+        // Wiped: a new, empty store at the same place, and the same index.
+        let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
+        let run_store = open(objects.clone(), Some(&index)).await;
+        let again = write(&run_store, 2, &data, None).await;
+        assert_eq!(again.tensors[0].chunks, fresh.tensors[0].chunks);
+        assert_eq!(again.tensors[0].chunks[0].codec, Codec::Planes4);
+        assert_eq!(again.uploaded_bytes, fresh.uploaded_bytes);
+        run_store.commit(StepKey::new(2, 0), 1).await.unwrap();
+        let checkpoint = run_store.open_checkpoint(StepKey::new(2, 0)).await.unwrap();
+        assert_eq!(
+            checkpoint.read_tensor("w", &()).await.unwrap(),
+            data.to_vec()
+        );
     }
 
     /// A writer that finds a chunk already stored by someone else takes that encoding as it is
@@ -1238,7 +1301,7 @@ mod tests {
         let whole = codec::encode_with(&b, b_ref.hash, Codec::Zstd, None, 3);
         let source = super::SourceRange::from(b.clone());
         let (info, uploaded) = run_store
-            .put_chunk(b_ref.hash, &source, whole, Vec::new())
+            .put_chunk(b_ref.hash, &source, whole, Vec::new(), 4)
             .await
             .unwrap();
         assert_eq!((info.bases, uploaded), (vec![a_hash], 0));
@@ -1260,12 +1323,12 @@ mod tests {
             3,
         );
         let (info, uploaded) = run_store
-            .put_chunk(b_ref.hash, &source, rebased, vec![a_hash])
+            .put_chunk(b_ref.hash, &source, rebased, vec![a_hash], 4)
             .await
             .unwrap();
         assert!(info.bases.is_empty() && uploaded > 0, "{info:?}");
         let header = codec::ChunkHeader::parse(&stored().await).unwrap();
-        assert_eq!((header.codec, header.base), (Codec::Zstd, None));
+        assert_eq!((header.codec, header.base), (Codec::Planes4, None));
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
