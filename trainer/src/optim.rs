@@ -177,6 +177,7 @@ impl AdamW {
                 } else {
                     config.weight_decay
                 };
+                let count = var.elem_count();
                 let shape = var.dims().to_vec();
                 let mut global_shape = shape.clone();
                 let mut global_start = vec![0; shape.len()];
@@ -188,14 +189,14 @@ impl AdamW {
                     name: name.clone(),
                     index,
                     offset: len,
-                    len: var.elem_count(),
+                    len: count,
                     shape,
                     weight_decay,
                     global_shape,
                     global_start,
                     replicated_over_tp: place.replicated_over_tp(name),
                 });
-                len += var.elem_count();
+                len += count;
             }
         }
         let dense_len = placements
@@ -229,19 +230,14 @@ impl AdamW {
         // copy and its growth faulted in fresh pages for twice the model's bytes).
         let mut state = vec![0f32; base];
         for shard in &shards {
-            for placement in &placements {
-                let start = placement.offset.max(shard.mine.start);
-                let end = (placement.offset + placement.len).min(shard.mine.end);
-                if start >= end {
-                    continue;
-                }
+            for (placement, range) in pieces(&placements, shard) {
                 let into = shard.range(
                     Part::Params,
-                    start - shard.mine.start..end - shard.mine.start,
+                    range.start - shard.mine.start..range.end - shard.mine.start,
                 );
+                let from = range.start - placement.offset..range.end - placement.offset;
                 with_f32_values(parameters[placement.index].1.as_tensor(), |values| {
-                    state[into]
-                        .copy_from_slice(&values[start - placement.offset..end - placement.offset]);
+                    state[into].copy_from_slice(&values[from]);
                 })?;
             }
         }
@@ -286,11 +282,7 @@ impl AdamW {
         &'a self,
         shard: &'a Shard,
     ) -> impl Iterator<Item = (&'a Placement, Range<usize>)> + 'a {
-        self.placements.iter().filter_map(move |placement| {
-            let start = placement.offset.max(shard.mine.start);
-            let end = (placement.offset + placement.len).min(shard.mine.end);
-            (start < end).then_some((placement, start..end))
-        })
+        pieces(&self.placements, shard)
     }
 
     /// `part` of `shard`, for its `local` elements, in the current state.
@@ -728,6 +720,19 @@ impl Overlapped<'_, '_> {
         }
         Ok(())
     }
+}
+
+/// For each of `placements` overlapping `shard`'s part: the placement and the overlap
+/// (absolute offsets).
+fn pieces<'a>(
+    placements: &'a [Placement],
+    shard: &'a Shard,
+) -> impl Iterator<Item = (&'a Placement, Range<usize>)> + 'a {
+    placements.iter().filter_map(move |placement| {
+        let start = placement.offset.max(shard.mine.start);
+        let end = (placement.offset + placement.len).min(shard.mine.end);
+        (start < end).then_some((placement, start..end))
+    })
 }
 
 /// `bound` (a flat offset splitting the state between two ranks) moved to the nearest row of
