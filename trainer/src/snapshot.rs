@@ -71,9 +71,16 @@ impl HeldSlots {
         self.unconfirmed = None;
     }
 
-    /// `slot` went to the daemon and no answer came back.
+    /// `slot` went to the daemon and no answer came back (yet).
     fn unconfirmed(&mut self, slot: usize) {
         self.unconfirmed = Some(slot);
+    }
+
+    /// The daemon refused the hand-over of `slot`: it did not take it.
+    fn refused(&mut self, slot: usize) {
+        if self.unconfirmed == Some(slot) {
+            self.unconfirmed = None;
+        }
     }
 
     pub fn contains(&self, slot: usize) -> bool {
@@ -245,6 +252,15 @@ pub struct Ckptd {
     last_request_sent: bool,
     pub slots: Vec<PathBuf>,
     held: HeldSlots,
+    /// A hand-over written by [`Ckptd::hand_over`] whose answer is not read yet: its step
+    /// and slot. The answer is read before the next request is written.
+    unanswered: Option<(u64, usize)>,
+    /// The hand-overs answered since [`Ckptd::take_answers`] last took them: step, and
+    /// whether the daemon took it.
+    answers: Vec<(u64, bool)>,
+    /// The daemon's busy word for this rank, mapped read-only ([`wire::BUSY_WORD_FILE`]
+    /// beside the slot files; a daemon without one is asked instead).
+    busy_word: Option<memmap2::Mmap>,
 }
 
 impl Ckptd {
@@ -273,6 +289,9 @@ impl Ckptd {
             last_request_sent: false,
             slots: Vec::new(),
             held: HeldSlots::default(),
+            unanswered: None,
+            answers: Vec::new(),
+            busy_word: None,
         };
         client.reconnect().with_context(|| {
             format!(
@@ -288,6 +307,19 @@ impl Ckptd {
         &self.held
     }
 
+    /// Whether the daemon is busy with this rank's last snapshot, read from the word it
+    /// keeps in shm rather than asked; `None` when the link is down or the daemon keeps no
+    /// word (then ask with [`Ckptd::poll`]).
+    pub fn busy_now(&self) -> Option<bool> {
+        self.stream.as_ref()?;
+        let map = self.busy_word.as_ref()?;
+        // SAFETY: the map is page-aligned, 4 bytes or more, and lives as long as `self`; the
+        // daemon writes the word only atomically.
+        #[allow(unsafe_code)]
+        let word = unsafe { std::sync::atomic::AtomicU32::from_ptr(map.as_ptr() as *mut u32) };
+        Some(word.load(std::sync::atomic::Ordering::Acquire) != 0)
+    }
+
     fn reconnect(&mut self) -> Result<()> {
         let mut stream = UnixStream::connect(&self.socket)?;
         stream.set_read_timeout(Some(Duration::from_secs(300)))?;
@@ -296,6 +328,7 @@ impl Ckptd {
             Message::Registered { slots, held } => {
                 self.slots = slots.into_iter().map(PathBuf::from).collect();
                 self.held.answer(&held);
+                self.busy_word = self.slots.first().and_then(|slot| map_busy_word(slot));
             }
             Message::Refused { reason } => bail!("ckptd refused the rank: {reason}"),
             other => bail!("ckptd answered {other:?} to Register"),
@@ -308,7 +341,16 @@ impl Ckptd {
     /// One request and its answer. A broken link is retried (with a re-registration) at
     /// most once a second; until it works, this returns an error and the caller carries on.
     fn call(&mut self, message: &Message, payload: &[u8]) -> Result<wire::Frame> {
+        self.send(message, payload)?;
+        self.receive()
+    }
+
+    /// Writes one request, after reading the answer to a hand-over still unanswered (the
+    /// daemon answers in order).
+    fn send(&mut self, message: &Message, payload: &[u8]) -> Result<()> {
         self.last_request_sent = false;
+        // What the answer says is kept in `answers`; a link it broke is retried below.
+        let _ = self.settle();
         if self.stream.is_none() {
             if self
                 .broken_at
@@ -324,16 +366,24 @@ impl Ckptd {
         }
         let stream = self.stream.as_mut().expect("connected");
         self.last_request_sent = true;
-        let result = wire::write_frame_sync(stream, message, payload, None)
-            .and_then(|()| wire::read_frame_sync(stream, None));
-        match result {
-            Ok(frame) => Ok(frame),
-            Err(error) => {
-                self.stream = None;
-                self.broken_at = Some(Instant::now());
-                Err(anyhow!("ckptd link broke: {error}"))
-            }
-        }
+        let written = wire::write_frame_sync(stream, message, payload, None);
+        written.map_err(|error| self.broke(error))
+    }
+
+    /// The answer to the request written last.
+    fn receive(&mut self) -> Result<wire::Frame> {
+        let stream = self
+            .stream
+            .as_mut()
+            .ok_or_else(|| anyhow!("ckptd link is down"))?;
+        let read = wire::read_frame_sync(stream, None);
+        read.map_err(|error| self.broke(error))
+    }
+
+    fn broke(&mut self, error: impl std::fmt::Display) -> anyhow::Error {
+        self.stream = None;
+        self.broken_at = Some(Instant::now());
+        anyhow!("ckptd link broke: {error}")
     }
 
     /// The steps this world could start from: (memory-committed, durable).
@@ -463,8 +513,9 @@ impl Ckptd {
         }
     }
 
-    /// Hands `slot` (holding `step`) over. Returns whether the daemon took it. A hand-over
-    /// whose answer never came keeps `slot` held until the daemon answers again.
+    /// Hands `slot` (holding `step`) over and waits for the answer. Returns whether the
+    /// daemon took it (also kept for [`Ckptd::take_answers`]). A hand-over whose answer never
+    /// came keeps `slot` held until the daemon answers again.
     pub fn snapshot(
         &mut self,
         step: u64,
@@ -473,6 +524,24 @@ impl Ckptd {
         blobs: &[(String, Bytes)],
         stall: Duration,
     ) -> Result<bool> {
+        self.hand_over(step, slot, durable, blobs, stall)?;
+        self.settle()?;
+        Ok(self.answers.last() == Some(&(step, true)))
+    }
+
+    /// Hands `slot` (holding `step`) over without waiting for the answer: the rank goes on
+    /// training while the daemon takes the request in, and the answer is read before the
+    /// next request (or by [`Ckptd::settle`]). Until then `slot` counts as held. On a busy
+    /// node the wait for the answer was a wait to be scheduled again, up to tens of
+    /// milliseconds, which the training loop need not stand still for.
+    pub fn hand_over(
+        &mut self,
+        step: u64,
+        slot: usize,
+        durable: bool,
+        blobs: &[(String, Bytes)],
+        stall: Duration,
+    ) -> Result<()> {
         let (specs, payload) = wire::pack_blobs(blobs);
         let message = Message::Snapshot {
             step,
@@ -481,24 +550,66 @@ impl Ckptd {
             blobs: specs,
             stall_us: stall.as_micros() as u64,
         };
-        let frame = match self.call(&message, &payload) {
+        if let Err(error) = self.send(&message, &payload) {
+            if self.last_request_sent {
+                self.held.unconfirmed(slot);
+            }
+            self.answers.push((step, false));
+            return Err(error);
+        }
+        self.held.unconfirmed(slot);
+        self.unanswered = Some((step, slot));
+        Ok(())
+    }
+
+    /// Reads the answer to an unanswered hand-over, if there is one. A link that breaks
+    /// first leaves its slot held (the daemon may have taken it) and counts it not taken.
+    pub fn settle(&mut self) -> Result<()> {
+        let Some((step, slot)) = self.unanswered.take() else {
+            return Ok(());
+        };
+        let frame = match self.receive() {
             Ok(frame) => frame,
             Err(error) => {
-                if self.last_request_sent {
-                    self.held.unconfirmed(slot);
-                }
+                self.answers.push((step, false));
                 return Err(error);
             }
         };
         match frame.message {
             Message::Held { held, accepted, .. } => {
                 self.held.answer(&held);
-                Ok(accepted)
+                self.answers.push((step, accepted));
+                Ok(())
             }
-            Message::Refused { reason } => Err(io::Error::other(reason).into()),
-            other => bail!("ckptd answered {other:?} to Snapshot"),
+            Message::Refused { reason } => {
+                tracing::warn!(step, %reason, "ckptd refused the snapshot");
+                self.held.refused(slot);
+                self.answers.push((step, false));
+                Err(io::Error::other(reason).into())
+            }
+            other => {
+                self.answers.push((step, false));
+                bail!("ckptd answered {other:?} to Snapshot")
+            }
         }
     }
+
+    /// The hand-overs answered since the last call: step, and whether the daemon took it.
+    pub fn take_answers(&mut self) -> Vec<(u64, bool)> {
+        std::mem::take(&mut self.answers)
+    }
+}
+
+/// Maps the daemon's busy word beside `slot` read-only, if the daemon keeps one.
+fn map_busy_word(slot: &Path) -> Option<memmap2::Mmap> {
+    let file = std::fs::File::open(slot.with_file_name(wire::BUSY_WORD_FILE)).ok()?;
+    if file.metadata().ok()?.len() < 4 {
+        return None;
+    }
+    // SAFETY: a read-only shared map of the daemon's 4-byte file, read only atomically.
+    #[allow(unsafe_code)]
+    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
+    Some(map)
 }
 
 #[cfg(test)]
@@ -672,5 +783,96 @@ mod tests {
         assert!(!client.poll(2, Duration::ZERO, None).unwrap());
         assert_eq!(client.held(), &held(&[0]));
         daemon.join().unwrap();
+    }
+
+    /// An in-loop hand-over does not wait for the daemon's answer: the slot counts as held
+    /// meanwhile, and the answer is read before the next request's.
+    #[test]
+    fn a_hand_over_goes_on_without_its_answer_and_the_next_request_reads_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ckptd.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let daemon = std::thread::spawn(move || {
+            let (mut stream, _) = listener.accept().unwrap();
+            wire::read_frame_sync(&mut stream, None).unwrap();
+            let registered = Message::Registered {
+                slots: Vec::new(),
+                held: vec![0],
+            };
+            wire::write_frame_sync(&mut stream, &registered, &[], None).unwrap();
+            let handed = wire::read_frame_sync(&mut stream, None).unwrap();
+            assert!(matches!(
+                handed.message,
+                Message::Snapshot {
+                    step: 1,
+                    slot: 2,
+                    ..
+                }
+            ));
+            // The answer comes only once the rank has gone on without it.
+            let went_on = released.recv_timeout(Duration::from_secs(30)).is_ok();
+            wire::write_frame_sync(&mut stream, &answer(&[0, 2], true, true), &[], None).unwrap();
+            let poll = wire::read_frame_sync(&mut stream, None).unwrap();
+            assert!(matches!(poll.message, Message::Poll { step: 2, .. }));
+            wire::write_frame_sync(&mut stream, &answer(&[2], false, false), &[], None).unwrap();
+            // Takes the next hand-over and dies without answering.
+            wire::read_frame_sync(&mut stream, None).unwrap();
+            went_on
+        });
+        let mut client =
+            Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        client.hand_over(1, 2, false, &[], Duration::ZERO).unwrap();
+        assert!(client.held().contains(2), "{:?}", client.held());
+        assert!(client.take_answers().is_empty(), "no answer read yet");
+        release.send(()).unwrap();
+        assert!(
+            !client.poll(2, Duration::ZERO, None).unwrap(),
+            "the poll's own answer"
+        );
+        assert_eq!(client.take_answers(), vec![(1, true)]);
+        assert_eq!(client.held(), &held(&[2]));
+        client.hand_over(3, 1, false, &[], Duration::ZERO).unwrap();
+        assert!(
+            daemon.join().unwrap(),
+            "the hand-over waited for its answer"
+        );
+        // No answer came: the slot stays held and the hand-over counts as not taken.
+        assert!(client.settle().is_err());
+        assert_eq!(client.take_answers(), vec![(3, false)]);
+        assert!(client.held().contains(1) && client.held().contains(2));
+    }
+
+    /// The rank reads its daemon's busy word instead of asking; without one it has no word.
+    #[test]
+    fn the_busy_word_beside_the_slots_is_read_without_asking() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ckptd.sock");
+        let paths = slots(dir.path(), 4, 4);
+        let word = dir.path().join(wire::BUSY_WORD_FILE);
+        std::fs::write(&word, 1u32.to_ne_bytes()).unwrap();
+        let registered = Message::Registered {
+            slots: paths.iter().map(|p| p.display().to_string()).collect(),
+            held: Vec::new(),
+        };
+        let daemon = scripted_daemon(&socket, vec![registered]);
+        let client = Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        daemon.join().unwrap();
+        assert_eq!(client.busy_now(), Some(true));
+        std::fs::write(&word, 0u32.to_ne_bytes()).unwrap();
+        assert_eq!(client.busy_now(), Some(false), "the same word, mapped");
+        drop(client);
+
+        // A daemon that keeps no word is asked instead.
+        std::fs::remove_file(&word).unwrap();
+        std::fs::remove_file(&socket).unwrap();
+        let registered = Message::Registered {
+            slots: paths.iter().map(|p| p.display().to_string()).collect(),
+            held: Vec::new(),
+        };
+        let daemon = scripted_daemon(&socket, vec![registered]);
+        let client = Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        daemon.join().unwrap();
+        assert_eq!(client.busy_now(), None);
     }
 }

@@ -155,6 +155,9 @@ struct CkptdSaver {
     last_stall: std::time::Duration,
     /// What the last [`Session::busy`] poll spent waiting for a CPU (part of the stall).
     poll_cpu_wait: std::time::Duration,
+    /// Whether the daemon was busy with an earlier snapshot at this step's heartbeat (or did
+    /// not answer it).
+    busy_at_heartbeat: bool,
     skipped: u64,
     /// Seconds the run's last snapshot took: it waits for a daemon still busy with the step
     /// before, so it is not counted among the loop's stalls. 0 before it.
@@ -206,6 +209,9 @@ struct Session {
     expected_losses: Vec<(u64, f64)>,
     /// The loss of the newest step, for the next heartbeat.
     last_loss: Option<f64>,
+    /// The newest step checkpointed: written to the store, or taken by the daemon (whose
+    /// answer to an in-loop hand-over is read with the next request).
+    checkpointed: Option<u64>,
 }
 
 impl Session {
@@ -409,6 +415,7 @@ impl Session {
             client: ckptd,
             last_stall: std::time::Duration::ZERO,
             poll_cpu_wait: std::time::Duration::ZERO,
+            busy_at_heartbeat: false,
             skipped: 0,
             last_wait: 0.0,
             heartbeat_mark: (Instant::now(), crate::dist::communication_seconds()),
@@ -539,14 +546,42 @@ impl Session {
             .elapsed()
             .saturating_sub(std::time::Duration::from_secs_f64(communication - waited));
         // A daemon that does not answer keeps its last word on the held slots.
-        let _ = saver.client.poll(self.state.step, compute, self.last_loss);
+        saver.busy_at_heartbeat = saver
+            .client
+            .poll(self.state.step, compute, self.last_loss)
+            .unwrap_or(true);
+        self.take_answers();
+    }
+
+    /// Counts the hand-overs the daemon answered since the last call: the newest taken is
+    /// the newest checkpoint; one not taken was skipped.
+    fn take_answers(&mut self) {
+        let Saver::Ckptd(saver) = &mut self.saver else {
+            return;
+        };
+        for (step, taken) in saver.client.take_answers() {
+            if taken {
+                self.checkpointed = self.checkpointed.max(Some(step));
+            } else {
+                saver.skipped += 1;
+            }
+        }
     }
 
     /// Whether this rank's saver is busy with an earlier checkpoint, and how long asking took.
+    /// A daemon free at this step's heartbeat is free still (only a hand-over makes it busy);
+    /// one busy then is read from its busy word, and asked only if it keeps none. The loop
+    /// then waits for no answer of the daemon between the step's end and the hand-over.
     fn busy(&mut self, step: u64) -> (bool, std::time::Duration) {
         let Saver::Ckptd(saver) = &mut self.saver else {
             return (false, std::time::Duration::ZERO);
         };
+        if !saver.busy_at_heartbeat {
+            return (false, std::time::Duration::ZERO);
+        }
+        if let Some(busy) = saver.client.busy_now() {
+            return (busy, std::time::Duration::ZERO);
+        }
         let started = Instant::now();
         let waited = self.cpu_wait.now();
         let busy = saver
@@ -554,23 +589,25 @@ impl Session {
             .poll(step, std::time::Duration::ZERO, None)
             .unwrap_or(true);
         saver.poll_cpu_wait = self.cpu_wait.now().saturating_sub(waited);
-        (busy, started.elapsed())
+        let asked = (busy, started.elapsed());
+        self.take_answers();
+        asked
     }
 
     /// Checkpoints the current step; `any_busy` and `poll_time` come from [`Session::busy`],
-    /// summed over the ranks. Returns whether this rank's step was checkpointed.
-    fn save(&mut self, last: bool, any_busy: bool, poll_time: std::time::Duration) -> Result<bool> {
+    /// summed over the ranks.
+    fn save(&mut self, last: bool, any_busy: bool, poll_time: std::time::Duration) -> Result<()> {
         if let Saver::Ckptd(_) = self.saver {
             return self.snapshot(last, Some((any_busy, poll_time)));
         }
         let started = Instant::now();
         let waited = self.cpu_wait.now();
-        self.checkpoint()?;
+        self.checkpointed = Some(self.checkpoint()?);
         self.stalls.push((
             started.elapsed().as_secs_f64(),
             self.cpu_wait.now().saturating_sub(waited).as_secs_f64(),
         ));
-        Ok(true)
+        Ok(())
     }
 
     /// At the end of the run: checkpoints the last step if it is not yet, and (with `ckptd`)
@@ -579,14 +616,25 @@ impl Session {
     /// Whether the last step still needs a checkpoint is summed over the ranks: a daemon that
     /// died after the others took the last snapshot leaves this rank without it, and the
     /// final snapshot (collectives inside) must be taken by every rank or by none.
-    fn finish(&mut self, last_checkpoint: Option<u64>, log: &mut dyn Write) -> Result<Option<u64>> {
+    fn finish(&mut self, log: &mut dyn Write) -> Result<()> {
         let step = self.state.step;
-        let lacking = last_checkpoint != Some(step) && step > 0;
+        if let Saver::Ckptd(saver) = &mut self.saver {
+            // The answer to the loop's last hand-over, if it was not read yet (a failure is
+            // among the answers).
+            let _ = saver.client.settle();
+        }
+        self.take_answers();
+        let lacking = self.checkpointed != Some(step) && step > 0;
         let due = self.world.sum_u64(Group::World, &[u64::from(lacking)])[0] > 0;
         if let Saver::Store { .. } = self.saver {
-            return Ok(if due { Some(self.checkpoint()?) } else { None });
+            if due {
+                self.checkpointed = Some(self.checkpoint()?);
+            }
+            return Ok(());
         }
-        let mut saved = due && self.snapshot(true, None)?;
+        if due {
+            self.snapshot(true, None)?;
+        }
         // Leave once the daemon has the last snapshot in T0 and T1 and, as asked, in T2.
         self.drain_ckptd();
         // A daemon drops a snapshot no memory commit came for (no leader at that moment, a
@@ -606,7 +654,7 @@ impl Session {
                 "ckptd: the last step {step} was not committed; handing it over again"
             )?;
             std::thread::sleep(std::time::Duration::from_secs(1));
-            saved = self.snapshot(true, None)? || saved;
+            self.snapshot(true, None)?;
             self.drain_ckptd();
         }
         self.world.barrier();
@@ -618,7 +666,7 @@ impl Session {
                 saver.skipped
             )?;
         }
-        Ok(saved.then_some(step))
+        Ok(())
     }
 
     /// Whether any rank's daemon answers that it lacks `step` in its T0 (summed over the
@@ -645,16 +693,13 @@ impl Session {
 
     /// Hands the current state to `ckptd` if every rank's daemon is free (all ranks snapshot
     /// the same steps, or none does). `last`: the run's final snapshot, which waits for a busy
-    /// daemon and asks for a durable commit.
+    /// daemon, asks for a durable commit and waits for the daemon's answer; the loop's
+    /// snapshots go on without it (read with the next request).
     ///
     /// `agreed`: whether any daemon was busy, when the caller already polled and summed that
     /// over the ranks (with the step's loss, so no extra collective), and how long its poll
     /// took.
-    fn snapshot(
-        &mut self,
-        last: bool,
-        agreed: Option<(bool, std::time::Duration)>,
-    ) -> Result<bool> {
+    fn snapshot(&mut self, last: bool, agreed: Option<(bool, std::time::Duration)>) -> Result<()> {
         let started = Instant::now();
         let waited = self.cpu_wait.now();
         let wait = last || self.config.checkpoint.busy == "wait";
@@ -683,20 +728,21 @@ impl Session {
             std::thread::sleep(std::time::Duration::from_millis(5));
             (busy, expired) = any_busy(ckptd, &self.world);
         }
-        let mut accepted = false;
-        if !busy {
+        if busy {
+            saver.skipped += 1;
+            let _ = ckptd.skipped(step);
+        } else {
             let slot = self.optim.memory.current_slot();
             let (specs, stall) = (
                 Session::blobs_of(&self.state, &self.config)?,
                 saver.last_stall,
             );
-            accepted = ckptd
-                .snapshot(step, slot, last, &specs, stall)
-                .unwrap_or(false);
-        }
-        if !accepted {
-            saver.skipped += 1;
-            let _ = ckptd.skipped(step);
+            // Whatever the daemon answers, or a link that broke, is among its answers.
+            let _ = if last {
+                ckptd.snapshot(step, slot, last, &specs, stall).map(drop)
+            } else {
+                ckptd.hand_over(step, slot, last, &specs, stall)
+            };
         }
         saver.last_stall = started.elapsed() + poll_time;
         let cpu_wait =
@@ -707,7 +753,8 @@ impl Session {
             self.stalls
                 .push((saver.last_stall.as_secs_f64(), cpu_wait.as_secs_f64()));
         }
-        Ok(accepted)
+        self.take_answers();
+        Ok(())
     }
 
     fn blobs_of(state: &TrainerState, config: &Config) -> Result<Vec<(String, Bytes)>> {
@@ -1012,6 +1059,7 @@ pub fn train(
         skip_offered: None,
         expected_losses: Vec::new(),
         last_loss: None,
+        checkpointed: None,
     };
     let mut restored_tier = None;
     let resumed_from = match config.checkpoint.ckptd_socket() {
@@ -1105,7 +1153,7 @@ pub fn train(
     let mut sdc_agreed = 0;
     let mut checks = CheckTimes::default();
     let loop_started = Instant::now();
-    let mut last_checkpoint = resumed_from;
+    session.checkpointed = resumed_from;
     let mut stopped_by_signal = false;
     while session.state.step < config.train.steps {
         crate::trace::step_begins();
@@ -1289,9 +1337,7 @@ pub fn train(
         step_log.step_done(step, loss, &forward, &update, lr, val_loss, log)?;
         if checkpoint_due {
             let _span = tracing::info_span!("checkpoint").entered();
-            if session.save(step == config.train.steps, any_busy, poll_time)? {
-                last_checkpoint = Some(step);
-            }
+            session.save(step == config.train.steps, any_busy, poll_time)?;
         }
     }
     if let Some(bytes) = session.activation_bytes {
@@ -1381,9 +1427,7 @@ pub fn train(
         losses.len(),
         log,
     )?;
-    if let Some(step) = session.finish(last_checkpoint, log)? {
-        last_checkpoint = Some(step);
-    }
+    session.finish(log)?;
     session.report_stalls(log)?;
     Ok(Summary {
         run: run_id.to_string(),
@@ -1392,7 +1436,7 @@ pub fn train(
         last_step: session.state.step,
         resumed_from,
         losses,
-        last_checkpoint,
+        last_checkpoint: session.checkpointed,
         parameters,
         optimizer_bytes,
         stopped_by_signal,

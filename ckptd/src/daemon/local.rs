@@ -17,7 +17,7 @@ use lazarus_shared::Rank;
 use tokio::net::{UnixListener, UnixStream};
 
 use super::rank::RankState;
-use super::slots::reserve;
+use super::slots::{reserve, BusyWord};
 use super::{pipeline, restore, Config, ConfigError, Daemon, SLOTS_PER_RANK};
 
 fn ranks_dir(cfg: &Config) -> PathBuf {
@@ -407,16 +407,17 @@ async fn register(
     // The slot files are made (and their pages reserved) without the ranks lock: other
     // ranks' polls and the heartbeat go on meanwhile. A rank registers from one process at
     // a time, so nothing else touches its directory.
-    {
+    let busy_word = {
         let (dir, mode) = (dir.clone(), daemon.cfg.socket_mode);
-        tokio::task::spawn_blocking(move || make_slots(&dir, slot_bytes, mode, !reuse)).await??;
-    }
+        tokio::task::spawn_blocking(move || make_slots(&dir, slot_bytes, mode, !reuse)).await??
+    };
     let mut ranks = daemon.ranks.lock().await;
     let mut state = ranks
         .remove(&rank)
         .filter(|s| s.fits(world_size, slot_bytes, &tensors))
         .unwrap_or_else(|| RankState::new(rank, world_size, slot_bytes, tensors, dir));
     state.registered(pid)?;
+    state.attach_busy_word(busy_word);
     let reply = Message::Registered {
         slots: (0..SLOTS_PER_RANK)
             .map(|s| state.slot_path(s).display().to_string())
@@ -446,8 +447,9 @@ async fn register(
 
 /// The rank's slot files in `dir`, sized and with every page reserved: a rank writing a
 /// slot through its mapping into a full tmpfs would die of SIGBUS; here it is a clear
-/// refusal instead. `fresh` first removes what an earlier layout left there.
-fn make_slots(dir: &std::path::Path, slot_bytes: u64, mode: u32, fresh: bool) -> Result<()> {
+/// refusal instead. `fresh` first removes what an earlier layout left there. With them, the
+/// rank's busy word.
+fn make_slots(dir: &std::path::Path, slot_bytes: u64, mode: u32, fresh: bool) -> Result<BusyWord> {
     if fresh {
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -468,5 +470,5 @@ fn make_slots(dir: &std::path::Path, slot_bytes: u64, mode: u32, fresh: bool) ->
         }
         reserve(&file, slot_bytes, &path)?;
     }
-    Ok(())
+    BusyWord::open(&dir.join(wire::BUSY_WORD_FILE), mode)
 }

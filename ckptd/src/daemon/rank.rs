@@ -22,6 +22,7 @@ use lazarus_shared::wire::{Message, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 use serde::{Deserialize, Serialize};
 
+use super::slots::BusyWord;
 use super::SLOTS_PER_RANK;
 
 /// A snapshot the daemon holds: which slot, which step, the chunk hashes of the slot.
@@ -110,6 +111,9 @@ pub struct RankState {
     /// The step of the newest snapshot handed over: the loss of the step after it is what a
     /// restore of it is checked against, so the leader hears that one at once.
     pub snapshot_step: Option<u64>,
+    /// [`RankState::busy`] where the rank reads it without asking; every change of the
+    /// snapshot in flight writes it.
+    busy_word: Option<BusyWord>,
 }
 
 /// The answer to a snapshot hand-over.
@@ -174,6 +178,7 @@ impl RankState {
             unhealthy: None,
             losses: Vec::new(),
             snapshot_step: None,
+            busy_word: None,
         }
     }
 
@@ -264,6 +269,19 @@ impl RankState {
         self.pending.is_some() || self.working.is_some()
     }
 
+    /// From now on `word` says whether this rank's daemon is busy.
+    pub fn attach_busy_word(&mut self, word: BusyWord) {
+        self.busy_word = Some(word);
+        self.publish();
+    }
+
+    /// Writes [`RankState::busy`] to the busy word; every method that changes it ends here.
+    fn publish(&self) {
+        if let Some(word) = &self.busy_word {
+            word.set(self.busy());
+        }
+    }
+
     /// The `Held` answer to the rank: the slots it must not write, its T0 step, and `busy`
     /// and `accepted` as given.
     pub fn held_reply(&self, busy: bool, accepted: bool) -> Message {
@@ -329,6 +347,7 @@ impl RankState {
             return HandOver::Busy;
         }
         self.working = Some(slot);
+        self.publish();
         HandOver::Accepted
     }
 
@@ -340,13 +359,16 @@ impl RankState {
             self.pending_at = Instant::now();
         }
         self.pending = snap;
+        self.publish();
     }
 
     /// Drops a snapshot whose memory commit did not come within `timeout` (a rank elsewhere
     /// failed to snapshot that step), so that the rank can hand over the next one.
     pub fn expire(&mut self, timeout: Duration) -> Option<u64> {
         if self.pending.is_some() && self.pending_at.elapsed() >= timeout {
-            return self.pending.take().map(|p| p.step);
+            let expired = self.pending.take().map(|p| p.step);
+            self.publish();
+            return expired;
         }
         None
     }
@@ -359,6 +381,7 @@ impl RankState {
             return Ok(false);
         }
         self.t0 = self.pending.take();
+        self.publish();
         if let Some(t0) = self.t0.as_mut().filter(|_| durable) {
             // Marked, so that an upload running now uploads this step when it ends.
             t0.durable_requested = true;
@@ -373,6 +396,7 @@ impl RankState {
         let later = |step: u64| to.is_none_or(|to| step > to);
         if self.pending.as_ref().is_some_and(|p| later(p.step)) {
             self.pending = None;
+            self.publish();
         }
         self.durable_waiting = self.durable_waiting.filter(|&step| !later(step));
         if self.stored.is_some_and(|k| later(k.step)) {
@@ -467,6 +491,7 @@ impl RankState {
     /// daemon restarted mid-fill never names a half-overwritten slot as T0.
     pub fn begin_fill(&mut self, keep: Option<u64>) -> Result<u32> {
         self.pending = None;
+        self.publish();
         if self.t0.as_ref().is_some_and(|t| Some(t.step) != keep) {
             self.t0 = None;
             self.persist()?;
@@ -491,6 +516,7 @@ impl RankState {
     pub fn install(&mut self, snap: Option<Snap>) -> Result<()> {
         self.restoring = None;
         self.pending = None;
+        self.publish();
         self.t0 = snap;
         self.persist()
     }
@@ -585,6 +611,8 @@ mod tests {
         upload: Option<Snap>,
         /// The model's T0: (step, slot).
         t0: Option<(u64, u32)>,
+        /// The busy word as the rank maps it.
+        busy_word: BusyWord,
     }
 
     fn snap(step: u64, slot: u32, durable: bool) -> Snap {
@@ -604,6 +632,9 @@ mod tests {
             std::fs::create_dir_all(&rank_dir).unwrap();
             let mut daemon = RankState::new(0, 2, 1 << 20, Vec::new(), rank_dir.clone());
             daemon.registered(100).unwrap();
+            let word = rank_dir.join(lazarus_shared::wire::BUSY_WORD_FILE);
+            daemon.attach_busy_word(BusyWord::open(&word, 0o600).unwrap());
+            let busy_word = BusyWord::open(&word, 0o600).unwrap();
             let view = daemon.held();
             Self {
                 _dir: dir,
@@ -616,6 +647,7 @@ mod tests {
                 job: None,
                 upload: None,
                 t0: None,
+                busy_word,
             }
         }
 
@@ -759,6 +791,9 @@ mod tests {
                     self.daemon = RankState::load(&self.rank_dir)
                         .unwrap()
                         .expect("state.json is there");
+                    let word = self.rank_dir.join(lazarus_shared::wire::BUSY_WORD_FILE);
+                    self.daemon
+                        .attach_busy_word(BusyWord::open(&word, 0o600).unwrap());
                     self.job = None;
                     self.upload = None;
                 }
@@ -796,6 +831,12 @@ mod tests {
                 assert_eq!(self.daemon.uploading, Some(upload.slot));
                 assert_eq!(self.content[upload.slot as usize], upload.step);
             }
+            assert_eq!(
+                self.busy_word.get(),
+                self.daemon.busy(),
+                "the rank reads another busy than the daemon's: {:?}",
+                self.daemon
+            );
         }
     }
 
