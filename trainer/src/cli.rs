@@ -126,6 +126,18 @@ fn exit_code(error: &anyhow::Error) -> u8 {
     }
 }
 
+/// Makes this thread, the one that trains (and the only one that calls MPI), the first
+/// worker of the math's thread pool (`RAYON_NUM_THREADS` workers in all). An op it starts
+/// then runs here and on the other workers, instead of being handed to the pool while this
+/// thread sleeps until it is done; with one thread per rank, every op runs here and no
+/// thread is woken at all. On cores that ranks and a daemon share, each wake-up can be a
+/// wait to be scheduled. Before the pool's first use; a pool already built is kept.
+fn join_the_math_pool() {
+    let _ = rayon::ThreadPoolBuilder::new()
+        .use_current_thread()
+        .build_global();
+}
+
 pub fn main(cli: Cli) -> ExitCode {
     crate::memory::keep_freed_memory();
     match run(cli) {
@@ -203,6 +215,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             if threads > 0 {
                 std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
             }
+            join_the_math_pool();
             let peak = crate::train::bench_peak(size)?;
             std::fs::create_dir_all(&out_dir)?;
             let path = out_dir.join("peak.json");
@@ -229,6 +242,7 @@ fn run(cli: Cli) -> anyhow::Result<()> {
                 // candle's matmul and element-wise pools read this when they first start.
                 std::env::set_var("RAYON_NUM_THREADS", config.train.threads.to_string());
             }
+            join_the_math_pool();
             let world = Arc::new(World::init(|ranks| {
                 config.layout(ranks).and_then(Layout::built)
             })?);
