@@ -659,9 +659,13 @@ fn a_nan_gradient_is_rolled_back_and_its_data_skipped_bit_for_bit() {
     let timeline = events(&ctl, "nan");
     let why = format!("{timeline:#?}\n{}", cluster.logs());
     let detail = |kind: &str| detail_of(&timeline, kind);
-    assert_eq!(
-        detail("unhealthy"),
-        "rank 0 at step 70: the gradient norm is NaN",
+    // Every rank sees the NaN in the reduced gradient norm; the leader names the rank whose
+    // report reached it first, which is a race between the two nodes.
+    let unhealthy = detail("unhealthy");
+    assert!(
+        ["rank 0", "rank 1"]
+            .map(|rank| format!("{rank} at step 70: the gradient norm is NaN"))
+            .contains(&unhealthy),
         "{why}"
     );
     // The newest durable step: 50, or 51 when the step-50 snapshot was skipped while a

@@ -308,10 +308,16 @@ impl Ckptd {
     }
 
     /// Whether the daemon is busy with this rank's last snapshot, read from the word it
-    /// keeps in shm rather than asked; `None` when the link is down or the daemon keeps no
-    /// word (then ask with [`Ckptd::poll`]).
+    /// keeps in shm rather than asked; `None` when the link is down, the daemon keeps no
+    /// word, or its last answer held three slots (then ask with [`Ckptd::poll`]). The word
+    /// says nothing of the held set: after a hand-over on its say-so whose answer never came
+    /// (the daemon died), that answer's three slots and the one handed over would leave the
+    /// rank's update no free slot, while the daemon had let one go. An answer brings the set.
     pub fn busy_now(&self) -> Option<bool> {
         self.stream.as_ref()?;
+        if self.held.answered.len() + 2 > self.slots.len() {
+            return None;
+        }
         let map = self.busy_word.as_ref()?;
         // SAFETY: the map is page-aligned, 4 bytes or more, and lives as long as `self`; the
         // daemon writes the word only atomically.
@@ -861,6 +867,20 @@ mod tests {
         assert_eq!(client.busy_now(), Some(true));
         std::fs::write(&word, 0u32.to_ne_bytes()).unwrap();
         assert_eq!(client.busy_now(), Some(false), "the same word, mapped");
+        drop(client);
+
+        // Regression: with three slots held at the last answer, the word is not enough (the
+        // rank once handed slot 2 over on it while its view held 0, 1 and 3, the daemon died
+        // before answering, and the update found every slot held).
+        std::fs::remove_file(&socket).unwrap();
+        let registered = Message::Registered {
+            slots: paths.iter().map(|p| p.display().to_string()).collect(),
+            held: vec![0, 1, 3],
+        };
+        let daemon = scripted_daemon(&socket, vec![registered]);
+        let client = Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        daemon.join().unwrap();
+        assert_eq!(client.busy_now(), None, "ask instead");
         drop(client);
 
         // A daemon that keeps no word is asked instead.
