@@ -152,12 +152,12 @@ pub fn main(cli: Cli) -> ExitCode {
 
 /// Puts this process under `SCHED_BATCH` before it starts any thread (threads inherit it).
 /// The kernel lets only `SCHED_NORMAL` tasks preempt on wake-up, so a rank that hands a
-/// snapshot over (waking the daemon) keeps its core rather than giving it to the daemon's
-/// thread at once; the daemon's share of the CPU is the same, and it waits at most a slice
-/// (milliseconds) for a busy core, which its supervision timers (seconds) do not notice.
-/// On 2 cores shared by two ranks and two daemons, the stall's maximum over a run was
-/// 26-55 ms without it and 0.3-36 ms with it. Unprivileged; a kernel that refuses leaves the
-/// policy as it was.
+/// snapshot over (waking the daemon) is not preempted by that rule; it can still lose its
+/// core then when its slice is used up. The daemon's share of the CPU is the same, and it
+/// waits at most a slice (milliseconds) for a busy core, which its supervision timers
+/// (seconds) do not notice. On 2 cores shared by two ranks and two daemons, the stall's
+/// maximum over a run was 26-55 ms without it and 0.3-36 ms with it (4 runs each).
+/// Unprivileged; a kernel that refuses leaves the policy as it was.
 fn yield_to_the_ranks() {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sched_setscheduler reads the one valid `sched_param` passed; pid 0 is this
