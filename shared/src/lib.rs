@@ -5,6 +5,7 @@
 //! The trainer, `ckptd` and `ckptctl` never build object keys or parse stored bytes
 //! themselves; they go through [`store`].
 
+pub mod busy_word;
 pub mod codec;
 pub mod error;
 pub mod format;

@@ -38,12 +38,6 @@ const PAYLOAD_BLOCKING: usize = 256 << 10;
 pub const HEADER_MAX: usize = 1 << 20;
 /// Largest payload accepted: one chunk of replica data, or a snapshot's blobs.
 pub const PAYLOAD_MAX: usize = 16 << 20;
-
-/// The file beside a rank's slot files in which its daemon keeps whether it is busy with the
-/// rank's last snapshot: a 4-byte word, 1 busy and 0 free, written atomically (native byte
-/// order: both ends are on one node). The rank maps it read-only and reads it instead of
-/// asking before a snapshot.
-pub const BUSY_WORD_FILE: &str = "busy";
 const PREFIX: usize = 12;
 const MAC: usize = 32;
 

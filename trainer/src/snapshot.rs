@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
+use lazarus_shared::busy_word::{self, BusyWordReader};
 use lazarus_shared::wire::{self, DataSkip, Message, SlotTensor, Tier};
 
 enum Buffer {
@@ -258,9 +259,9 @@ pub struct Ckptd {
     /// The hand-overs answered since [`Ckptd::take_answers`] last took them: step, and
     /// whether the daemon took it.
     answers: Vec<(u64, bool)>,
-    /// The daemon's busy word for this rank, mapped read-only ([`wire::BUSY_WORD_FILE`]
-    /// beside the slot files; a daemon without one is asked instead).
-    busy_word: Option<memmap2::Mmap>,
+    /// The daemon's busy word for this rank, beside the slot files (a daemon without one is
+    /// asked instead).
+    busy_word: Option<BusyWordReader>,
 }
 
 impl Ckptd {
@@ -318,12 +319,7 @@ impl Ckptd {
         if self.held.answered.len() + 2 > self.slots.len() {
             return None;
         }
-        let map = self.busy_word.as_ref()?;
-        // SAFETY: the map is page-aligned, 4 bytes or more, and lives as long as `self`; the
-        // daemon writes the word only atomically.
-        #[allow(unsafe_code)]
-        let word = unsafe { std::sync::atomic::AtomicU32::from_ptr(map.as_ptr() as *mut u32) };
-        Some(word.load(std::sync::atomic::Ordering::Acquire) != 0)
+        self.busy_word.as_ref().map(BusyWordReader::get)
     }
 
     fn reconnect(&mut self) -> Result<()> {
@@ -334,7 +330,9 @@ impl Ckptd {
             Message::Registered { slots, held } => {
                 self.slots = slots.into_iter().map(PathBuf::from).collect();
                 self.held.answer(&held);
-                self.busy_word = self.slots.first().and_then(|slot| map_busy_word(slot));
+                self.busy_word = self.slots.first().and_then(|slot| {
+                    BusyWordReader::open(&slot.with_file_name(busy_word::FILE_NAME))
+                });
             }
             Message::Refused { reason } => bail!("ckptd refused the rank: {reason}"),
             other => bail!("ckptd answered {other:?} to Register"),
@@ -606,18 +604,6 @@ impl Ckptd {
     }
 }
 
-/// Maps the daemon's busy word beside `slot` read-only, if the daemon keeps one.
-fn map_busy_word(slot: &Path) -> Option<memmap2::Mmap> {
-    let file = std::fs::File::open(slot.with_file_name(wire::BUSY_WORD_FILE)).ok()?;
-    if file.metadata().ok()?.len() < 4 {
-        return None;
-    }
-    // SAFETY: a read-only shared map of the daemon's 4-byte file, read only atomically.
-    #[allow(unsafe_code)]
-    let map = unsafe { memmap2::Mmap::map(&file) }.ok()?;
-    Some(map)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -708,6 +694,22 @@ mod tests {
         })
     }
 
+    /// A daemon's side of a registration: accepts the rank, reads its `Register` and answers
+    /// that it holds `held` (no slot files).
+    fn accept_registration(
+        listener: &std::os::unix::net::UnixListener,
+        held: &[u32],
+    ) -> std::os::unix::net::UnixStream {
+        let (mut stream, _) = listener.accept().unwrap();
+        wire::read_frame_sync(&mut stream, None).unwrap();
+        let registered = Message::Registered {
+            slots: Vec::new(),
+            held: held.to_vec(),
+        };
+        wire::write_frame_sync(&mut stream, &registered, &[], None).unwrap();
+        stream
+    }
+
     fn answer(held: &[u32], busy: bool, accepted: bool) -> Message {
         Message::Held {
             held: held.to_vec(),
@@ -764,20 +766,12 @@ mod tests {
         let socket = dir.path().join("ckptd.sock");
         let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
         let daemon = std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            wire::read_frame_sync(&mut stream, None).unwrap();
-            let registered = Message::Registered {
-                slots: Vec::new(),
-                held: vec![0],
-            };
-            wire::write_frame_sync(&mut stream, &registered, &[], None).unwrap();
+            let mut stream = accept_registration(&listener, &[0]);
             // Takes the snapshot request and dies without answering.
             wire::read_frame_sync(&mut stream, None).unwrap();
             drop(stream);
             // Back: the new life registers the rank again and holds only its T0.
-            let (mut stream, _) = listener.accept().unwrap();
-            wire::read_frame_sync(&mut stream, None).unwrap();
-            wire::write_frame_sync(&mut stream, &registered, &[], None).unwrap();
+            let mut stream = accept_registration(&listener, &[0]);
             wire::read_frame_sync(&mut stream, None).unwrap();
             wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None).unwrap();
         });
@@ -800,13 +794,7 @@ mod tests {
         let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
         let (release, released) = std::sync::mpsc::channel::<()>();
         let daemon = std::thread::spawn(move || {
-            let (mut stream, _) = listener.accept().unwrap();
-            wire::read_frame_sync(&mut stream, None).unwrap();
-            let registered = Message::Registered {
-                slots: Vec::new(),
-                held: vec![0],
-            };
-            wire::write_frame_sync(&mut stream, &registered, &[], None).unwrap();
+            let mut stream = accept_registration(&listener, &[0]);
             let handed = wire::read_frame_sync(&mut stream, None).unwrap();
             assert!(matches!(
                 handed.message,
@@ -855,44 +843,33 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("ckptd.sock");
         let paths = slots(dir.path(), 4, 4);
-        let word = dir.path().join(wire::BUSY_WORD_FILE);
-        std::fs::write(&word, 1u32.to_ne_bytes()).unwrap();
-        let registered = Message::Registered {
-            slots: paths.iter().map(|p| p.display().to_string()).collect(),
-            held: Vec::new(),
+        let word = dir.path().join(busy_word::FILE_NAME);
+        // A client registered with a daemon whose answer holds `held`.
+        let registered = |held: Vec<u32>| {
+            let _ = std::fs::remove_file(&socket);
+            let registered = Message::Registered {
+                slots: paths.iter().map(|p| p.display().to_string()).collect(),
+                held,
+            };
+            let daemon = scripted_daemon(&socket, vec![registered]);
+            let client =
+                Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+            daemon.join().unwrap();
+            client
         };
-        let daemon = scripted_daemon(&socket, vec![registered]);
-        let client = Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
-        daemon.join().unwrap();
+        std::fs::write(&word, 1u32.to_ne_bytes()).unwrap();
+        let client = registered(Vec::new());
         assert_eq!(client.busy_now(), Some(true));
         std::fs::write(&word, 0u32.to_ne_bytes()).unwrap();
         assert_eq!(client.busy_now(), Some(false), "the same word, mapped");
-        drop(client);
 
         // Regression: with three slots held at the last answer, the word is not enough (the
         // rank once handed slot 2 over on it while its view held 0, 1 and 3, the daemon died
         // before answering, and the update found every slot held).
-        std::fs::remove_file(&socket).unwrap();
-        let registered = Message::Registered {
-            slots: paths.iter().map(|p| p.display().to_string()).collect(),
-            held: vec![0, 1, 3],
-        };
-        let daemon = scripted_daemon(&socket, vec![registered]);
-        let client = Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
-        daemon.join().unwrap();
-        assert_eq!(client.busy_now(), None, "ask instead");
-        drop(client);
+        assert_eq!(registered(vec![0, 1, 3]).busy_now(), None, "ask instead");
 
         // A daemon that keeps no word is asked instead.
         std::fs::remove_file(&word).unwrap();
-        std::fs::remove_file(&socket).unwrap();
-        let registered = Message::Registered {
-            slots: paths.iter().map(|p| p.display().to_string()).collect(),
-            held: Vec::new(),
-        };
-        let daemon = scripted_daemon(&socket, vec![registered]);
-        let client = Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
-        daemon.join().unwrap();
-        assert_eq!(client.busy_now(), None);
+        assert_eq!(registered(Vec::new()).busy_now(), None);
     }
 }

@@ -589,9 +589,7 @@ impl Session {
             .poll(step, std::time::Duration::ZERO, None)
             .unwrap_or(true);
         saver.poll_cpu_wait = self.cpu_wait.now().saturating_sub(waited);
-        let asked = (busy, started.elapsed());
-        self.take_answers();
-        asked
+        (busy, started.elapsed())
     }
 
     /// Checkpoints the current step; `any_busy` and `poll_time` come from [`Session::busy`],

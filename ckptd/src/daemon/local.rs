@@ -12,12 +12,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
+use lazarus_shared::busy_word::{self, BusyWord};
 use lazarus_shared::wire::{self, Message, SlotTensor, WireError};
 use lazarus_shared::Rank;
 use tokio::net::{UnixListener, UnixStream};
 
 use super::rank::RankState;
-use super::slots::{reserve, BusyWord};
+use super::slots::reserve;
 use super::{pipeline, restore, Config, ConfigError, Daemon, SLOTS_PER_RANK};
 
 fn ranks_dir(cfg: &Config) -> PathBuf {
@@ -470,5 +471,6 @@ fn make_slots(dir: &std::path::Path, slot_bytes: u64, mode: u32, fresh: bool) ->
         }
         reserve(&file, slot_bytes, &path)?;
     }
-    BusyWord::open(&dir.join(wire::BUSY_WORD_FILE), mode)
+    let path = dir.join(busy_word::FILE_NAME);
+    BusyWord::create(&path, mode).with_context(|| format!("creating {}", path.display()))
 }

@@ -17,12 +17,12 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
+use lazarus_shared::busy_word::BusyWord;
 use lazarus_shared::format::ChunkRef;
 use lazarus_shared::wire::{Message, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 use serde::{Deserialize, Serialize};
 
-use super::slots::BusyWord;
 use super::SLOTS_PER_RANK;
 
 /// A snapshot the daemon holds: which slot, which step, the chunk hashes of the slot.
@@ -612,7 +612,7 @@ mod tests {
         /// The model's T0: (step, slot).
         t0: Option<(u64, u32)>,
         /// The busy word as the rank maps it.
-        busy_word: BusyWord,
+        busy_word: lazarus_shared::busy_word::BusyWordReader,
     }
 
     fn snap(step: u64, slot: u32, durable: bool) -> Snap {
@@ -632,9 +632,9 @@ mod tests {
             std::fs::create_dir_all(&rank_dir).unwrap();
             let mut daemon = RankState::new(0, 2, 1 << 20, Vec::new(), rank_dir.clone());
             daemon.registered(100).unwrap();
-            let word = rank_dir.join(lazarus_shared::wire::BUSY_WORD_FILE);
-            daemon.attach_busy_word(BusyWord::open(&word, 0o600).unwrap());
-            let busy_word = BusyWord::open(&word, 0o600).unwrap();
+            let word = rank_dir.join(lazarus_shared::busy_word::FILE_NAME);
+            daemon.attach_busy_word(BusyWord::create(&word, 0o600).unwrap());
+            let busy_word = lazarus_shared::busy_word::BusyWordReader::open(&word).unwrap();
             let view = daemon.held();
             Self {
                 _dir: dir,
@@ -791,9 +791,9 @@ mod tests {
                     self.daemon = RankState::load(&self.rank_dir)
                         .unwrap()
                         .expect("state.json is there");
-                    let word = self.rank_dir.join(lazarus_shared::wire::BUSY_WORD_FILE);
+                    let word = self.rank_dir.join(lazarus_shared::busy_word::FILE_NAME);
                     self.daemon
-                        .attach_busy_word(BusyWord::open(&word, 0o600).unwrap());
+                        .attach_busy_word(BusyWord::create(&word, 0o600).unwrap());
                     self.job = None;
                     self.upload = None;
                 }

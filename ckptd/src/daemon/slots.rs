@@ -6,7 +6,6 @@
 
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Result};
@@ -15,59 +14,6 @@ use lazarus_shared::store::{ByteSource, FileSource};
 use lazarus_shared::ChunkHash;
 
 use super::SLOT_CHUNK_BYTES;
-
-/// A rank's busy word: a 4-byte shm file the daemon maps and keeps equal to whether it is busy
-/// with the rank's last snapshot (1) or free to take the next (0). The rank reads it before a
-/// snapshot instead of asking: on a node whose cores are taken, an answer to a question is a
-/// wait for the daemon to be scheduled, in the training loop.
-pub struct BusyWord {
-    map: memmap2::MmapMut,
-}
-
-impl std::fmt::Debug for BusyWord {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "BusyWord({})", self.word().load(Ordering::Relaxed))
-    }
-}
-
-impl BusyWord {
-    /// Maps `path`, made (4 bytes, `mode`) if it is not there. An existing file is kept, not
-    /// replaced: a rank that mapped it before a daemon restart reads the same word.
-    pub fn open(path: &Path, mode: u32) -> Result<Self> {
-        use std::os::unix::fs::PermissionsExt;
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false)
-            .read(true)
-            .write(true)
-            .open(path)
-            .map_err(|e| anyhow!("creating {}: {e}", path.display()))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
-        file.set_len(4)?;
-        // SAFETY: the file is this daemon's and stays 4 bytes; the rank maps it read-only, and
-        // the word is only ever accessed as an atomic.
-        #[allow(unsafe_code)]
-        let map = unsafe { memmap2::MmapMut::map_mut(&file)? };
-        Ok(Self { map })
-    }
-
-    fn word(&self) -> &AtomicU32 {
-        // SAFETY: the map is page-aligned, at least 4 bytes long and lives as long as `self`;
-        // every access to the word, here and in the rank, is atomic.
-        #[allow(unsafe_code)]
-        unsafe {
-            AtomicU32::from_ptr(self.map.as_ptr() as *mut u32)
-        }
-    }
-
-    pub fn set(&self, busy: bool) {
-        self.word().store(u32::from(busy), Ordering::Release);
-    }
-
-    pub fn get(&self) -> bool {
-        self.word().load(Ordering::Acquire) != 0
-    }
-}
 
 /// Chunk `index` of a slot, read on a blocking thread.
 pub async fn read_chunk(file: &Arc<FileSource>, slot_bytes: u64, index: u64) -> Result<Bytes> {

@@ -624,11 +624,7 @@ impl RunStore {
             Some((range, chunk)) => Some((range.load().await?, chunk.clone())),
             None => None,
         };
-        let policy = CodecPolicy {
-            element_bytes: job.element_bytes,
-            zstd_level: self.store.options.zstd_level,
-            delta_depth_max: self.store.options.delta_depth_max,
-        };
+        let policy = self.codec_policy(job.element_bytes);
         // `raw` is dropped once encoded: the writer holds at most `upload_concurrency` encoded
         // chunks, and the rare fallback of `put_chunk` reads its source again.
         let run = self.run.clone();
@@ -719,6 +715,15 @@ impl RunStore {
         Ok((info, uploaded))
     }
 
+    /// How this store encodes a chunk of elements of `element_bytes`.
+    fn codec_policy(&self, element_bytes: usize) -> CodecPolicy {
+        CodecPolicy {
+            element_bytes,
+            zstd_level: self.store.options.zstd_level,
+            delta_depth_max: self.store.options.delta_depth_max,
+        }
+    }
+
     /// Encodes `raw` whole (as a write without delta bases would, for elements of
     /// `element_bytes`) and puts it over whatever is stored under `hash`. Replacing any
     /// encoding with a whole one breaks no manifest's chain.
@@ -728,11 +733,7 @@ impl RunStore {
         raw: Bytes,
         element_bytes: usize,
     ) -> Result<ChunkInfo, StoreError> {
-        let policy = CodecPolicy {
-            element_bytes,
-            zstd_level: self.store.options.zstd_level,
-            delta_depth_max: self.store.options.delta_depth_max,
-        };
+        let policy = self.codec_policy(element_bytes);
         let encoded =
             tokio::task::spawn_blocking(move || codec::encode_best(&raw, hash, None, policy))
                 .await
