@@ -179,6 +179,7 @@ fn a_report_of_a_committed_step_gets_its_commit_again() {
         world_size: 2,
         step: 40,
         durable_requested: false,
+        upload: None,
     };
     let mut reader = stream.try_clone().unwrap();
     // The next memory commit the leader pushes, skipping its beats; None after 10 s.
@@ -218,7 +219,9 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
     assert!(said.contains("0 snapshots skipped"), "{said}");
     let ctl = Ctl::new(store.clone(), &dir.join("index"));
     ctl.wait_for_latest("e2e", 30);
-    assert_eq!(ctl.committed("e2e"), vec![5, 10, 15, 20, 25, 30]);
+    let durable = ctl.committed("e2e");
+    let deferrals = cluster.metric(0, "lazarus_ckptd_durable_deferrals_total");
+    assert_durable_every_fifth(&durable, 30, deferrals);
     ctl.expect(0, &["verify", "e2e", "--all", "--read-data"]);
     assert_eq!(
         cluster.metric(0, "lazarus_ckptd_memory_committed_step"),
@@ -313,7 +316,34 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
     assert!(!replica(999).exists());
     let status = Status::of(&cluster, &ctl).text();
     assert!(status.contains("memory-committed step 30"), "{status}");
-    assert_eq!(ctl.committed("e2e"), vec![5, 10, 15, 20, 25, 30]);
+    assert_eq!(ctl.committed("e2e"), durable);
+}
+
+/// The durable steps of a run that memory-committed every step up to `last`: every fifth
+/// step is due, and the leader makes durable the first step at or after it at which no rank's
+/// upload still runs (the very step, on an idle machine), counting each step it passes over
+/// in `deferrals`; the last step is always durable (the run asks for it, so it is not
+/// deferred, while the steps from its due point up to it were).
+fn assert_durable_every_fifth(durable: &[u64], last: u64, deferrals: f64) {
+    let why = format!("durable steps {durable:?}, {deferrals} deferred");
+    assert_eq!(
+        durable.first(),
+        Some(&5),
+        "no upload runs before step 5: {why}"
+    );
+    assert_eq!(durable.last(), Some(&last), "{why}");
+    let mut passed_over = 0;
+    for pair in durable.windows(2) {
+        let due = (pair[0] / 5 + 1) * 5;
+        assert!(
+            pair[1] >= due,
+            "{} is not due after {}: {why}",
+            pair[1],
+            pair[0]
+        );
+        passed_over += pair[1] - due;
+    }
+    assert_eq!(deferrals, passed_over as f64, "{why}");
 }
 
 #[test]
@@ -464,7 +494,7 @@ fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
     };
     let mut cluster = Cluster::start(&dir, "restart", &store, 2, &settings, Vec::new());
     let mut child = cluster
-        .mpiexec(&trainer_args(&dir, "restart", &store, 60, "skip"))
+        .mpiexec(&trainer_args(&dir, "restart", &store, 120, "skip"))
         .stdout(Stdio::piped())
         .stderr(std::fs::File::create(dir.join("restart.err")).unwrap())
         .spawn()
@@ -495,17 +525,22 @@ fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
         "{}",
         cluster.log(1)
     );
-    ctl.wait_for_latest("restart", 60);
+    ctl.wait_for_latest("restart", 120);
     let steps = ctl.committed("restart");
     // None lost, and durable steps went on after the restart: one between the kill (after
-    // step 12) and the last. How many depends on how busy the cores keep the daemons.
+    // step 12) and the last. How many depends on how busy the cores keep the daemons. The run
+    // is long enough for the worst case seen: the killed daemon took a snapshot with it, whose
+    // other half waited 3 s for its commit (`commit_timeout_seconds`), and every rank skipped
+    // its snapshots meanwhile; 60 steps had ended inside that under load.
     assert!(
         durable_before.iter().all(|step| steps.contains(step)),
         "durable at the kill {durable_before:?}, after {steps:?}"
     );
     assert!(
-        steps.iter().any(|step| (13..60).contains(step)),
-        "{steps:?}"
+        steps.iter().any(|step| (13..120).contains(step)),
+        "{steps:?}\n{}\n{}",
+        rest.join("\n"),
+        cluster.logs()
     );
     ctl.expect(0, &["verify", "restart", "--all", "--read-data"]);
     // What the killed upload left behind is garbage only gc collects; committed steps stay.
@@ -767,11 +802,12 @@ fn two_nodes_stream_to_a_real_s3_server() {
     ctl.envs = s3.envs();
     ctl.wait_for_latest("s3run", 12);
     // Step 5 is durable first (no upload runs before it) and the last step at the end of the
-    // run. Step 10 waits while 5 still uploads, and step 12 replaces it when it arrives first
-    // (by design, on a loaded machine); so 10 may be absent, but nothing else may appear.
+    // run. Step 10 is due next, but while a rank's upload of 5 still runs (on a loaded
+    // machine) the leader defers it to the next step every rank can upload at once, 11, or
+    // to the last; nothing else may appear.
     let committed = ctl.committed("s3run");
     assert!(
-        committed == [5, 10, 12] || committed == [5, 12],
+        [&[5, 10, 12][..], &[5, 11, 12], &[5, 12]].contains(&committed.as_slice()),
         "durable steps on S3: {committed:?}"
     );
     ctl.expect(0, &["verify", "s3run", "--all", "--read-data"]);
@@ -925,23 +961,23 @@ fn a_storage_outage_pauses_durable_commits_and_they_resume_after_it() {
     // commits (T0 + T1) go on, because an upload holds a slot of its own.
     // (Before, the hung upload kept its daemon busy and the ranks skipped every snapshot
     // until the request timed out.)
-    // The durable steps that come meanwhile wait for the hung upload, the newest replacing the
-    // one before it, and the replaced ones are counted.
+    // The durable steps due meanwhile are deferred by the leader (node 0) until every rank's
+    // upload has ended, and counted.
     let memory_before = cluster.metric(0, "lazarus_ckptd_memory_committed_step");
-    let skipped =
-        |cluster: &Cluster| cluster.metric(0, "lazarus_ckptd_durable_steps_skipped_total");
+    let deferred = |cluster: &Cluster| cluster.metric(0, "lazarus_ckptd_durable_deferrals_total");
+    let deferred_before = deferred(&cluster);
     assert!(kill("STOP", s3.pid()));
     let hung = Instant::now();
     loop {
         let memory = cluster.metric(0, "lazarus_ckptd_memory_committed_step");
-        if memory >= memory_before + 10.0 && skipped(&cluster) >= 1.0 {
+        if memory >= memory_before + 10.0 && deferred(&cluster) >= deferred_before + 1.0 {
             break;
         }
         if hung.elapsed() > Duration::from_secs(30) {
             kill("CONT", s3.pid());
             panic!(
-                "memory commits stalled while the store hung (step {memory_before} -> {memory}), or no durable step was counted as skipped ({})\n{}",
-                skipped(&cluster),
+                "memory commits stalled while the store hung (step {memory_before} -> {memory}), or no durable step was counted as deferred ({deferred_before} -> {})\n{}",
+                deferred(&cluster),
                 cluster.logs()
             );
         }

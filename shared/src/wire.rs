@@ -406,6 +406,10 @@ pub enum Message {
         world_size: u32,
         step: u64,
         durable_requested: bool,
+        /// The rank's uploads when its daemon reported (`None`: not said, as in the evidence
+        /// a node's hello brings to a new leader).
+        #[serde(default)]
+        upload: Option<UploadReport>,
     },
     /// A rank's shard manifest of `step` is stored.
     Stored {
@@ -613,6 +617,29 @@ pub struct BadStep {
     /// The step restored before this one, whose loss differs from the one it had before.
     #[serde(default)]
     pub restored: Option<u64>,
+}
+
+/// What a rank's daemon says of its uploads with each `Replicated` report. The leader makes a
+/// step durable only when no rank's daemon is uploading and every one has taken the last
+/// durable commit: each daemon runs one upload per rank and skips, on its own, a durable step
+/// that comes while one runs, so a step made durable while some were busy is uploaded by some
+/// ranks only and never committed (two daemons out of step after a restart then skipped
+/// different steps for the rest of a run).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct UploadReport {
+    /// An upload of the rank's runs.
+    pub running: bool,
+    /// The newest step the node memory-committed for the rank (its T0).
+    pub t0: Option<u64>,
+}
+
+impl UploadReport {
+    /// Whether a durable commit now would find this rank's daemon unable to start its upload:
+    /// one runs, or the daemon has not yet taken `last_durable`, whose upload will.
+    pub fn busy(&self, last_durable: Option<u64>) -> bool {
+        self.running || last_durable.is_some_and(|durable| self.t0.is_none_or(|t0| t0 < durable))
+    }
 }
 
 /// Replicated copies of a tensor differed (silent data corruption).
@@ -912,6 +939,10 @@ mod tests {
             world_size: 4,
             step: 17,
             durable_requested: false,
+            upload: Some(UploadReport {
+                running: true,
+                t0: Some(16),
+            }),
         }
     }
 

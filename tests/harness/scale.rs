@@ -464,6 +464,8 @@ async fn node(shared: Arc<Shared>, index: usize) -> Result<()> {
                                 world_size: load.world_size(),
                                 step,
                                 durable_requested: false,
+                                // These nodes upload nothing: they say nothing of uploads.
+                                upload: None,
                             }));
                         }
                         match shared.send(index, &mut writer, &frames).await {

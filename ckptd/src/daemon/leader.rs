@@ -16,7 +16,7 @@ use anyhow::{bail, Context, Result};
 use lazarus_shared::store::{RestoreChoice, RunStore};
 use lazarus_shared::wire::{
     self, ClusterStatus, Message, NodeStatus, RankStatus, ReplicaEntry, RunStatus, Successor,
-    T0Entry,
+    T0Entry, UploadReport,
 };
 use lazarus_shared::{Rank, RunId, StepKey};
 use tokio::net::TcpStream;
@@ -120,11 +120,22 @@ pub struct RankDown {
     pub unix_us: u64,
 }
 
+/// The ranks' reports of one step, until every rank's is in.
+#[derive(Debug, Default)]
+struct Reports {
+    ranks: BTreeSet<Rank>,
+    /// A rank asked for the step to be durable (the run's last step, or a supervisor's
+    /// order).
+    durable_requested: bool,
+    /// A rank's daemon could not have started an upload of the step at once.
+    upload_busy: bool,
+}
+
 #[derive(Debug)]
 struct State {
     world_size: u32,
     ranks: HashMap<Rank, RankInfo>,
-    replicated: BTreeMap<u64, (BTreeSet<Rank>, bool)>,
+    replicated: BTreeMap<u64, Reports>,
     memory_step: Option<u64>,
     memory_at: HashMap<u64, Instant>,
     stored: BTreeMap<StepKey, BTreeSet<Rank>>,
@@ -949,13 +960,14 @@ impl Leader {
             .collect();
         for (rank, world_size, step) in evidence {
             if state.memory_step.is_none_or(|m| m < step) {
-                self.replicated(state, rank, world_size, step, false);
+                self.replicated(state, rank, world_size, step, false, None);
             }
         }
     }
 
     /// Counts `rank`'s snapshot of `step` as in T0 and T1; once every rank's is, the step is
     /// memory-committed and the nodes are told (with whether to make it durable).
+    /// `upload`: what the rank's daemon said of its uploads (see [`UploadReport`]).
     fn replicated(
         &self,
         state: &mut State,
@@ -963,29 +975,37 @@ impl Leader {
         world_size: u32,
         step: u64,
         durable_requested: bool,
+        upload: Option<UploadReport>,
     ) {
         if world_size != state.world_size {
             return;
         }
+        let last_durable = state.last_durable_step;
         let entry = state.replicated.entry(step).or_default();
-        entry.0.insert(rank);
-        entry.1 |= durable_requested;
-        if entry.0.len() != world_size as usize {
+        entry.ranks.insert(rank);
+        entry.durable_requested |= durable_requested;
+        entry.upload_busy |= upload.is_some_and(|u| u.busy(last_durable));
+        if entry.ranks.len() != world_size as usize {
             return;
         }
-        let requested = entry.1;
+        let (requested, upload_busy) = (entry.durable_requested, entry.upload_busy);
         state.replicated = state.replicated.split_off(&(step + 1));
         if state.memory_step.is_none_or(|m| m < step) {
             state.memory_step = Some(step);
         }
         self.metrics.memory_step.set(step as i64);
-        // Durable when the step crosses a multiple of durable_every_steps since the last
-        // durable one, so a skipped snapshot at the multiple itself does not skip a durable
-        // step.
+        // Due when the step crosses a multiple of durable_every_steps since the last durable
+        // one, so a skipped snapshot at the multiple itself does not skip a durable step; made
+        // durable once no rank's upload still runs (the next step every daemon can upload at
+        // once), unless a rank asked for it.
         let every = self.cfg.durable_every_steps.max(1);
-        let durable = requested
-            || step / every > state.last_durable_step.unwrap_or(0) / every
+        let due = step / every > state.last_durable_step.unwrap_or(0) / every
             || state.last_durable.elapsed().as_secs_f64() >= self.cfg.durable_every_seconds;
+        let durable = requested || (due && !upload_busy);
+        if due && !durable {
+            self.metrics.durable_deferred.inc();
+            tracing::debug!(step, "durable step deferred: a rank's upload still runs");
+        }
         if durable {
             state.last_durable = Instant::now();
             state.last_durable_step = Some(step);
@@ -1109,6 +1129,7 @@ impl Leader {
                 world_size,
                 step,
                 durable_requested,
+                upload,
                 ..
             } => {
                 self.check_run(&run)?;
@@ -1136,7 +1157,14 @@ impl Leader {
                     self.recommit(&state, node, step, durable_requested);
                     return Ok(());
                 }
-                self.replicated(&mut state, rank, world_size, step, durable_requested);
+                self.replicated(
+                    &mut state,
+                    rank,
+                    world_size,
+                    step,
+                    durable_requested,
+                    upload,
+                );
             }
             Message::Stored {
                 run,
@@ -1386,5 +1414,152 @@ impl Leader {
                 durable_step: durable,
             }],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+    use lazarus_shared::store::{OpenMode, Store, StoreOptions};
+
+    use super::*;
+    use crate::daemon::Cli;
+
+    /// A leader of a 2-rank world with durable steps every 3 steps, and what its one node
+    /// receives.
+    async fn leader() -> (Leader, mpsc::UnboundedReceiver<Message>) {
+        let cli = Cli::parse_from([
+            "ckptd",
+            "--node",
+            "n1",
+            "--run",
+            "r1",
+            "--store",
+            "file:///unused",
+            "--shm-dir",
+            "/unused",
+            "--socket",
+            "/unused.sock",
+            "--listen",
+            "127.0.0.1:7001",
+            "--leader",
+            "127.0.0.1:7001",
+            "--key-file",
+            "/unused",
+            "--durable-every-steps",
+            "3",
+            "--durable-every-seconds",
+            "86400",
+        ]);
+        let cfg = Config::resolve(&cli).unwrap();
+        let store = Store::open(
+            "memory://",
+            OpenMode::CreateIfMissing,
+            StoreOptions::default(),
+        )
+        .await
+        .unwrap();
+        let leader = Leader::new(cfg.clone(), store.run(&cfg.run), Arc::default(), None, 1);
+        let (sender, receiver) = mpsc::unbounded_channel();
+        {
+            let mut state = leader.state.lock().await;
+            state.world_size = 2;
+            state.nodes.insert(
+                "n1".into(),
+                NodeInfo {
+                    address: "127.0.0.1:7001".into(),
+                    buddy: None,
+                    socket: String::new(),
+                    seen: Instant::now(),
+                    connected: true,
+                    candidate: true,
+                    session: 1,
+                    t0: Vec::new(),
+                    sender,
+                },
+            );
+        }
+        (leader, receiver)
+    }
+
+    /// Both ranks report `step` with these uploads (`requested`: rank 0 asks for a durable
+    /// step); returns whether the commit the node received made it durable.
+    async fn commit(
+        leader: &Leader,
+        receiver: &mut mpsc::UnboundedReceiver<Message>,
+        step: u64,
+        uploads: [UploadReport; 2],
+        requested: bool,
+    ) -> bool {
+        let mut state = leader.state.lock().await;
+        for (rank, upload) in uploads.into_iter().enumerate() {
+            let asked = requested && rank == 0;
+            leader.replicated(&mut state, rank as Rank, 2, step, asked, Some(upload));
+        }
+        match receiver.try_recv() {
+            Ok(Message::MemoryCommitted {
+                step: s, durable, ..
+            }) if s == step => durable,
+            other => panic!("step {step}: the node received {other:?}"),
+        }
+    }
+
+    /// Regression: daemons each skip, on their own, a durable step that comes while their
+    /// upload runs; a daemon restarted mid-run was out of step with the other, each skipped
+    /// the steps the other uploaded, and nothing became durable until the run's last step.
+    /// A due step is now made durable only when every rank's daemon can upload it at once.
+    #[tokio::test]
+    async fn a_step_is_made_durable_only_when_every_rank_can_upload_it_at_once() {
+        let (leader, mut node) = leader().await;
+        let free = |t0| UploadReport { running: false, t0 };
+        let uploading = |t0| UploadReport { running: true, t0 };
+        // Step 3 is due, but rank 0 still uploads: deferred, counted.
+        assert!(
+            !commit(
+                &leader,
+                &mut node,
+                3,
+                [uploading(Some(2)), free(Some(2))],
+                false
+            )
+            .await
+        );
+        assert_eq!(leader.metrics.durable_deferred.get(), 1);
+        // Step 4: both free, so the deferred durable step is this one.
+        assert!(commit(&leader, &mut node, 4, [free(Some(3)), free(Some(3))], false).await);
+        // Step 5 is not due (4 and 5 lie between the same multiples).
+        assert!(!commit(&leader, &mut node, 5, [free(Some(4)), free(Some(4))], false).await);
+        assert_eq!(leader.metrics.durable_deferred.get(), 1);
+        // Step 6 is due; rank 1's daemon reported before it had taken step 4's durable commit
+        // (its T0 was 3), so its upload of 4 is still to start: deferred.
+        assert!(!commit(&leader, &mut node, 6, [free(Some(5)), free(Some(3))], false).await);
+        // ... and so is a report from a daemon with no T0 at all.
+        assert!(!commit(&leader, &mut node, 7, [free(Some(6)), free(None)], false).await);
+        assert_eq!(leader.metrics.durable_deferred.get(), 3);
+        assert!(commit(&leader, &mut node, 8, [free(Some(7)), free(Some(7))], false).await);
+        // A step a rank asks to be durable is, busy or not (the daemons queue it).
+        assert!(
+            commit(
+                &leader,
+                &mut node,
+                9,
+                [uploading(Some(8)), free(Some(8))],
+                true
+            )
+            .await
+        );
+        // A report that says nothing of its uploads (a hello's evidence) does not defer.
+        let mut state = leader.state.lock().await;
+        leader.replicated(&mut state, 0, 2, 12, false, None);
+        leader.replicated(&mut state, 1, 2, 12, false, Some(free(Some(9))));
+        drop(state);
+        assert!(matches!(
+            node.try_recv(),
+            Ok(Message::MemoryCommitted {
+                step: 12,
+                durable: true,
+                ..
+            })
+        ));
     }
 }

@@ -28,6 +28,7 @@ pub struct Metrics {
     pub snapshots: Counter,
     pub snapshots_skipped: Counter,
     pub durable_skipped: Counter,
+    pub durable_deferred: Counter,
     pub bytes_raw: Counter,
     pub bytes_stored: Counter,
     pub bytes_replicated: Counter,
@@ -64,6 +65,7 @@ impl Metrics {
             snapshots: Counter::default(),
             snapshots_skipped: Counter::default(),
             durable_skipped: Counter::default(),
+            durable_deferred: Counter::default(),
             bytes_raw: Counter::default(),
             bytes_stored: Counter::default(),
             bytes_replicated: Counter::default(),
@@ -111,6 +113,11 @@ impl Metrics {
             "durable_steps_skipped",
             "Durable steps of a local rank never uploaded: a newer one came while an upload ran",
             m.durable_skipped.clone(),
+        );
+        registry.register(
+            "durable_deferrals",
+            "Leader: memory commits due to be durable but not made so because a rank's upload still ran (the next one every daemon can upload at once is)",
+            m.durable_deferred.clone(),
         );
         registry.register(
             "bytes_raw",

@@ -104,6 +104,7 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
                 world_size: job.world_size,
                 step: job.step,
                 durable_requested: job.durable,
+                upload: Some(state.upload_report()),
             });
         }
         Err(error) => {

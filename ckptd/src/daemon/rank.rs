@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context, Result};
 use lazarus_shared::busy_word::BusyWord;
 use lazarus_shared::format::ChunkRef;
-use lazarus_shared::wire::{Message, SlotTensor};
+use lazarus_shared::wire::{Message, SlotTensor, UploadReport};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 use serde::{Deserialize, Serialize};
 
@@ -267,6 +267,14 @@ impl RankState {
 
     pub fn busy(&self) -> bool {
         self.pending.is_some() || self.working.is_some()
+    }
+
+    /// What this rank's `Replicated` report tells the leader of its uploads.
+    pub fn upload_report(&self) -> UploadReport {
+        UploadReport {
+            running: self.uploading.is_some(),
+            t0: self.t0.as_ref().map(|t0| t0.step),
+        }
     }
 
     /// From now on `word` says whether this rank's daemon is busy.

@@ -342,6 +342,7 @@ async fn hello(daemon: &Arc<Daemon>) -> (Message, Vec<Message>) {
                 world_size: state.world_size,
                 step: pending.step,
                 durable_requested: pending.durable_requested,
+                upload: Some(state.upload_report()),
             });
         }
     }
