@@ -578,30 +578,21 @@ impl Ckptd {
         let Some((step, slot)) = self.unanswered.take() else {
             return Ok(());
         };
-        let frame = match self.receive() {
-            Ok(frame) => frame,
-            Err(error) => {
-                self.answers.push((step, false));
-                return Err(error);
-            }
-        };
-        match frame.message {
+        let taken = self.receive().and_then(|frame| match frame.message {
             Message::Held { held, accepted, .. } => {
                 self.held.answer(&held);
-                self.answers.push((step, accepted));
-                Ok(())
+                Ok(accepted)
             }
             Message::Refused { reason } => {
                 tracing::warn!(step, %reason, "ckptd refused the snapshot");
                 self.held.refused(slot);
-                self.answers.push((step, false));
                 Err(io::Error::other(reason).into())
             }
-            other => {
-                self.answers.push((step, false));
-                bail!("ckptd answered {other:?} to Snapshot")
-            }
-        }
+            other => bail!("ckptd answered {other:?} to Snapshot"),
+        });
+        self.answers
+            .push((step, taken.as_ref().is_ok_and(|&accepted| accepted)));
+        taken.map(drop)
     }
 
     /// The hand-overs answered since the last call: step, and whether the daemon took it.

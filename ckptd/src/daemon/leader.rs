@@ -1419,46 +1419,22 @@ impl Leader {
 
 #[cfg(test)]
 mod tests {
-    use clap::Parser;
-    use lazarus_shared::store::{OpenMode, Store, StoreOptions};
+    use std::path::Path;
 
     use super::*;
-    use crate::daemon::Cli;
+    use crate::daemon::testing;
 
     /// A leader of a 2-rank world with durable steps every 3 steps, and what its one node
     /// receives.
     async fn leader() -> (Leader, mpsc::UnboundedReceiver<Message>) {
-        let cli = Cli::parse_from([
-            "ckptd",
-            "--node",
-            "n1",
-            "--run",
-            "r1",
-            "--store",
-            "file:///unused",
-            "--shm-dir",
-            "/unused",
-            "--socket",
-            "/unused.sock",
-            "--listen",
-            "127.0.0.1:7001",
-            "--leader",
-            "127.0.0.1:7001",
-            "--key-file",
-            "/unused",
+        let flags = [
             "--durable-every-steps",
             "3",
             "--durable-every-seconds",
             "86400",
-        ]);
-        let cfg = Config::resolve(&cli).unwrap();
-        let store = Store::open(
-            "memory://",
-            OpenMode::CreateIfMissing,
-            StoreOptions::default(),
-        )
-        .await
-        .unwrap();
+        ];
+        let cfg = testing::config(Path::new("/unused"), "n1", "127.0.0.1:7001", &flags);
+        let store = testing::memory_store().await;
         let leader = Leader::new(cfg.clone(), store.run(&cfg.run), Arc::default(), None, 1);
         let (sender, receiver) = mpsc::unbounded_channel();
         {

@@ -28,6 +28,8 @@ pub mod replica;
 pub mod restore;
 pub mod slots;
 pub mod supervisor;
+#[cfg(test)]
+mod testing;
 pub mod uplink;
 
 use std::collections::HashMap;

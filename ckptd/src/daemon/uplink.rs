@@ -418,15 +418,13 @@ pub async fn request(daemon: &Daemon, to: SocketAddr, message: &Message) -> Resu
 mod tests {
     use std::sync::Arc;
 
-    use clap::Parser;
-    use lazarus_shared::store::{OpenMode, Store, StoreOptions};
     use lazarus_shared::wire::{JobKey, Message};
 
     use super::pushed;
     use crate::daemon::election::Leadership;
     use crate::daemon::metrics::{Cause, Metrics};
     use crate::daemon::supervisor::Ending;
-    use crate::daemon::{Cli, Config, Daemon};
+    use crate::daemon::{testing, Daemon};
 
     /// A daemon that follows leadership epoch 3, with nothing running, and what it sends when
     /// it is done (with `flags` that make it exit when the run is over).
@@ -434,36 +432,8 @@ mod tests {
         dir: &std::path::Path,
         flags: &[&str],
     ) -> (Arc<Daemon>, tokio::sync::mpsc::Receiver<Ending>) {
-        let shm = dir.join("shm");
-        let socket = dir.join("n2.sock");
-        let base = [
-            "ckptd",
-            "--node",
-            "n2",
-            "--run",
-            "r1",
-            "--store",
-            "file:///unused",
-            "--shm-dir",
-            shm.to_str().unwrap(),
-            "--socket",
-            socket.to_str().unwrap(),
-            "--listen",
-            "127.0.0.1:7002",
-            "--leader",
-            "127.0.0.1:7001",
-            "--key-file",
-            "/unused",
-        ];
-        let cli = Cli::parse_from(base.iter().chain(flags));
-        let cfg = Config::resolve(&cli).unwrap();
-        let store = Store::open(
-            "memory://",
-            OpenMode::CreateIfMissing,
-            StoreOptions::default(),
-        )
-        .await
-        .unwrap();
+        let cfg = testing::config(dir, "n2", "127.0.0.1:7002", flags);
+        let store = testing::memory_store().await;
         let (to_leader, _) = tokio::sync::mpsc::unbounded_channel();
         let (done, ended) = tokio::sync::mpsc::channel(1);
         let daemon = Arc::new(Daemon {
