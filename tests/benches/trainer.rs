@@ -227,11 +227,8 @@ fn main() {
     let warmup: usize = env_or("LAZARUS_BENCH_WARMUP", "2").parse().expect("warmup");
     let steps: usize = env_or("LAZARUS_BENCH_STEPS", "5").parse().expect("steps");
     let pairs: usize = env_or("LAZARUS_BENCH_PAIRS", "3").parse().expect("pairs");
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build_global()
-        .expect("thread pool");
-    std::env::set_var("RAYON_NUM_THREADS", threads.to_string());
+    // The math's threads as the trainer sets them up.
+    lazarus_trainer::cli::use_math_threads(threads);
 
     let dir = tempfile::tempdir().expect("tempdir");
     let data_dir = dir.path().join("data");
