@@ -527,6 +527,7 @@ fn a_killed_daemon_loses_no_durable_step_and_training_goes_on() {
     );
     ctl.wait_for_latest("restart", 120);
     let steps = ctl.committed("restart");
+    println!("durable at the kill {durable_before:?}, after the run {steps:?}");
     // None lost, and durable steps went on after the restart: one between the kill (after
     // step 12) and the last. How many depends on how busy the cores keep the daemons. The run
     // is long enough for the worst case seen: the killed daemon took a snapshot with it, whose
@@ -622,6 +623,7 @@ fn a_daemon_killed_at_any_moment_and_restarted_leaves_the_run_bit_for_bit_the_sa
             std::fs::read_to_string(&output).unwrap_or_default()
                 + &std::fs::read_to_string(nodes.join("ranks.err")).unwrap_or_default()
         };
+        let started = Instant::now();
         let mut restarted = false;
         let status = loop {
             if let Some(status) = child.try_wait().unwrap() {
@@ -654,7 +656,8 @@ fn a_daemon_killed_at_any_moment_and_restarted_leaves_the_run_bit_for_bit_the_sa
         ctl.wait_for_latest(&run, steps);
         ctl.expect(0, &["verify", &run, "--all", "--read-data"]);
         println!(
-            "{moment}: completed bit for bit; committed {:?}",
+            "{moment}: completed bit for bit in {:.1} s; committed {:?}",
+            started.elapsed().as_secs_f64(),
             ctl.committed(&run)
         );
     }

@@ -465,6 +465,14 @@ pub enum Message {
         #[serde(default)]
         epoch: u64,
     },
+    /// The leader gave up the steps through `through` that waited for the ranks' reports:
+    /// drop the snapshots waiting for their memory commit, so that the ranks hand over the
+    /// next step at once rather than after `commit_timeout_seconds`.
+    CommitsGivenUp {
+        run: RunId,
+        through: u64,
+        epoch: u64,
+    },
     StepChoice {
         memory: Option<u64>,
         durable: Option<StepKey>,
@@ -546,6 +554,7 @@ impl Message {
             Message::Leading { epoch, .. }
             | Message::LeaderBeat { epoch }
             | Message::MemoryCommitted { epoch, .. }
+            | Message::CommitsGivenUp { epoch, .. }
             | Message::SetBuddy { epoch, .. }
             | Message::KillRanks { epoch, .. }
             | Message::StopRanks { epoch, .. }

@@ -129,6 +129,19 @@ struct Reports {
     durable_requested: bool,
     /// A rank's daemon could not have started an upload of the step at once.
     upload_busy: bool,
+    /// A rank's daemon reported it (a hello's evidence is not a report).
+    live: bool,
+    /// When the last rank's report came.
+    reported_at: Option<Instant>,
+}
+
+impl Reports {
+    /// Whether a node may still hold a snapshot of the step waiting for its commit: a daemon
+    /// drops one after `timeout` (the daemons' `commit_timeout_seconds`), counted from before
+    /// its report came here.
+    fn held(&self, timeout: Duration) -> bool {
+        self.live && self.reported_at.is_some_and(|at| at.elapsed() < timeout)
+    }
 }
 
 #[derive(Debug)]
@@ -1026,6 +1039,62 @@ impl Leader {
         }
     }
 
+    /// Whether `rank`'s report of `step` shows that a step waiting for reports will never
+    /// have all of them. A rank's daemon reports its snapshots in step order, one at a time,
+    /// and the next only once the last was committed or dropped: so a waiting step below
+    /// `step` that `rank` did not report will never be, and nor will `step` by a rank that
+    /// reported a later one. It happens when a daemon restarts and loses the snapshot it
+    /// was replicating, or when ranks handed over different steps; without this, the others'
+    /// snapshots wait `commit_timeout_seconds` and the ranks take none meanwhile. A step
+    /// below whose snapshots the nodes dropped already is no reason: `rank` may be handing
+    /// over the same step as the others once more.
+    fn never_complete(&self, state: &State, rank: Rank, step: u64) -> bool {
+        let timeout = Duration::from_secs_f64(self.cfg.commit_timeout_seconds);
+        let passed_by_rank = state
+            .replicated
+            .range(..step)
+            .any(|(_, r)| r.held(timeout) && !r.ranks.contains(&rank));
+        let this = state.replicated.get(&step);
+        let passed_by_other = state.replicated.range(step + 1..).any(|(_, r)| {
+            r.live
+                && r.ranks
+                    .iter()
+                    .any(|q| *q != rank && this.is_none_or(|t| !t.ranks.contains(q)))
+        });
+        passed_by_rank || passed_by_other
+    }
+
+    /// Gives up every step still waiting for reports, through `step` and the newest one
+    /// reported: the nodes drop their snapshots of them at once, as a commit frees them, so
+    /// that the ranks hand over the same next step. A hello's evidence is kept.
+    fn give_up(&self, state: &mut State, step: u64) {
+        let waiting: Vec<u64> = state
+            .replicated
+            .iter()
+            .filter(|(_, r)| r.live)
+            .map(|(s, _)| *s)
+            .collect();
+        let through = waiting.iter().copied().fold(step, u64::max);
+        state.replicated.retain(|_, r| !r.live);
+        self.metrics.commits_given_up.inc();
+        tracing::info!(
+            through,
+            ?waiting,
+            "steps that can no longer be memory-committed given up: a rank reported a later one"
+        );
+        if self.deposed() {
+            return;
+        }
+        let message = Message::CommitsGivenUp {
+            run: self.cfg.run.clone(),
+            through,
+            epoch: self.epoch,
+        };
+        for node in state.nodes.values() {
+            let _ = node.sender.send(message.clone());
+        }
+    }
+
     /// Tells `node` again that `step` is memory-committed (durable when it was made durable
     /// or the node asks for it).
     fn recommit(&self, state: &State, node: &str, step: u64, durable_requested: bool) {
@@ -1156,6 +1225,15 @@ impl Leader {
                     // repeated to this node alone.
                     self.recommit(&state, node, step, durable_requested);
                     return Ok(());
+                }
+                if state.memory_step.is_none_or(|m| step > m) {
+                    let entry = state.replicated.entry(step).or_default();
+                    entry.live = true;
+                    entry.reported_at = Some(Instant::now());
+                    if self.never_complete(&state, rank, step) {
+                        self.give_up(&mut state, step);
+                        return Ok(());
+                    }
                 }
                 self.replicated(
                     &mut state,
@@ -1432,30 +1510,33 @@ mod tests {
             "3",
             "--durable-every-seconds",
             "86400",
+            "--commit-timeout-seconds",
+            "0.2",
         ];
         let cfg = testing::config(Path::new("/unused"), "n1", "127.0.0.1:7001", &flags);
         let store = testing::memory_store().await;
         let leader = Leader::new(cfg.clone(), store.run(&cfg.run), Arc::default(), None, 1);
-        let (sender, receiver) = mpsc::unbounded_channel();
-        {
-            let mut state = leader.state.lock().await;
-            state.world_size = 2;
-            state.nodes.insert(
-                "n1".into(),
-                NodeInfo {
-                    address: "127.0.0.1:7001".into(),
-                    buddy: None,
-                    socket: String::new(),
-                    seen: Instant::now(),
-                    connected: true,
-                    candidate: true,
-                    session: 1,
-                    t0: Vec::new(),
-                    sender,
-                },
-            );
-        }
+        leader.state.lock().await.world_size = 2;
+        let receiver = add_node(&leader, "n1").await;
         (leader, receiver)
+    }
+
+    /// Adds node `name` to the leader's nodes; what it receives.
+    async fn add_node(leader: &Leader, name: &str) -> mpsc::UnboundedReceiver<Message> {
+        let (sender, receiver) = mpsc::unbounded_channel();
+        let info = NodeInfo {
+            address: format!("{name}:7001"),
+            buddy: None,
+            socket: String::new(),
+            seen: Instant::now(),
+            connected: true,
+            candidate: true,
+            session: 1,
+            t0: Vec::new(),
+            sender,
+        };
+        leader.state.lock().await.nodes.insert(name.into(), info);
+        receiver
     }
 
     /// Both ranks report `step` with these uploads (`requested`: rank 0 asks for a durable
@@ -1478,6 +1559,104 @@ mod tests {
             }) if s == step => durable,
             other => panic!("step {step}: the node received {other:?}"),
         }
+    }
+
+    /// `rank`'s daemon on `node` reports its snapshot of `step`, as a node session does.
+    async fn report(leader: &Leader, node: &str, rank: Rank, step: u64) {
+        let message = Message::Replicated {
+            node: node.into(),
+            run: leader.cfg.run.clone(),
+            rank,
+            world_size: 2,
+            step,
+            durable_requested: false,
+            upload: Some(UploadReport {
+                running: false,
+                t0: None,
+            }),
+        };
+        leader.handle(node, message).await.expect("handled");
+    }
+
+    /// What a node received since last asked: `given up through` or `committed` steps.
+    fn received(receiver: &mut mpsc::UnboundedReceiver<Message>) -> Vec<String> {
+        std::iter::from_fn(|| receiver.try_recv().ok())
+            .map(|message| match message {
+                Message::CommitsGivenUp { through, .. } => format!("given up through {through}"),
+                Message::MemoryCommitted { step, .. } => format!("committed {step}"),
+                other => format!("{other:?}"),
+            })
+            .collect()
+    }
+
+    /// A daemon killed while it replicated rank 1's snapshot of step 16 left rank 0's
+    /// waiting for a commit that could not come: the other node held it, and its rank took
+    /// no snapshot, for `commit_timeout_seconds`. The leader now gives the step up as soon
+    /// as a report shows it cannot complete.
+    #[tokio::test]
+    async fn a_step_that_can_no_longer_complete_is_given_up_at_once() {
+        let (leader, mut n1) = leader().await;
+        let mut n2 = add_node(&leader, "n2").await;
+        // Rank 1's restarted daemon reports 20: 16 lacks rank 1, which is past it.
+        report(&leader, "n1", 0, 16).await;
+        report(&leader, "n2", 1, 20).await;
+        assert_eq!(received(&mut n1), ["given up through 20"]);
+        assert_eq!(received(&mut n2), ["given up through 20"]);
+        assert_eq!(leader.metrics.commits_given_up.get(), 1);
+        // Both ranks freed at once hand over the same step, which commits.
+        report(&leader, "n1", 0, 21).await;
+        report(&leader, "n2", 1, 21).await;
+        assert_eq!(received(&mut n1), ["committed 21"]);
+        assert_eq!(received(&mut n2), ["committed 21"]);
+        // The other order: the rank ahead reports first.
+        report(&leader, "n2", 1, 25).await;
+        report(&leader, "n1", 0, 23).await;
+        assert_eq!(received(&mut n1), ["given up through 25"]);
+        assert_eq!(received(&mut n2), ["given up through 25"]);
+        // A snapshot that was still being replicated when its step was given up is reported
+        // late, and given up with the next reports: one more round.
+        report(&leader, "n1", 0, 24).await;
+        assert!(received(&mut n1).is_empty());
+        report(&leader, "n2", 1, 26).await;
+        assert_eq!(received(&mut n1), ["given up through 26"]);
+        assert_eq!(received(&mut n2), ["given up through 26"]);
+        // The run's last step is handed over again and again until it commits: a step given
+        // up is not barred.
+        report(&leader, "n1", 0, 26).await;
+        report(&leader, "n2", 1, 26).await;
+        assert_eq!(received(&mut n1), ["committed 26"]);
+        assert_eq!(received(&mut n2), ["committed 26"]);
+        assert_eq!(leader.metrics.commits_given_up.get(), 3);
+        // Rank 0's own snapshot of 30 expired before rank 1's report came, and it reported
+        // 31: 30 can still complete, and does.
+        report(&leader, "n1", 0, 30).await;
+        report(&leader, "n1", 0, 31).await;
+        report(&leader, "n2", 1, 30).await;
+        assert_eq!(received(&mut n1), ["committed 30"]);
+        assert_eq!(received(&mut n2), ["committed 30"]);
+        // 31 cannot: rank 1 reports 32.
+        report(&leader, "n2", 1, 32).await;
+        assert_eq!(received(&mut n1), ["given up through 32"]);
+        assert_eq!(received(&mut n2), ["given up through 32"]);
+        assert_eq!(leader.metrics.commits_given_up.get(), 4);
+        // A hello's evidence of a step is not a report: it is kept, not given up.
+        let mut state = leader.state.lock().await;
+        leader.replicated(&mut state, 0, 2, 40, false, None);
+        drop(state);
+        report(&leader, "n2", 1, 42).await;
+        report(&leader, "n1", 0, 42).await;
+        assert_eq!(received(&mut n1), ["committed 42"]);
+        assert_eq!(received(&mut n2), ["committed 42"]);
+        assert_eq!(leader.metrics.commits_given_up.get(), 4);
+        // Rank 0's snapshot of 50 waited past the commit timeout, so its node dropped it, and
+        // both ranks hand over 52: 50 is no reason to give 52 up.
+        report(&leader, "n1", 0, 50).await;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        report(&leader, "n2", 1, 52).await;
+        report(&leader, "n1", 0, 52).await;
+        assert_eq!(received(&mut n1), ["committed 52"]);
+        assert_eq!(received(&mut n2), ["committed 52"]);
+        assert_eq!(leader.metrics.commits_given_up.get(), 4);
     }
 
     /// Regression: daemons each skip, on their own, a durable step that comes while their

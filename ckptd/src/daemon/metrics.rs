@@ -29,6 +29,7 @@ pub struct Metrics {
     pub snapshots_skipped: Counter,
     pub durable_skipped: Counter,
     pub durable_deferred: Counter,
+    pub commits_given_up: Counter,
     pub bytes_raw: Counter,
     pub bytes_stored: Counter,
     pub bytes_replicated: Counter,
@@ -66,6 +67,7 @@ impl Metrics {
             snapshots_skipped: Counter::default(),
             durable_skipped: Counter::default(),
             durable_deferred: Counter::default(),
+            commits_given_up: Counter::default(),
             bytes_raw: Counter::default(),
             bytes_stored: Counter::default(),
             bytes_replicated: Counter::default(),
@@ -118,6 +120,11 @@ impl Metrics {
             "durable_deferrals",
             "Leader: memory commits due to be durable but not made so because a rank's upload still ran (the next one every daemon can upload at once is)",
             m.durable_deferred.clone(),
+        );
+        registry.register(
+            "memory_commits_given_up",
+            "Leader: times the steps waiting for the ranks' reports were given up at once, as a rank reported a later step than one of them lacked (a daemon restarted, or ranks handed over different steps)",
+            m.commits_given_up.clone(),
         );
         registry.register(
             "bytes_raw",

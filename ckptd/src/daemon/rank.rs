@@ -373,12 +373,22 @@ impl RankState {
     /// Drops a snapshot whose memory commit did not come within `timeout` (a rank elsewhere
     /// failed to snapshot that step), so that the rank can hand over the next one.
     pub fn expire(&mut self, timeout: Duration) -> Option<u64> {
-        if self.pending.is_some() && self.pending_at.elapsed() >= timeout {
-            let expired = self.pending.take().map(|p| p.step);
-            self.publish();
-            return expired;
-        }
-        None
+        let due = self.pending_at.elapsed() >= timeout;
+        self.drop_pending(|_| due)
+    }
+
+    /// Drops a snapshot waiting for the memory commit of a step the leader gave up (through
+    /// `through`): the rank can hand over the next one at once.
+    pub fn give_up(&mut self, through: u64) -> Option<u64> {
+        self.drop_pending(|step| step <= through)
+    }
+
+    /// Drops the snapshot waiting for its memory commit if `drop(its step)`; its step.
+    fn drop_pending(&mut self, drop: impl FnOnce(u64) -> bool) -> Option<u64> {
+        let step = self.pending.as_ref().map(|p| p.step).filter(|s| drop(*s))?;
+        self.pending = None;
+        self.publish();
+        Some(step)
     }
 
     /// The leader memory-committed `step`: the waiting snapshot of that step becomes T0
@@ -572,6 +582,9 @@ mod tests {
         Commit { same: bool, durable: bool },
         /// The commit timeout passes.
         Expire,
+        /// The leader gives up the steps through the waiting one (`reached`) or through the
+        /// one before it.
+        GiveUp { reached: bool },
         /// The leader wants T0's step durable (the end of a world).
         MakeDurable,
         /// The running upload ends.
@@ -595,6 +608,7 @@ mod tests {
             3 => proptest::bool::weighted(0.8).prop_map(|ok| Op::Replicated { ok }),
             3 => (any::<bool>(), any::<bool>()).prop_map(|(same, durable)| Op::Commit { same, durable }),
             1 => Just(Op::Expire),
+            1 => any::<bool>().prop_map(|reached| Op::GiveUp { reached }),
             1 => Just(Op::MakeDurable),
             2 => any::<bool>().prop_map(|ok| Op::UploadEnds { ok }),
             1 => (any::<bool>(), any::<bool>(), any::<bool>(), any::<bool>())
@@ -729,6 +743,21 @@ mod tests {
                     let waiting = self.daemon.pending.as_ref().map(|p| p.step);
                     assert_eq!(self.daemon.expire(Duration::ZERO), waiting);
                     assert!(self.daemon.pending.is_none());
+                }
+                Op::GiveUp { reached } => {
+                    let waiting = self.daemon.pending.as_ref().map(|p| p.step);
+                    let through = waiting.unwrap_or(self.next_step);
+                    let through = if reached {
+                        through
+                    } else {
+                        through.saturating_sub(1)
+                    };
+                    let dropped = self.daemon.give_up(through);
+                    assert_eq!(dropped, waiting.filter(|step| *step <= through));
+                    assert_eq!(
+                        self.daemon.pending.as_ref().map(|p| p.step),
+                        waiting.filter(|step| *step > through)
+                    );
                 }
                 Op::MakeDurable => {
                     if let Some((step, _)) = self.t0 {
