@@ -132,6 +132,95 @@ fn a_last_snapshot_no_commit_came_for_is_handed_over_again() {
     ctl.expect(0, &["verify", "last", "--read-data"]);
 }
 
+/// A fake node of two ranks that speaks the peer protocol to the cluster's leader.
+struct FakeNode {
+    writer: std::net::TcpStream,
+    reader: std::net::TcpStream,
+    key: lazarus_shared::wire::JobKey,
+    run: lazarus_shared::RunId,
+}
+
+impl FakeNode {
+    /// Connects to node 0 (the leader) and says hello, with ranks 0 and 1 of a 2-rank world.
+    fn join(cluster: &Cluster, dir: &Path, run: &str) -> Self {
+        use lazarus_shared::wire::{JobKey, Message};
+        let key = JobKey::from_file(&cluster.key_file).unwrap();
+        let stream = std::net::TcpStream::connect(("127.0.0.1", cluster.nodes[0].listen)).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let mut node = Self {
+            writer: stream.try_clone().unwrap(),
+            reader: stream,
+            key,
+            run: run.parse().unwrap(),
+        };
+        node.send(Message::NodeHello {
+            node: "fake".into(),
+            address: "127.0.0.1:9".into(),
+            buddy: None,
+            socket: dir.join("fake.sock").display().to_string(),
+            t0: Vec::new(),
+            epoch: 0,
+            candidate: false,
+            replicas: Vec::new(),
+        });
+        for rank in 0..2 {
+            node.send(Message::RankUp {
+                node: "fake".into(),
+                run: node.run.clone(),
+                rank,
+                world_size: 2,
+                pid: std::process::id(),
+            });
+        }
+        node
+    }
+
+    fn send(&mut self, message: lazarus_shared::wire::Message) {
+        lazarus_shared::wire::write_frame_sync(&mut self.writer, &message, &[], Some(&self.key))
+            .unwrap();
+    }
+
+    /// `rank` reports its snapshot of `step` replicated.
+    fn replicated(&mut self, rank: u32, step: u64) {
+        self.send(lazarus_shared::wire::Message::Replicated {
+            node: "fake".into(),
+            run: self.run.clone(),
+            rank,
+            world_size: 2,
+            step,
+            durable_requested: false,
+            upload: None,
+        });
+    }
+
+    /// The first message the leader pushes that `pick` picks, skipping the others (its
+    /// beats); `None` after 10 s.
+    fn next<T>(&mut self, pick: impl Fn(lazarus_shared::wire::Message) -> Option<T>) -> Option<T> {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            match lazarus_shared::wire::read_frame_sync(&mut self.reader, Some(&self.key)) {
+                Ok(frame) => {
+                    if let Some(picked) = pick(frame.message) {
+                        return Some(picked);
+                    }
+                }
+                Err(_) => return None,
+            }
+        }
+        None
+    }
+
+    /// The next memory commit the leader pushes.
+    fn next_commit(&mut self) -> Option<u64> {
+        self.next(|message| match message {
+            lazarus_shared::wire::Message::MemoryCommitted { step, .. } => Some(step),
+            _ => None,
+        })
+    }
+}
+
 /// A node's snapshot can expire just before the leader commits its step from the reports
 /// already in; the node then hands it over again, while the other ranks hold the step as T0
 /// and never report it again. The leader repeats the commit to that node alone. A fake node
@@ -140,72 +229,49 @@ fn a_last_snapshot_no_commit_came_for_is_handed_over_again() {
 /// step was handed over for 120 s and the ranks gave up.)
 #[test]
 fn a_report_of_a_committed_step_gets_its_commit_again() {
-    use lazarus_shared::wire::{read_frame_sync, write_frame_sync, JobKey, Message};
     let (_guard, dir) = prepared();
     let store = format!("file://{}", dir.join("store").display());
     let cluster = Cluster::start(&dir, "again", &store, 1, &Settings::default(), Vec::new());
-    let key = JobKey::from_file(&cluster.key_file).unwrap();
-    let stream = std::net::TcpStream::connect(("127.0.0.1", cluster.nodes[0].listen)).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let run: lazarus_shared::RunId = "again".parse().unwrap();
-    let mut writer = stream.try_clone().unwrap();
-    let mut send =
-        |message: Message| write_frame_sync(&mut writer, &message, &[], Some(&key)).unwrap();
-    send(Message::NodeHello {
-        node: "fake".into(),
-        address: "127.0.0.1:9".into(),
-        buddy: None,
-        socket: dir.join("fake.sock").display().to_string(),
-        t0: Vec::new(),
-        epoch: 0,
-        candidate: false,
-        replicas: Vec::new(),
-    });
-    for rank in 0..2 {
-        send(Message::RankUp {
-            node: "fake".into(),
-            run: run.clone(),
-            rank,
-            world_size: 2,
-            pid: std::process::id(),
-        });
-    }
-    let replicated = |rank| Message::Replicated {
-        node: "fake".into(),
-        run: run.clone(),
-        rank,
-        world_size: 2,
-        step: 40,
-        durable_requested: false,
-        upload: None,
-    };
-    let mut reader = stream.try_clone().unwrap();
-    // The next memory commit the leader pushes, skipping its beats; None after 10 s.
-    let mut next_commit = || {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            match read_frame_sync(&mut reader, Some(&key)).map(|f| f.message) {
-                Ok(Message::MemoryCommitted { step, .. }) => return Some(step),
-                Ok(_) => {}
-                Err(_) => return None,
-            }
-        }
-        None
-    };
-    send(replicated(0));
-    send(replicated(1));
-    assert_eq!(next_commit(), Some(40));
-    send(replicated(0));
+    let mut node = FakeNode::join(&cluster, &dir, "again");
+    node.replicated(0, 40);
+    node.replicated(1, 40);
+    assert_eq!(node.next_commit(), Some(40));
+    node.replicated(0, 40);
     assert_eq!(
-        next_commit(),
+        node.next_commit(),
         Some(40),
         "a report of the committed step got no commit\n{}",
         cluster.logs()
     );
     assert_eq!(
         cluster.metric(0, "lazarus_ckptd_memory_recommits_total"),
+        1.0
+    );
+}
+
+/// A daemon killed while it replicated rank 1's snapshot of step 16 left rank 0's waiting
+/// for a commit that could not come, and every rank skipped its snapshots for the commit
+/// timeout (3 s). Over the wire to a real leader: rank 1 reports 20, so 16 can never
+/// complete, and the node is told at once to drop what waits; the next step both ranks
+/// report commits.
+#[test]
+fn a_step_a_rank_passed_is_given_up_at_once() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let cluster = Cluster::start(&dir, "passed", &store, 1, &Settings::default(), Vec::new());
+    let mut node = FakeNode::join(&cluster, &dir, "passed");
+    node.replicated(0, 16);
+    node.replicated(1, 20);
+    let given_up = node.next(|message| match message {
+        lazarus_shared::wire::Message::CommitsGivenUp { through, .. } => Some(through),
+        _ => None,
+    });
+    assert_eq!(given_up, Some(20), "{}", cluster.logs());
+    node.replicated(0, 21);
+    node.replicated(1, 21);
+    assert_eq!(node.next_commit(), Some(21), "{}", cluster.logs());
+    assert_eq!(
+        cluster.metric(0, "lazarus_ckptd_memory_commits_given_up_total"),
         1.0
     );
 }
