@@ -129,18 +129,22 @@ struct Reports {
     durable_requested: bool,
     /// A rank's daemon could not have started an upload of the step at once.
     upload_busy: bool,
-    /// A rank's daemon reported it (a hello's evidence is not a report).
-    live: bool,
-    /// When the last rank's report came.
+    /// When the last report from a rank's daemon came; `None` while only a hello's evidence
+    /// counted it.
     reported_at: Option<Instant>,
 }
 
 impl Reports {
+    /// Whether a rank's daemon reported the step (a hello's evidence is not a report).
+    fn live(&self) -> bool {
+        self.reported_at.is_some()
+    }
+
     /// Whether a node may still hold a snapshot of the step waiting for its commit: a daemon
     /// drops one after `timeout` (the daemons' `commit_timeout_seconds`), counted from before
     /// its report came here.
     fn held(&self, timeout: Duration) -> bool {
-        self.live && self.reported_at.is_some_and(|at| at.elapsed() < timeout)
+        self.reported_at.is_some_and(|at| at.elapsed() < timeout)
     }
 }
 
@@ -1025,17 +1029,22 @@ impl Leader {
             state.memory_at.insert(step, Instant::now());
         }
         tracing::debug!(step, durable, "memory-committed");
-        if self.deposed() {
-            return;
-        }
         let push = Message::MemoryCommitted {
             run: self.cfg.run.clone(),
             step,
             durable,
             epoch: self.epoch,
         };
+        self.push(state, push);
+    }
+
+    /// Sends `message` to every node this leader knows, unless it was deposed.
+    fn push(&self, state: &State, message: Message) {
+        if self.deposed() {
+            return;
+        }
         for node in state.nodes.values() {
-            let _ = node.sender.send(push.clone());
+            let _ = node.sender.send(message.clone());
         }
     }
 
@@ -1056,7 +1065,7 @@ impl Leader {
             .any(|(_, r)| r.held(timeout) && !r.ranks.contains(&rank));
         let this = state.replicated.get(&step);
         let passed_by_other = state.replicated.range(step + 1..).any(|(_, r)| {
-            r.live
+            r.live()
                 && r.ranks
                     .iter()
                     .any(|q| *q != rank && this.is_none_or(|t| !t.ranks.contains(q)))
@@ -1071,28 +1080,23 @@ impl Leader {
         let waiting: Vec<u64> = state
             .replicated
             .iter()
-            .filter(|(_, r)| r.live)
+            .filter(|(_, r)| r.live())
             .map(|(s, _)| *s)
             .collect();
         let through = waiting.iter().copied().fold(step, u64::max);
-        state.replicated.retain(|_, r| !r.live);
+        state.replicated.retain(|_, r| !r.live());
         self.metrics.commits_given_up.inc();
         tracing::info!(
             through,
             ?waiting,
             "steps that can no longer be memory-committed given up: a rank reported a later one"
         );
-        if self.deposed() {
-            return;
-        }
         let message = Message::CommitsGivenUp {
             run: self.cfg.run.clone(),
             through,
             epoch: self.epoch,
         };
-        for node in state.nodes.values() {
-            let _ = node.sender.send(message.clone());
-        }
+        self.push(state, message);
     }
 
     /// Tells `node` again that `step` is memory-committed (durable when it was made durable
@@ -1227,9 +1231,7 @@ impl Leader {
                     return Ok(());
                 }
                 if state.memory_step.is_none_or(|m| step > m) {
-                    let entry = state.replicated.entry(step).or_default();
-                    entry.live = true;
-                    entry.reported_at = Some(Instant::now());
+                    state.replicated.entry(step).or_default().reported_at = Some(Instant::now());
                     if self.never_complete(&state, rank, step) {
                         self.give_up(&mut state, step);
                         return Ok(());

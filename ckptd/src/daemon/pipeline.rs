@@ -178,6 +178,22 @@ pub async fn expire_pending(daemon: Arc<Daemon>) {
     }
 }
 
+/// The leader gave up the steps through `through` (a rank reported a later step than one of
+/// them lacked): the local ranks' snapshots waiting for their commit go now, not at the
+/// timeout, so that the ranks can hand over the next one.
+pub async fn given_up(daemon: &Arc<Daemon>, through: u64) {
+    let mut ranks = daemon.ranks.lock().await;
+    for state in ranks.values_mut() {
+        if let Some(step) = state.give_up(through) {
+            tracing::info!(
+                rank = state.rank,
+                step,
+                "the leader gave the step up (a rank reported a later one); dropping the snapshot"
+            );
+        }
+    }
+}
+
 /// The leader memory-committed `step`: it becomes every local rank's T0, and is uploaded if
 /// `durable`.
 pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {

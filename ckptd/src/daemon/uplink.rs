@@ -206,17 +206,7 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
         } if r == *run => pipeline::memory_committed(daemon, step, durable).await,
         Message::CommitsGivenUp {
             run: r, through, ..
-        } if r == *run => {
-            for state in daemon.ranks.lock().await.values_mut() {
-                if let Some(step) = state.give_up(through) {
-                    tracing::info!(
-                        rank = state.rank,
-                        step,
-                        "the leader gave the step up (a rank reported a later one); dropping the snapshot"
-                    );
-                }
-            }
-        }
+        } if r == *run => pipeline::given_up(daemon, through).await,
         Message::KillRanks { run: r, .. } if r == *run => {
             process::signal_ranks(daemon, "KILL").await
         }
