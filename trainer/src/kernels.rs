@@ -159,8 +159,6 @@ fn matmul_on<T: Element>(
     }
 }
 
-const LANES: usize = 8;
-
 /// `exp(x)` in f32 by range reduction and a degree-6 polynomial (Cephes' `expf`), within two
 /// ulps of the correctly rounded value on `[-87, 88]`. Inputs below -87 give about 1e-38
 /// rather than 0, which no softmax sum can notice. Branch-free, so a loop of it vectorises.
@@ -186,32 +184,208 @@ pub fn exp_f32(x: f32) -> f32 {
     value * f32::from_bits(((exponent + 127) as u32) << 23)
 }
 
-/// The row's log-sum-exp, `max + log(sum(exp(row - max)))`, with the sum kept in f64.
+/// Lanes of the log-sum-exp's f64 sum: element `i` of a row is added to lane `i % 16`,
+/// the lanes are summed in order, and the elements past the last whole block after them.
+/// Sixteen lanes are four AVX2 registers of f64, four independent chains of additions.
+const SUM_LANES: usize = 16;
+
+/// The row's maximum (a max is exact in any order).
 #[inline(always)]
-fn log_sum_exp_f32_body(row: &[f32]) -> f64 {
-    let mut lanes = [f32::NEG_INFINITY; LANES];
-    let mut blocks = row.chunks_exact(LANES);
-    for block in &mut blocks {
-        for (lane, value) in lanes.iter_mut().zip(block) {
-            *lane = if *value > *lane { *value } else { *lane };
-        }
-    }
-    let mut max = lanes.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for value in blocks.remainder() {
-        max = max.max(*value);
-    }
-    let mut sums = [0f64; LANES];
-    let mut blocks = row.chunks_exact(LANES);
+fn max_f32_body(row: &[f32]) -> f32 {
+    row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+}
+
+/// `sum(exp(row - max))` in f64, in the lanes of [`SUM_LANES`].
+#[inline(always)]
+fn exp_sum_f32_body(row: &[f32], max: f32) -> f64 {
+    let mut sums = [0f64; SUM_LANES];
+    let mut blocks = row.chunks_exact(SUM_LANES);
     for block in &mut blocks {
         for (sum, value) in sums.iter_mut().zip(block) {
             *sum += exp_f32(*value - max) as f64;
         }
     }
-    let mut sum: f64 = sums.iter().sum();
-    for value in blocks.remainder() {
-        sum += exp_f32(*value - max) as f64;
+    lanes_sum(sums, blocks.remainder().iter().map(|v| exp_f32(*v - max)))
+}
+
+/// [`exp_sum_f32_body`], leaving `exp(row - max)` in the row: the same sum, bit for bit.
+#[inline(always)]
+fn exp_sum_in_place_f32_body(row: &mut [f32], max: f32) -> f64 {
+    let mut sums = [0f64; SUM_LANES];
+    let mut blocks = row.chunks_exact_mut(SUM_LANES);
+    for block in &mut blocks {
+        for (sum, value) in sums.iter_mut().zip(block) {
+            *value = exp_f32(*value - max);
+            *sum += *value as f64;
+        }
     }
-    max as f64 + sum.ln()
+    lanes_sum(
+        sums,
+        blocks.into_remainder().iter_mut().map(|v| {
+            *v = exp_f32(*v - max);
+            *v
+        }),
+    )
+}
+
+/// The lanes' sums in order, then the exponentials of the elements past the last block.
+#[inline(always)]
+fn lanes_sum(sums: [f64; SUM_LANES], rest: impl Iterator<Item = f32>) -> f64 {
+    let mut sum: f64 = sums.iter().sum();
+    for value in rest {
+        sum += value as f64;
+    }
+    sum
+}
+
+/// [`exp_f32`] on eight lanes: the same operations in the same order, unfused, so each lane
+/// is bit-identical to it.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn exp_f32x8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    const ROUND: f32 = 12_582_912.0;
+    let x = _mm256_min_ps(
+        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
+        _mm256_set1_ps(88.0),
+    );
+    let shifted = _mm256_add_ps(
+        _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        _mm256_set1_ps(ROUND),
+    );
+    let n = _mm256_sub_ps(shifted, _mm256_set1_ps(ROUND));
+    let exponent = _mm256_sub_epi32(
+        _mm256_castps_si256(shifted),
+        _mm256_set1_epi32(ROUND.to_bits() as i32),
+    );
+    let r = _mm256_sub_ps(
+        _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693_359_4))),
+        _mm256_mul_ps(n, _mm256_set1_ps(-2.121_944_4e-4)),
+    );
+    let mut p = _mm256_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
+    }
+    let value = _mm256_add_ps(
+        _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r),
+        _mm256_set1_ps(1.0),
+    );
+    let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+        exponent,
+        _mm256_set1_epi32(127),
+    )));
+    _mm256_mul_ps(value, scale)
+}
+
+/// [`max_f32_body`] over four registers of lanes. The compiler vectorises the plain loop
+/// into one register, whose every max waits on the one before.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn max_f32_avx2(row: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut blocks = row.chunks_exact(32);
+    let mut maxes = [_mm256_set1_ps(f32::NEG_INFINITY); 4];
+    for block in &mut blocks {
+        for (k, max) in maxes.iter_mut().enumerate() {
+            // SAFETY: `block` holds 32 floats; this reads the 8 from 8k on.
+            let values = unsafe { _mm256_loadu_ps(block.as_ptr().add(8 * k)) };
+            *max = _mm256_max_ps(values, *max);
+        }
+    }
+    let mut lanes = [0f32; 32];
+    for (k, max) in maxes.iter().enumerate() {
+        // SAFETY: `lanes` holds 32 floats; this writes the 8 from 8k on.
+        unsafe { _mm256_storeu_ps(lanes.as_mut_ptr().add(8 * k), *max) };
+    }
+    max_f32_body(&lanes).max(max_f32_body(blocks.remainder()))
+}
+
+/// Adds sixteen exponentials to the four registers of [`SUM_LANES`] lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn add_lanes(sums: &mut [std::arch::x86_64::__m256d; 4], exps: [std::arch::x86_64::__m256; 2]) {
+    use std::arch::x86_64::*;
+    for (half, exps) in exps.into_iter().enumerate() {
+        let low = _mm256_cvtps_pd(_mm256_castps256_ps128(exps));
+        let high = _mm256_cvtps_pd(_mm256_extractf128_ps::<1>(exps));
+        sums[2 * half] = _mm256_add_pd(sums[2 * half], low);
+        sums[2 * half + 1] = _mm256_add_pd(sums[2 * half + 1], high);
+    }
+}
+
+/// The four registers' lanes, in lane order.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn stored_lanes(sums: [std::arch::x86_64::__m256d; 4]) -> [f64; SUM_LANES] {
+    let mut lanes = [0f64; SUM_LANES];
+    for (k, sum) in sums.iter().enumerate() {
+        // SAFETY: `lanes` holds 16 doubles; this writes the 4 from 4k on.
+        unsafe { std::arch::x86_64::_mm256_storeu_pd(lanes.as_mut_ptr().add(4 * k), *sum) };
+    }
+    lanes
+}
+
+/// [`exp_sum_f32_body`] in AVX2 intrinsics, bit-identical to it. The compiler vectorises the
+/// plain loop with one chain of additions, which waits on its own latency.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn exp_sum_f32_avx2(row: &[f32], max: f32) -> f64 {
+    use std::arch::x86_64::*;
+    let shift = _mm256_set1_ps(max);
+    let mut sums = [_mm256_setzero_pd(); 4];
+    let mut blocks = row.chunks_exact(SUM_LANES);
+    for block in &mut blocks {
+        // SAFETY: `block` holds 16 floats; these read the 8 from 0 and the 8 from 8.
+        let values = unsafe {
+            [
+                _mm256_loadu_ps(block.as_ptr()),
+                _mm256_loadu_ps(block.as_ptr().add(8)),
+            ]
+        };
+        add_lanes(
+            &mut sums,
+            values.map(|v| exp_f32x8(_mm256_sub_ps(v, shift))),
+        );
+    }
+    lanes_sum(
+        stored_lanes(sums),
+        blocks.remainder().iter().map(|v| exp_f32(*v - max)),
+    )
+}
+
+/// [`exp_sum_in_place_f32_body`] in AVX2 intrinsics, bit-identical to it.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn exp_sum_in_place_f32_avx2(row: &mut [f32], max: f32) -> f64 {
+    use std::arch::x86_64::*;
+    let shift = _mm256_set1_ps(max);
+    let mut sums = [_mm256_setzero_pd(); 4];
+    let mut blocks = row.chunks_exact_mut(SUM_LANES);
+    for block in &mut blocks {
+        let at = block.as_mut_ptr();
+        // SAFETY: `block` holds 16 floats; these read the 8 from 0 and the 8 from 8.
+        let values = unsafe { [_mm256_loadu_ps(at), _mm256_loadu_ps(at.add(8))] };
+        let exps = values.map(|v| exp_f32x8(_mm256_sub_ps(v, shift)));
+        // SAFETY: the same 16 floats, written back.
+        unsafe {
+            _mm256_storeu_ps(at, exps[0]);
+            _mm256_storeu_ps(at.add(8), exps[1]);
+        }
+        add_lanes(&mut sums, exps);
+    }
+    lanes_sum(
+        stored_lanes(sums),
+        blocks.into_remainder().iter_mut().map(|v| {
+            *v = exp_f32(*v - max);
+            *v
+        }),
+    )
 }
 
 /// `row[i] = scale * exp(row[i] - shift)`, in place.
@@ -220,12 +394,6 @@ fn scaled_exp_f32_body(row: &mut [f32], shift: f32, scale: f32) {
     for value in row.iter_mut() {
         *value = scale * exp_f32(*value - shift);
     }
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn log_sum_exp_f32_avx2(row: &[f32]) -> f64 {
-    log_sum_exp_f32_body(row)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -380,6 +548,9 @@ pub fn adamw_into(
 pub trait SoftmaxRow: Element {
     /// The row's log-sum-exp, in f64.
     fn log_sum_exp(row: &[Self]) -> f64;
+    /// Turns the row into `exp(row - max)`, in place, with `max` its maximum, and returns
+    /// `max` and the row's log-sum-exp as [`SoftmaxRow::log_sum_exp`] gives it, bit for bit.
+    fn exp_in_place(row: &mut [Self]) -> (f64, f64);
     /// `row[i] = scale * exp(row[i] - shift)`, in place.
     fn scaled_exp(row: &mut [Self], shift: f64, scale: f64);
     fn to_f64(self) -> f64;
@@ -418,9 +589,26 @@ impl SoftmaxRow for f32 {
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU was just checked to support AVX2.
-            return unsafe { log_sum_exp_f32_avx2(row) };
+            let max = unsafe { max_f32_avx2(row) };
+            // SAFETY: as above.
+            return max as f64 + unsafe { exp_sum_f32_avx2(row, max) }.ln();
         }
-        log_sum_exp_f32_body(row)
+        let max = max_f32_body(row);
+        max as f64 + exp_sum_f32_body(row, max).ln()
+    }
+
+    fn exp_in_place(row: &mut [f32]) -> (f64, f64) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU was just checked to support AVX2.
+            let max = unsafe { max_f32_avx2(row) };
+            // SAFETY: as above.
+            let sum = unsafe { exp_sum_in_place_f32_avx2(row, max) };
+            return (max as f64, max as f64 + sum.ln());
+        }
+        let max = max_f32_body(row);
+        let sum = exp_sum_in_place_f32_body(row, max);
+        (max as f64, max as f64 + sum.ln())
     }
 
     fn scaled_exp(row: &mut [f32], shift: f64, scale: f64) {
@@ -457,6 +645,16 @@ impl SoftmaxRow for f64 {
         max + row.iter().map(|v| (v - max).exp()).sum::<f64>().ln()
     }
 
+    fn exp_in_place(row: &mut [f64]) -> (f64, f64) {
+        let max = row.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let mut sum = 0.0;
+        for value in row.iter_mut() {
+            *value = (*value - max).exp();
+            sum += *value;
+        }
+        (max, max + sum.ln())
+    }
+
     fn scaled_exp(row: &mut [f64], shift: f64, scale: f64) {
         for value in row.iter_mut() {
             *value = scale * (*value - shift).exp();
@@ -483,6 +681,10 @@ impl SoftmaxRow for f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|f| f.to_bits()).collect()
+    }
 
     #[test]
     fn exp_is_within_two_ulps_on_the_softmax_range() {
@@ -535,7 +737,6 @@ mod tests {
                 v: &mut v2,
             },
         );
-        let bits = |x: &[f32]| x.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
         assert_eq!(bits(&p), bits(&p2));
         assert_eq!(bits(&m), bits(&m2));
         assert_eq!(bits(&v), bits(&v2));
@@ -544,25 +745,41 @@ mod tests {
 
     #[test]
     fn both_paths_agree_bit_for_bit() {
-        let row: Vec<f32> = (0..1003)
-            .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.3)
-            .collect();
-        let a = f32::log_sum_exp(&row);
-        let b = log_sum_exp_f32_body(&row);
-        assert_eq!(a.to_bits(), b.to_bits());
-        let reference = {
-            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
-            max + row
-                .iter()
-                .map(|v| (*v as f64 - max).exp())
-                .sum::<f64>()
-                .ln()
-        };
-        assert!((a - reference).abs() < 1e-6, "{a} vs {reference}");
-        let (mut x, mut y) = (row.clone(), row.clone());
-        f32::scaled_exp(&mut x, a, 0.5);
-        scaled_exp_f32_body(&mut y, a as f32, 0.5);
-        assert_eq!(x, y);
+        for len in [1, 15, 16, 17, 31, 32, 33, 1003] {
+            let row: Vec<f32> = (0..len)
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.3)
+                .collect();
+            let a = f32::log_sum_exp(&row);
+            let max = max_f32_body(&row);
+            let b = max as f64 + exp_sum_f32_body(&row, max).ln();
+            assert_eq!(a.to_bits(), b.to_bits(), "length {len}");
+            let reference = {
+                let max = max as f64;
+                max + row
+                    .iter()
+                    .map(|v| (*v as f64 - max).exp())
+                    .sum::<f64>()
+                    .ln()
+            };
+            assert!((a - reference).abs() < 1e-6, "{a} vs {reference}");
+            // In place: the same log-sum-exp, and each element the scalar exp of the path
+            // without AVX2.
+            let (mut fast, mut plain) = (row.clone(), row.clone());
+            let (shift, lse) = f32::exp_in_place(&mut fast);
+            let sum = exp_sum_in_place_f32_body(&mut plain, max);
+            assert_eq!((shift, lse.to_bits()), (max as f64, a.to_bits()));
+            assert_eq!(sum.to_bits(), exp_sum_f32_body(&row, max).to_bits());
+            assert_eq!(bits(&fast), bits(&plain), "length {len}");
+            assert_eq!(fast[7 % len], exp_f32(row[7 % len] - max));
+            let (mut x, mut y) = (row.clone(), row.clone());
+            f32::scaled_exp(&mut x, a, 0.5);
+            scaled_exp_f32_body(&mut y, a as f32, 0.5);
+            assert_eq!(x, y);
+        }
+        let mut row = vec![0.5f64, -2.0, 3.0];
+        let lse = f64::log_sum_exp(&row);
+        assert_eq!(f64::exp_in_place(&mut row), (3.0, lse));
+        assert_eq!(row, vec![(-2.5f64).exp(), (-5.0f64).exp(), 1.0]);
     }
 
     #[test]

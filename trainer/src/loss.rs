@@ -162,6 +162,11 @@ fn logits_to_gradient<T: SoftmaxRow>(
 
 /// Per-row losses; fills `log_sum_exp` with each row's log-sum-exp. With `gradients`, also
 /// returns the gradients of `sum(loss)` with respect to `x` and `weight`.
+///
+/// The gradient of a row is `softmax - one_hot = c * exp(logits - max) - one_hot`, with
+/// `c = exp(max - log_sum_exp)`. The row keeps `exp(logits - max)`, which the log-sum-exp
+/// computes anyway, and `c` and the one-hot go into the small operands of the two products
+/// ([`gradients_from_exps`]): no second pass of exponentials over the logits.
 fn forward<T: SoftmaxRow>(
     x: &[T],
     weight: &[T],
@@ -177,62 +182,162 @@ fn forward<T: SoftmaxRow>(
     let mut grads =
         gradients.then(|| (vec![T::ZERO; rows * hidden], vec![T::ZERO; hidden * vocab]));
     // `[H, V]`, the transpose of the stored rows.
-    let weight = MatRef::row_major(weight, vocab, hidden).t();
+    let weight_t = MatRef::row_major(weight, vocab, hidden).t();
     with_scratch(CHUNK_ROWS.min(rows) * vocab, |logits: &mut [T]| {
         for first in (0..rows).step_by(CHUNK_ROWS) {
             let count = CHUNK_ROWS.min(rows - first);
-            let x_chunk =
-                MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
+            let x_chunk = &x[first * hidden..(first + count) * hidden];
             let chunk = &mut logits[..count * vocab];
             let multiplying = tracing::info_span!("logits_matmul").entered();
-            matmul(chunk, x_chunk, weight, false);
+            matmul(
+                chunk,
+                MatRef::row_major(x_chunk, count, hidden),
+                weight_t,
+                false,
+            );
             drop(multiplying);
-            let _softmax = tracing::info_span!("softmax").entered();
+            let softmax = tracing::info_span!("softmax").entered();
             let rows = first..first + count;
-            match split {
-                None => chunk
-                    .par_chunks_mut(vocab)
-                    .zip(log_sum_exp[rows.clone()].par_iter_mut())
-                    .zip(losses[rows.clone()].par_iter_mut())
-                    .zip(targets[rows].par_iter())
-                    .for_each(|(((row, lse), loss), target)| {
-                        *lse = T::log_sum_exp(row);
-                        *loss = *lse - row[*target as usize].to_f64();
-                        if gradients {
-                            logits_to_gradient(row, *lse, Some(*target as usize), 1.0);
-                        }
-                    }),
+            let targets = &targets[rows.clone()];
+            // Each row's shift, when it holds its exponentials.
+            let shifts = match split {
+                None => {
+                    let (shifts, lse): (Vec<f64>, Vec<f64>) = chunk
+                        .par_chunks_mut(vocab)
+                        .zip(losses[rows.clone()].par_iter_mut())
+                        .zip(targets.par_iter())
+                        .map(|((row, loss), target)| {
+                            let picked = row[*target as usize].to_f64();
+                            let (shift, lse) = if gradients {
+                                T::exp_in_place(row)
+                            } else {
+                                (0.0, T::log_sum_exp(row))
+                            };
+                            *loss = lse - picked;
+                            (shift, lse)
+                        })
+                        .unzip();
+                    log_sum_exp[rows.clone()].copy_from_slice(&lse);
+                    shifts
+                }
                 Some(split) => split_rows(
                     chunk,
                     vocab,
                     split,
-                    &targets[rows.clone()],
+                    targets,
                     &mut log_sum_exp[rows.clone()],
-                    &mut losses[rows],
+                    &mut losses[rows.clone()],
                     gradients,
                 ),
-            }
-            drop(_softmax);
+            };
+            drop(softmax);
             if let Some((grad_x, grad_weight)) = &mut grads {
-                let dlogits = MatRef::row_major(&*chunk, count, vocab);
-                let input_grad = tracing::info_span!("input_gradient_matmul").entered();
-                matmul(
+                let scales: Vec<f64> = shifts
+                    .iter()
+                    .zip(&log_sum_exp[rows.clone()])
+                    .map(|(shift, lse)| (shift - lse).exp())
+                    .collect();
+                let local: Vec<Option<usize>> = targets
+                    .iter()
+                    .map(|target| match split {
+                        None => Some(*target as usize),
+                        Some(split) => split.local(*target, vocab),
+                    })
+                    .collect();
+                gradients_from_exps(
+                    Exps {
+                        exps: MatRef::row_major(&*chunk, count, vocab),
+                        scales: &scales,
+                        targets: &local,
+                    },
+                    x_chunk,
+                    weight,
                     &mut grad_x[first * hidden..(first + count) * hidden],
-                    dlogits,
-                    weight.t(),
-                    false,
+                    (grad_weight, first > 0),
                 );
-                drop(input_grad);
-                let _weight_grad = tracing::info_span!("weight_gradient_matmul").entered();
-                matmul(grad_weight, dlogits.t(), x_chunk, first > 0);
             }
         }
     });
     (losses, grads)
 }
 
+/// A chunk of rows as [`forward`] leaves them for their gradient: row `i`'s gradient is
+/// `scales[i] * exps[i] - one_hot(targets[i])`, the target's column where this rank holds it.
+struct Exps<'a, T> {
+    exps: MatRef<'a, T>,
+    scales: &'a [f64],
+    targets: &'a [Option<usize>],
+}
+
+/// The chunk's gradients, from `G = diag(c) E - Y` with `E` the exponentials, `c` the rows'
+/// scales and `Y` the one-hot targets: `grad_x = diag(c) (E W) - W[targets]` into
+/// `grad_x`, and `grad_weight (+)= E^T (diag(c) x) - scatter(targets, x)`, added to what it
+/// holds when `accumulate`. The targets' rows are subtracted in row order, deterministically.
+fn gradients_from_exps<T: SoftmaxRow>(
+    chunk: Exps<'_, T>,
+    x: &[T],
+    weight: &[T],
+    grad_x: &mut [T],
+    (grad_weight, accumulate): (&mut [T], bool),
+) {
+    let Exps {
+        exps,
+        scales,
+        targets,
+    } = chunk;
+    let (hidden, vocab) = (x.len() / scales.len(), exps.cols);
+    let input_grad = tracing::info_span!("input_gradient_matmul").entered();
+    matmul(
+        grad_x,
+        exps,
+        MatRef::row_major(weight, vocab, hidden),
+        false,
+    );
+    grad_x
+        .par_chunks_mut(hidden)
+        .zip(scales.par_iter())
+        .zip(targets.par_iter())
+        .for_each(|((row, scale), target)| {
+            let scale = T::from_f64(*scale);
+            let target = target.map(|t| &weight[t * hidden..(t + 1) * hidden]);
+            for (h, value) in row.iter_mut().enumerate() {
+                *value = *value * scale;
+                if let Some(target) = target {
+                    *value = *value - target[h];
+                }
+            }
+        });
+    drop(input_grad);
+    let _weight_grad = tracing::info_span!("weight_gradient_matmul").entered();
+    let mut scaled_x = x.to_vec();
+    scaled_x
+        .par_chunks_mut(hidden)
+        .zip(scales.par_iter())
+        .for_each(|(row, scale)| {
+            let scale = T::from_f64(*scale);
+            row.iter_mut().for_each(|value| *value = *value * scale);
+        });
+    matmul(
+        grad_weight,
+        exps.t(),
+        MatRef::row_major(&scaled_x, scales.len(), hidden),
+        accumulate,
+    );
+    for (row, target) in x.chunks(hidden).zip(targets) {
+        if let Some(t) = target {
+            for (total, value) in grad_weight[t * hidden..(t + 1) * hidden]
+                .iter_mut()
+                .zip(row)
+            {
+                *total = *total - *value;
+            }
+        }
+    }
+}
+
 /// One chunk's rows of a vocabulary split: the whole rows' log-sum-exp and losses from every
-/// rank's share, and with `gradients` each row turned into its gradient in place.
+/// rank's share. With `gradients`, each row is left holding `exp(row - shift)` and the rows'
+/// shifts are returned (see [`forward`]).
 fn split_rows<T: SoftmaxRow>(
     chunk: &mut [T],
     vocab: usize,
@@ -241,17 +346,23 @@ fn split_rows<T: SoftmaxRow>(
     log_sum_exp: &mut [f64],
     losses: &mut [f64],
     gradients: bool,
-) {
-    let (local, target): (Vec<f64>, Vec<f64>) = chunk
-        .par_chunks(vocab)
+) -> Vec<f64> {
+    let (local, target): (Vec<(f64, f64)>, Vec<f64>) = chunk
+        .par_chunks_mut(vocab)
         .zip(targets.par_iter())
         .map(|(row, target)| {
             let picked = split
                 .local(*target, vocab)
                 .map_or(0.0, |column| row[column].to_f64());
-            (T::log_sum_exp(row), picked)
+            let shifted = if gradients {
+                T::exp_in_place(row)
+            } else {
+                (0.0, T::log_sum_exp(row))
+            };
+            (shifted, picked)
         })
         .unzip();
+    let (shifts, local): (Vec<f64>, Vec<f64>) = local.into_iter().unzip();
     let (whole, picked) = split.combine(&local, &target);
     for (((lse, loss), w), p) in log_sum_exp
         .iter_mut()
@@ -262,15 +373,7 @@ fn split_rows<T: SoftmaxRow>(
         *lse = *w;
         *loss = w - p;
     }
-    if gradients {
-        chunk
-            .par_chunks_mut(vocab)
-            .zip(whole.par_iter())
-            .zip(targets.par_iter())
-            .for_each(|((row, lse), target)| {
-                logits_to_gradient(row, *lse, split.local(*target, vocab), 1.0);
-            });
-    }
+    shifts
 }
 
 /// Gradients of `sum(upstream[i] * loss[i])` with respect to `x` and `weight`.
@@ -598,6 +701,33 @@ mod tests {
                 (a - *b as f64).abs() <= 1e-4 * a.abs().max(1.0),
                 "{a} vs {b}"
             );
+        }
+        // The training op's gradients, kept as exponentials and scales in f32.
+        let gradients = |x: &Tensor, w: &Tensor| -> Vec<Vec<f64>> {
+            let (x, w) = (Var::from_tensor(x).unwrap(), Var::from_tensor(w).unwrap());
+            let loss = x
+                .apply_op3(&w, &targets, LinearCrossEntropy::training())
+                .unwrap()
+                .mean_all()
+                .unwrap();
+            let grads = loss.backward().unwrap();
+            [grads.get(&x).unwrap(), grads.get(&w).unwrap()]
+                .map(|g| {
+                    g.to_dtype(DType::F64)
+                        .unwrap()
+                        .flatten_all()
+                        .unwrap()
+                        .to_vec1()
+                        .unwrap()
+                })
+                .to_vec()
+        };
+        for (g64, g32) in gradients(&x64, &w64).iter().zip(gradients(&x32, &w32)) {
+            let largest = g64.iter().fold(0f64, |m, g| m.max(g.abs()));
+            assert!(largest > 0.0);
+            for (a, b) in g64.iter().zip(&g32) {
+                assert!((a - b).abs() <= 1e-5 * largest, "{a} vs {b}");
+            }
         }
     }
 
