@@ -38,3 +38,66 @@ pub(crate) fn with_f32_values<R>(
     let values = tensor.flatten_all()?.to_vec1::<f32>()?;
     Ok(use_values(&values))
 }
+
+/// Overwrites the elements of `tensor`, a contiguous f32 CPU tensor, with `values` (row-major,
+/// as many as it holds) in its own storage, on the math pool's threads. Every tensor sharing
+/// the storage sees the new values, as with `Var::set`, without its copy of them on the way.
+pub(crate) fn set_f32_values(tensor: &candle_core::Tensor, values: &[f32]) -> Result<()> {
+    if tensor.elem_count() != values.len() {
+        return Err(candle_core::Error::Msg(format!(
+            "setting {} values into a tensor of {:?}",
+            values.len(),
+            tensor.shape()
+        )));
+    }
+    tensor.inplace_op1(&CopyInto(values))
+}
+
+/// [`set_f32_values`]'s op.
+struct CopyInto<'a>(&'a [f32]);
+
+impl candle_core::InplaceOp1 for CopyInto<'_> {
+    fn name(&self) -> &'static str {
+        "copy-into"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        use rayon::prelude::*;
+        let range = layout.contiguous_offsets();
+        match (storage, range) {
+            (CpuStorage::F32(into), Some((start, end))) => {
+                into[start..end]
+                    .par_chunks_mut(1 << 16)
+                    .zip(self.0.par_chunks(1 << 16))
+                    .for_each(|(into, from)| into.copy_from_slice(from));
+                Ok(())
+            }
+            _ => Err(candle_core::Error::Msg(
+                "copy-into: the tensor must be a contiguous f32 CPU tensor".into(),
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor, Var};
+
+    #[test]
+    fn values_are_set_in_the_storage_every_holder_shares() {
+        let var = Var::from_tensor(
+            &Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap(),
+        )
+        .unwrap();
+        let holder = var.as_tensor().clone();
+        set_f32_values(&var, &[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]).unwrap();
+        assert_eq!(
+            holder.to_vec2::<f32>().unwrap(),
+            vec![vec![1.0, 2.0, 3.0], vec![4.0, 5.0, 6.0]]
+        );
+        assert!(set_f32_values(&var, &[1.0]).is_err());
+        let f64s = Tensor::zeros(2, candle_core::DType::F64, &Device::Cpu).unwrap();
+        assert!(set_f32_values(&f64s, &[1.0, 2.0]).is_err());
+    }
+}

@@ -413,6 +413,41 @@ fn has_avx2() -> bool {
     }
 }
 
+/// `sum(v * v)` in f64 over [`SUM_LANES`] lanes, summed in lane order, then the elements
+/// past the last whole block: a fixed order, whatever the CPU.
+#[inline(always)]
+fn sum_of_squares_body(values: &[f32]) -> f64 {
+    let mut sums = [0f64; SUM_LANES];
+    let mut blocks = values.chunks_exact(SUM_LANES);
+    for block in &mut blocks {
+        for (sum, value) in sums.iter_mut().zip(block) {
+            let value = f64::from(*value);
+            *sum += value * value;
+        }
+    }
+    let mut sum: f64 = sums.iter().sum();
+    for value in blocks.remainder() {
+        sum += f64::from(*value) * f64::from(*value);
+    }
+    sum
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn sum_of_squares_avx2(values: &[f32]) -> f64 {
+    sum_of_squares_body(values)
+}
+
+/// The sum of the squares of `values`, in f64 (the gradient's norm).
+pub fn sum_of_squares(values: &[f32]) -> f64 {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU was just checked to support AVX2.
+        return unsafe { sum_of_squares_avx2(values) };
+    }
+    sum_of_squares_body(values)
+}
+
 /// One AdamW step's constants, in f32 (as the moments and master weights are).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWStep {
@@ -780,6 +815,20 @@ mod tests {
         let lse = f64::log_sum_exp(&row);
         assert_eq!(f64::exp_in_place(&mut row), (3.0, lse));
         assert_eq!(row, vec![(-2.5f64).exp(), (-5.0f64).exp(), 1.0]);
+    }
+
+    #[test]
+    fn the_sum_of_squares_is_the_same_on_both_paths() {
+        for len in [0, 1, 15, 16, 17, 1003] {
+            let values: Vec<f32> = (0..len).map(|i| (i as f32 - 7.5) * 0.37).collect();
+            let exact: f64 = values.iter().map(|v| f64::from(*v).powi(2)).sum();
+            let fast = sum_of_squares(&values);
+            assert_eq!(fast.to_bits(), sum_of_squares_body(&values).to_bits());
+            assert!(
+                (fast - exact).abs() <= 1e-12 * exact.max(1.0),
+                "{fast} vs {exact}"
+            );
+        }
     }
 
     #[test]

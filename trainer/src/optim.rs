@@ -15,11 +15,11 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use candle_core::backprop::GradStore;
-use candle_core::{Result, Tensor};
+use candle_core::{DType, Result, Tensor};
 use rayon::prelude::*;
 
 use crate::config::TrainConfig;
-use crate::custom_op::with_f32_values;
+use crate::custom_op::{set_f32_values, with_f32_values};
 use crate::dist::{even_bounds, Group, World};
 use crate::kernels::{adamw, adamw_into, AdamWSlices, AdamWSlicesMut, AdamWStep};
 use crate::model::Model;
@@ -312,28 +312,18 @@ impl AdamW {
     pub fn accumulate(&mut self, model: &Model, grads: &GradStore) -> Result<()> {
         let parameters = model.parameters();
         let first = self.accumulated == 0;
-        if first {
+        if self.grads.len() != self.len {
             self.grads.clear();
+            self.grads.resize(self.len, 0.0);
         }
         for placement in &self.placements {
-            let Some(grad) = grads.get(parameters[placement.index].1) else {
-                if first {
-                    self.grads.resize(self.grads.len() + placement.len, 0.0);
-                }
-                continue;
-            };
-            // Straight from the gradient's storage: no copy of it on the way.
-            let grads = &mut self.grads;
-            with_f32_values(grad, |grad| {
-                if first {
-                    grads.extend_from_slice(grad);
-                } else {
-                    let sum = &mut grads[placement.offset..placement.offset + placement.len];
-                    for (total, g) in sum.iter_mut().zip(grad) {
-                        *total += g;
-                    }
-                }
-            })?;
+            let sum = &mut self.grads[placement.offset..placement.offset + placement.len];
+            match grads.get(parameters[placement.index].1) {
+                None if first => sum.fill(0.0),
+                None => {}
+                // Straight from the gradient's storage: no copy of it on the way.
+                Some(grad) => with_f32_values(grad, |grad| add_gradient(sum, grad, first))?,
+            }
         }
         self.accumulated += 1;
         Ok(())
@@ -627,10 +617,15 @@ impl AdamW {
             for placement in self.placements.iter().filter(|p| range.contains(&p.offset)) {
                 let start = placement.offset - range.start;
                 let values = &whole[start..start + placement.len];
-                parameters[placement.index].1.set(
-                    &Tensor::from_slice(values, placement.shape.as_slice(), &model.device)?
-                        .to_dtype(model.dtype)?,
-                )?;
+                let parameter = parameters[placement.index].1;
+                if model.dtype == DType::F32 && parameter.is_contiguous() {
+                    set_f32_values(parameter, values)?;
+                } else {
+                    parameter.set(
+                        &Tensor::from_slice(values, placement.shape.as_slice(), &model.device)?
+                            .to_dtype(model.dtype)?,
+                    )?;
+                }
             }
         }
         Ok(())
@@ -683,15 +678,9 @@ impl Overlapped<'_, '_> {
                 match grads.get(parameters[placement.index].1) {
                     None if self.first => sum.fill(0.0),
                     None => {}
-                    Some(grad) => with_f32_values(grad, |grad| {
-                        if self.first {
-                            sum.copy_from_slice(grad);
-                        } else {
-                            for (total, g) in sum.iter_mut().zip(grad) {
-                                *total += g;
-                            }
-                        }
-                    })?,
+                    Some(grad) => {
+                        with_f32_values(grad, |grad| add_gradient(sum, grad, self.first))?
+                    }
                 }
             }
         }
@@ -752,15 +741,26 @@ fn at_a_row(placements: &[Placement], bound: usize) -> usize {
 }
 
 /// The sum of squares of `values`, over fixed-size blocks summed in order.
+/// A micro-batch's gradient into the step's sum, on the math pool's threads: copied for the
+/// step's first micro-batch, else added (each element once, so in micro-batch order).
+fn add_gradient(sum: &mut [f32], grad: &[f32], first: bool) {
+    sum.par_chunks_mut(BLOCK)
+        .zip(grad.par_chunks(BLOCK))
+        .for_each(|(sum, grad)| {
+            if first {
+                sum.copy_from_slice(grad);
+            } else {
+                for (total, g) in sum.iter_mut().zip(grad) {
+                    *total += g;
+                }
+            }
+        });
+}
+
 fn sum_of_squares(values: &[f32]) -> f64 {
     values
         .par_chunks(BLOCK)
-        .map(|block| {
-            block
-                .iter()
-                .map(|g| f64::from(*g) * f64::from(*g))
-                .sum::<f64>()
-        })
+        .map(crate::kernels::sum_of_squares)
         .collect::<Vec<f64>>()
         .iter()
         .sum::<f64>()
