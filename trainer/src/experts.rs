@@ -293,10 +293,6 @@ impl SwiGlu {
     }
 }
 
-fn sigmoid<T: SoftmaxRow>(a: T) -> T {
-    T::from_f64(1.0) / (T::from_f64(1.0) + (T::from_f64(0.0) - a).exp())
-}
-
 /// `silu(gate) * up`, elementwise, in parallel.
 fn swiglu<T: SoftmaxRow>(gate: &[T], up: &[T]) -> Vec<T> {
     let mut out = vec![T::ZERO; gate.len()];
@@ -304,42 +300,30 @@ fn swiglu<T: SoftmaxRow>(gate: &[T], up: &[T]) -> Vec<T> {
     out
 }
 
+/// Elements per parallel task of the SwiGLU's element-wise work.
+const PIECE: usize = 4096;
+
 /// [`swiglu`] into `out`.
 pub(crate) fn swiglu_into<T: SoftmaxRow>(out: &mut [T], gate: &[T], up: &[T]) {
-    out.par_chunks_mut(4096)
-        .zip(gate.par_chunks(4096).zip(up.par_chunks(4096)))
-        .for_each(|(out, (gate, up))| {
-            for ((o, a), b) in out.iter_mut().zip(gate).zip(up) {
-                *o = *a * sigmoid(*a) * *b;
-            }
-        });
+    out.par_chunks_mut(PIECE)
+        .zip(gate.par_chunks(PIECE).zip(up.par_chunks(PIECE)))
+        .for_each(|(out, (gate, up))| T::swiglu(out, gate, up));
 }
 
 /// Gradients of the gate and up projections given the upstream gradient of `silu(a) * b`.
 pub(crate) fn swiglu_backward<T: SoftmaxRow>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
     let mut grad_gate = vec![T::ZERO; gate.len()];
     let mut grad_up = vec![T::ZERO; gate.len()];
-    let one = T::from_f64(1.0);
     grad_gate
-        .par_chunks_mut(4096)
-        .zip(grad_up.par_chunks_mut(4096))
+        .par_chunks_mut(PIECE)
+        .zip(grad_up.par_chunks_mut(PIECE))
         .zip(
-            gate.par_chunks(4096)
-                .zip(up.par_chunks(4096))
-                .zip(grad.par_chunks(4096)),
+            gate.par_chunks(PIECE)
+                .zip(up.par_chunks(PIECE))
+                .zip(grad.par_chunks(PIECE)),
         )
         .for_each(|((grad_gate, grad_up), ((gate, up), grad))| {
-            for ((((dg, du), a), b), g) in grad_gate
-                .iter_mut()
-                .zip(grad_up)
-                .zip(gate)
-                .zip(up)
-                .zip(grad)
-            {
-                let s = sigmoid(*a);
-                *du = *g * *a * s;
-                *dg = *g * *b * s * (one + *a * (one - s));
-            }
+            T::swiglu_backward((gate, up, grad), grad_gate, grad_up)
         });
     (grad_gate, grad_up)
 }

@@ -448,6 +448,51 @@ pub fn sum_of_squares(values: &[f32]) -> f64 {
     sum_of_squares_body(values)
 }
 
+/// `1 / (1 + exp(-a))`, with the element type's `exp`.
+#[inline(always)]
+fn sigmoid<T: SoftmaxRow>(a: T) -> T {
+    T::ONE / (T::ONE + (T::ZERO - a).exp())
+}
+
+/// `out = silu(gate) * up`, elementwise.
+#[inline(always)]
+fn swiglu_body<T: SoftmaxRow>(out: &mut [T], gate: &[T], up: &[T]) {
+    for ((o, a), b) in out.iter_mut().zip(gate).zip(up) {
+        *o = *a * sigmoid(*a) * *b;
+    }
+}
+
+/// The gradients of the gate and up inputs of [`swiglu_body`] given the upstream `grad`.
+#[inline(always)]
+fn swiglu_backward_body<T: SoftmaxRow>(
+    (gate, up, grad): (&[T], &[T], &[T]),
+    grad_gate: &mut [T],
+    grad_up: &mut [T],
+) {
+    let inputs = gate.iter().zip(up).zip(grad);
+    for (((a, b), g), (dg, du)) in inputs.zip(grad_gate.iter_mut().zip(grad_up.iter_mut())) {
+        let s = sigmoid(*a);
+        *du = *g * *a * s;
+        *dg = *g * *b * s * (T::ONE + *a * (T::ONE - s));
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn swiglu_f32_avx2(out: &mut [f32], gate: &[f32], up: &[f32]) {
+    swiglu_body(out, gate, up)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn swiglu_backward_f32_avx2(
+    inputs: (&[f32], &[f32], &[f32]),
+    grad_gate: &mut [f32],
+    grad_up: &mut [f32],
+) {
+    swiglu_backward_body(inputs, grad_gate, grad_up)
+}
+
 /// One AdamW step's constants, in f32 (as the moments and master weights are).
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWStep {
@@ -592,6 +637,19 @@ pub trait SoftmaxRow: Element {
     fn from_f64(value: f64) -> Self;
     /// `exp`: [`exp_f32`] for f32, the exact one for f64.
     fn exp(self) -> Self;
+    /// `out = silu(gate) * up`, elementwise (the experts' SwiGLU).
+    fn swiglu(out: &mut [Self], gate: &[Self], up: &[Self]) {
+        swiglu_body(out, gate, up)
+    }
+    /// The gradients of [`SoftmaxRow::swiglu`]'s `gate` and `up` given the upstream gradient:
+    /// `inputs` is `(gate, up, grad)`.
+    fn swiglu_backward(
+        inputs: (&[Self], &[Self], &[Self]),
+        grad_gate: &mut [Self],
+        grad_up: &mut [Self],
+    ) {
+        swiglu_backward_body(inputs, grad_gate, grad_up)
+    }
     /// A process-wide scratch buffer for big temporaries (the loss's logits), kept between
     /// steps so that each step does not map and fault in hundreds of megabytes afresh.
     fn scratch() -> &'static Mutex<Vec<Self>>;
@@ -664,8 +722,31 @@ impl SoftmaxRow for f32 {
         value as f32
     }
 
+    #[inline(always)]
     fn exp(self) -> Self {
         exp_f32(self)
+    }
+
+    fn swiglu(out: &mut [f32], gate: &[f32], up: &[f32]) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU was just checked to support AVX2.
+            return unsafe { swiglu_f32_avx2(out, gate, up) };
+        }
+        swiglu_body(out, gate, up)
+    }
+
+    fn swiglu_backward(
+        inputs: (&[f32], &[f32], &[f32]),
+        grad_gate: &mut [f32],
+        grad_up: &mut [f32],
+    ) {
+        #[cfg(target_arch = "x86_64")]
+        if has_avx2() {
+            // SAFETY: the CPU was just checked to support AVX2.
+            return unsafe { swiglu_backward_f32_avx2(inputs, grad_gate, grad_up) };
+        }
+        swiglu_backward_body(inputs, grad_gate, grad_up)
     }
 
     fn scratch() -> &'static Mutex<Vec<Self>> {
@@ -828,6 +909,43 @@ mod tests {
                 (fast - exact).abs() <= 1e-12 * exact.max(1.0),
                 "{fast} vs {exact}"
             );
+        }
+    }
+
+    #[test]
+    fn swiglu_is_the_same_on_both_paths_and_matches_its_definition() {
+        let n = 1003;
+        let wave = |k: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| (((i * k) % 97) as f32 - 48.0) * 0.17)
+                .collect()
+        };
+        let (gate, up, grad) = (wave(7), wave(11), wave(13));
+        let (mut fast, mut plain) = (vec![0f32; n], vec![0f32; n]);
+        f32::swiglu(&mut fast, &gate, &up);
+        swiglu_body(&mut plain, &gate, &up);
+        assert_eq!(bits(&fast), bits(&plain));
+        let silu = |a: f64| a / (1.0 + (-a).exp());
+        for ((out, a), b) in fast.iter().zip(&gate).zip(&up) {
+            let want = silu(f64::from(*a)) * f64::from(*b);
+            assert!((f64::from(*out) - want).abs() <= 1e-5 * want.abs().max(1.0));
+        }
+        let mut fast = (vec![0f32; n], vec![0f32; n]);
+        let mut plain = (vec![0f32; n], vec![0f32; n]);
+        f32::swiglu_backward((&gate, &up, &grad), &mut fast.0, &mut fast.1);
+        swiglu_backward_body((&gate, &up, &grad), &mut plain.0, &mut plain.1);
+        assert_eq!(
+            (bits(&fast.0), bits(&fast.1)),
+            (bits(&plain.0), bits(&plain.1))
+        );
+        // Against central differences of the definition, in f64.
+        for i in [0, 17, 500, 1002] {
+            let (a, b, g) = (f64::from(gate[i]), f64::from(up[i]), f64::from(grad[i]));
+            let h = 1e-6;
+            let d_gate = g * (silu(a + h) - silu(a - h)) * b / (2.0 * h);
+            let d_up = g * silu(a);
+            assert!((f64::from(fast.0[i]) - d_gate).abs() <= 1e-4 * d_gate.abs().max(1.0));
+            assert!((f64::from(fast.1[i]) - d_up).abs() <= 1e-4 * d_up.abs().max(1.0));
         }
     }
 
