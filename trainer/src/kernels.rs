@@ -432,13 +432,40 @@ fn sum_of_squares_body(values: &[f32]) -> f64 {
     sum
 }
 
+/// `sum(a * b * c)` in f64, in the lanes and order of [`sum_of_squares_body`].
+#[inline(always)]
+fn triple_dot_body(a: &[f32], b: &[f32], c: &[f32]) -> f64 {
+    let mut sums = [0f64; SUM_LANES];
+    let whole = a.len() / SUM_LANES * SUM_LANES;
+    let blocks = a[..whole]
+        .chunks_exact(SUM_LANES)
+        .zip(b[..whole].chunks_exact(SUM_LANES))
+        .zip(c[..whole].chunks_exact(SUM_LANES));
+    for ((a, b), c) in blocks {
+        for (((sum, a), b), c) in sums.iter_mut().zip(a).zip(b).zip(c) {
+            *sum += f64::from(*a) * f64::from(*b) * f64::from(*c);
+        }
+    }
+    let mut sum: f64 = sums.iter().sum();
+    for ((a, b), c) in a[whole..].iter().zip(&b[whole..]).zip(&c[whole..]) {
+        sum += f64::from(*a) * f64::from(*b) * f64::from(*c);
+    }
+    sum
+}
+
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 fn sum_of_squares_avx2(values: &[f32]) -> f64 {
     sum_of_squares_body(values)
 }
 
-/// The sum of the squares of `values`, in f64 (the gradient's norm).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn triple_dot_avx2(a: &[f32], b: &[f32], c: &[f32]) -> f64 {
+    triple_dot_body(a, b, c)
+}
+
+/// The sum of the squares of `values`, in f64 (the gradient's norm, RMSNorm's rows).
 pub fn sum_of_squares(values: &[f32]) -> f64 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
@@ -446,6 +473,20 @@ pub fn sum_of_squares(values: &[f32]) -> f64 {
         return unsafe { sum_of_squares_avx2(values) };
     }
     sum_of_squares_body(values)
+}
+
+/// `sum(a[i] * b[i] * c[i])` over three equal-length slices, in f64.
+pub fn triple_dot(a: &[f32], b: &[f32], c: &[f32]) -> f64 {
+    assert!(
+        b.len() == a.len() && c.len() == a.len(),
+        "triple_dot slices differ in length"
+    );
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: the CPU was just checked to support AVX2.
+        return unsafe { triple_dot_avx2(a, b, c) };
+    }
+    triple_dot_body(a, b, c)
 }
 
 /// `1 / (1 + exp(-a))`, with the element type's `exp`.
@@ -637,6 +678,18 @@ pub trait SoftmaxRow: Element {
     fn from_f64(value: f64) -> Self;
     /// `exp`: [`exp_f32`] for f32, the exact one for f64.
     fn exp(self) -> Self;
+    /// `sum(v * v)` over the row, in f64.
+    fn sum_of_squares(row: &[Self]) -> f64 {
+        row.iter().map(|v| v.to_f64() * v.to_f64()).sum()
+    }
+    /// `sum(a * b * c)` over three equal-length slices, in f64.
+    fn triple_dot(a: &[Self], b: &[Self], c: &[Self]) -> f64 {
+        a.iter()
+            .zip(b)
+            .zip(c)
+            .map(|((a, b), c)| a.to_f64() * b.to_f64() * c.to_f64())
+            .sum()
+    }
     /// `out = silu(gate) * up`, elementwise (the experts' SwiGLU).
     fn swiglu(out: &mut [Self], gate: &[Self], up: &[Self]) {
         swiglu_body(out, gate, up)
@@ -725,6 +778,14 @@ impl SoftmaxRow for f32 {
     #[inline(always)]
     fn exp(self) -> Self {
         exp_f32(self)
+    }
+
+    fn sum_of_squares(row: &[f32]) -> f64 {
+        sum_of_squares(row)
+    }
+
+    fn triple_dot(a: &[f32], b: &[f32], c: &[f32]) -> f64 {
+        triple_dot(a, b, c)
     }
 
     fn swiglu(out: &mut [f32], gate: &[f32], up: &[f32]) {
@@ -899,7 +960,7 @@ mod tests {
     }
 
     #[test]
-    fn the_sum_of_squares_is_the_same_on_both_paths() {
+    fn the_sums_of_products_are_the_same_on_both_paths() {
         for len in [0, 1, 15, 16, 17, 1003] {
             let values: Vec<f32> = (0..len).map(|i| (i as f32 - 7.5) * 0.37).collect();
             let exact: f64 = values.iter().map(|v| f64::from(*v).powi(2)).sum();

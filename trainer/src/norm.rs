@@ -41,10 +41,6 @@ fn inverse_rms(sum_sq: f64, width: usize, eps: f64) -> f64 {
     1.0 / (mean + eps).sqrt()
 }
 
-fn sum_sq<T: SoftmaxRow>(row: &[T]) -> f64 {
-    row.iter().map(|v| v.to_f64() * v.to_f64()).sum::<f64>()
-}
-
 impl RmsNorm {
     /// Normalises each row over its own values.
     pub fn new(eps: f64) -> Self {
@@ -75,7 +71,7 @@ impl RmsNorm {
 
     fn forward<T: SoftmaxRow>(&self, x: &[T], weight: &[T]) -> Vec<T> {
         let hidden = weight.len();
-        let sums = self.over_rows(x.par_chunks(hidden).map(sum_sq).collect());
+        let sums = self.over_rows(x.par_chunks(hidden).map(T::sum_of_squares).collect());
         let width = self.width(hidden);
         let mut out = vec![T::ZERO; x.len()];
         out.par_chunks_mut(hidden)
@@ -98,15 +94,7 @@ impl RmsNorm {
         let mut per_row: Vec<f64> = x
             .par_chunks(hidden)
             .zip(upstream.par_chunks(hidden))
-            .flat_map_iter(|(row, up)| {
-                let dot = row
-                    .iter()
-                    .zip(up)
-                    .zip(weight)
-                    .map(|((v, u), w)| u.to_f64() * w.to_f64() * v.to_f64())
-                    .sum::<f64>();
-                [sum_sq(row), dot]
-            })
+            .flat_map_iter(|(row, up)| [T::sum_of_squares(row), T::triple_dot(up, weight, row)])
             .collect();
         per_row = self.over_rows(per_row);
         let mut grad_x = vec![T::ZERO; x.len()];
