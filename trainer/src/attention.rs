@@ -14,7 +14,7 @@ use candle_core::{CpuStorage, CustomOp3, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
 use crate::custom_op::{contiguous, cpu};
-use crate::kernels::{matmul_serial, MatRef, SoftmaxRow};
+use crate::kernels::{matmul_serial, matmul_serial_into, MatRef, SoftmaxRow};
 
 /// The op: `q.apply_op3(&k, &v, CausalAttention::new(...))`. Use a fresh op per application:
 /// the forward pass leaves state in it for the backward pass.
@@ -26,8 +26,14 @@ pub struct CausalAttention {
     /// `[seq, head_dim]` tables for rotate-half RoPE.
     cos: Arc<Vec<f64>>,
     sin: Arc<Vec<f64>>,
+    /// Rows per causal block: a block of rows multiplies only the keys up to its last row.
+    block: usize,
     saved: Arc<Mutex<Option<Saved>>>,
 }
+
+/// [`CausalAttention`]'s rows per causal block. Of the `[seq, seq]` scores, the products then
+/// skip the blocks above the diagonal: at 256 positions, 6 of 16 blocks of 64.
+const BLOCK_ROWS: usize = 64;
 
 /// What the backward pass needs of one (sequence, head) pair.
 #[derive(Debug)]
@@ -78,8 +84,16 @@ impl CausalAttention {
             heads,
             cos: Arc::new(cos),
             sin: Arc::new(sin),
+            block: BLOCK_ROWS,
             saved: Arc::default(),
         }
+    }
+
+    /// The first row of each causal block and the row after it.
+    fn blocks(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (0..self.seq)
+            .step_by(self.block)
+            .map(|start| (start, (start + self.block).min(self.seq)))
     }
 
     /// `(width, head_dim)` for inputs of `len` elements, or an error.
@@ -158,12 +172,20 @@ impl CausalAttention {
                 let q = rotate(self.view(q, pair, width, head_dim), &cos, &sin);
                 let k = rotate(self.view(k, pair, width, head_dim), &cos, &sin);
                 let mut probs = vec![T::ZERO; seq * seq];
-                matmul_serial(
-                    &mut probs,
+                let (q_rows, k_rows) = (
                     MatRef::row_major(&q, seq, head_dim),
-                    MatRef::row_major(&k, seq, head_dim).t(),
-                    false,
+                    MatRef::row_major(&k, seq, head_dim),
                 );
+                // Each block of rows against the keys up to its last row.
+                for (start, end) in self.blocks() {
+                    matmul_serial_into(
+                        &mut probs[start * seq..],
+                        seq,
+                        q_rows.rows(start, end),
+                        k_rows.rows(0, end).t(),
+                        false,
+                    );
+                }
                 for (row, values) in probs.chunks_mut(seq).enumerate() {
                     let (live, masked) = values.split_at_mut(row + 1);
                     for value in live.iter_mut() {
@@ -174,12 +196,18 @@ impl CausalAttention {
                     masked.fill(T::ZERO);
                 }
                 let mut out = vec![T::ZERO; seq * head_dim];
-                matmul_serial(
-                    &mut out,
+                let (p, values) = (
                     MatRef::row_major(&probs, seq, seq),
                     self.view(v, pair, width, head_dim),
-                    false,
                 );
+                for (start, end) in self.blocks() {
+                    matmul_serial(
+                        &mut out[start * head_dim..end * head_dim],
+                        p.rows(start, end).cols(0, end),
+                        values.rows(0, end),
+                        false,
+                    );
+                }
                 (out, PairState { q, k, probs })
             })
             .collect();
@@ -203,17 +231,29 @@ impl CausalAttention {
             .enumerate()
             .map(|(pair, state)| {
                 let upstream = self.view(upstream, pair, width, head_dim);
+                let values = self.view(v, pair, width, head_dim);
                 let probs = MatRef::row_major(&state.probs, seq, seq);
+                // The keys of a block are seen by its rows and every row below.
                 let mut grad_v = vec![T::ZERO; seq * head_dim];
-                matmul_serial(&mut grad_v, probs.t(), upstream, false);
+                for (start, end) in self.blocks() {
+                    matmul_serial(
+                        &mut grad_v[start * head_dim..end * head_dim],
+                        probs.rows(start, seq).cols(start, end).t(),
+                        upstream.rows(start, seq),
+                        false,
+                    );
+                }
                 // d scores = probs * (d probs - rowsum(d probs * probs)), on the causal prefix.
                 let mut grad_scores = vec![T::ZERO; seq * seq];
-                matmul_serial(
-                    &mut grad_scores,
-                    upstream,
-                    self.view(v, pair, width, head_dim).t(),
-                    false,
-                );
+                for (start, end) in self.blocks() {
+                    matmul_serial_into(
+                        &mut grad_scores[start * seq..],
+                        seq,
+                        upstream.rows(start, end),
+                        values.rows(0, end).t(),
+                        false,
+                    );
+                }
                 for (row, values) in grad_scores.chunks_mut(seq).enumerate() {
                     let p = &state.probs[row * seq..(row + 1) * seq];
                     let (live, masked) = values.split_at_mut(row + 1);
@@ -228,20 +268,26 @@ impl CausalAttention {
                     masked.fill(T::ZERO);
                 }
                 let grad_scores = MatRef::row_major(&grad_scores, seq, seq);
-                let mut grad_q = vec![T::ZERO; seq * head_dim];
-                matmul_serial(
-                    &mut grad_q,
-                    grad_scores,
-                    MatRef::row_major(&state.k, seq, head_dim),
-                    false,
-                );
-                let mut grad_k = vec![T::ZERO; seq * head_dim];
-                matmul_serial(
-                    &mut grad_k,
-                    grad_scores.t(),
+                let (q_rows, k_rows) = (
                     MatRef::row_major(&state.q, seq, head_dim),
-                    false,
+                    MatRef::row_major(&state.k, seq, head_dim),
                 );
+                let mut grad_q = vec![T::ZERO; seq * head_dim];
+                let mut grad_k = vec![T::ZERO; seq * head_dim];
+                for (start, end) in self.blocks() {
+                    matmul_serial(
+                        &mut grad_q[start * head_dim..end * head_dim],
+                        grad_scores.rows(start, end).cols(0, end),
+                        k_rows.rows(0, end),
+                        false,
+                    );
+                    matmul_serial(
+                        &mut grad_k[start * head_dim..end * head_dim],
+                        grad_scores.rows(start, seq).cols(start, end).t(),
+                        q_rows.rows(start, seq),
+                        false,
+                    );
+                }
                 [
                     unrotate(&grad_q, head_dim, &cos, &sin),
                     unrotate(&grad_k, head_dim, &cos, &sin),
@@ -418,5 +464,74 @@ impl CustomOp3 for CausalAttention {
             _ => return Err(error("q, k, v and the gradient must share a float type")),
         };
         Ok((Some(dq?), Some(dk?), Some(dv?)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Var};
+
+    /// The op's output and the gradients of q, k and v for `sum(output * weights)`.
+    fn run(op: CausalAttention, inputs: &[Tensor; 3], weights: &Tensor) -> Vec<Vec<f64>> {
+        let vars = inputs
+            .clone()
+            .map(|input| Var::from_tensor(&input).unwrap());
+        let out = vars[0].apply_op3(&vars[1], &vars[2], op).unwrap();
+        let grads = (&out * weights)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let flat = |t: &Tensor| -> Vec<f64> {
+            t.to_dtype(DType::F64)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let mut all = vec![flat(&out)];
+        all.extend(vars.iter().map(|var| flat(grads.get(var).unwrap())));
+        all
+    }
+
+    #[test]
+    fn causal_blocks_give_what_one_block_gives() {
+        // 10 positions in blocks of 4 (the last one short), 2 sequences of 2 heads of 4.
+        let (batch, seq, heads, head_dim) = (2, 10, 2, 4);
+        let values = |salt: usize| {
+            let data: Vec<f64> = (0..batch * seq * heads * head_dim)
+                .map(|i| (((i * 7919 + salt) % 1000) as f64 / 500.0) - 1.0)
+                .collect();
+            Tensor::from_vec(data, (batch * seq, heads * head_dim), &Device::Cpu).unwrap()
+        };
+        let inputs = [values(1), values(2), values(3)];
+        let weights = values(4);
+        let op = || CausalAttention::new(batch, seq, heads, head_dim, 10_000.0);
+        let blocked = run(CausalAttention { block: 4, ..op() }, &inputs, &weights);
+        let whole = run(CausalAttention { block: seq, ..op() }, &inputs, &weights);
+        for (what, (a, b)) in ["output", "grad q", "grad k", "grad v"]
+            .iter()
+            .zip(blocked.iter().zip(&whole))
+        {
+            assert!(a.iter().any(|x| *x != 0.0), "{what} is all zeros");
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-12, "{what}: {x} vs {y}");
+            }
+        }
+        // f32 runs the same blocks.
+        let inputs32 = inputs.clone().map(|t| t.to_dtype(DType::F32).unwrap());
+        let f32_blocked = run(
+            CausalAttention { block: 4, ..op() },
+            &inputs32,
+            &weights.to_dtype(DType::F32).unwrap(),
+        );
+        for (a, b) in f32_blocked.iter().zip(&whole) {
+            for (x, y) in a.iter().zip(b) {
+                assert!((x - y).abs() <= 1e-5, "{x} vs {y}");
+            }
+        }
     }
 }

@@ -47,6 +47,42 @@ impl<'a, T> MatRef<'a, T> {
         }
     }
 
+    /// Rows `start..end` of this view.
+    pub fn rows(self, start: usize, end: usize) -> Self {
+        assert!(
+            start <= end && end <= self.rows,
+            "rows {start}..{end} of {}",
+            self.rows
+        );
+        Self {
+            data: if end > start {
+                &self.data[start * self.row_stride..]
+            } else {
+                &[]
+            },
+            rows: end - start,
+            ..self
+        }
+    }
+
+    /// Columns `start..end` of this view.
+    pub fn cols(self, start: usize, end: usize) -> Self {
+        assert!(
+            start <= end && end <= self.cols,
+            "columns {start}..{end} of {}",
+            self.cols
+        );
+        Self {
+            data: if end > start {
+                &self.data[start * self.col_stride..]
+            } else {
+                &[]
+            },
+            cols: end - start,
+            ..self
+        }
+    }
+
     fn check(&self, what: &str) {
         if self.rows > 0 && self.cols > 0 {
             let last = (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride;
@@ -92,7 +128,8 @@ impl Element for f64 {
 /// `dst = a * b`, or `dst += a * b` when `accumulate`; `dst` is row-major `a.rows x b.cols`.
 /// Runs on the rayon pool's threads.
 pub fn matmul<T: Element>(dst: &mut [T], a: MatRef<'_, T>, b: MatRef<'_, T>, accumulate: bool) {
-    matmul_on(dst, a, b, accumulate, true)
+    assert_eq!(dst.len(), a.rows * b.cols, "destination size");
+    matmul_on(dst, b.cols, a, b, accumulate, true)
 }
 
 /// [`matmul`] on the calling thread alone, for many small products run in parallel.
@@ -102,26 +139,46 @@ pub fn matmul_serial<T: Element>(
     b: MatRef<'_, T>,
     accumulate: bool,
 ) {
-    matmul_on(dst, a, b, accumulate, false)
+    assert_eq!(dst.len(), a.rows * b.cols, "destination size");
+    matmul_on(dst, b.cols, a, b, accumulate, false)
+}
+
+/// [`matmul_serial`] into the first `a.rows x b.cols` block of a row-major matrix whose
+/// rows are `row_stride` apart (a block of a bigger matrix); the rest of `dst` is untouched.
+pub fn matmul_serial_into<T: Element>(
+    dst: &mut [T],
+    row_stride: usize,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    accumulate: bool,
+) {
+    matmul_on(dst, row_stride, a, b, accumulate, false)
 }
 
 fn matmul_on<T: Element>(
     dst: &mut [T],
+    row_stride: usize,
     a: MatRef<'_, T>,
     b: MatRef<'_, T>,
     accumulate: bool,
     parallel: bool,
 ) {
     assert_eq!(a.cols, b.rows, "inner dimensions differ");
-    assert_eq!(dst.len(), a.rows * b.cols, "destination size");
     a.check("left operand");
     b.check("right operand");
-    if dst.is_empty() {
+    if a.rows == 0 || b.cols == 0 {
         return;
     }
+    assert!(row_stride >= b.cols, "destination rows overlap");
+    assert!(
+        (a.rows - 1) * row_stride + b.cols <= dst.len(),
+        "destination size"
+    );
     if a.cols == 0 {
         if !accumulate {
-            dst.fill(T::ZERO);
+            for row in dst.chunks_mut(row_stride).take(a.rows) {
+                row[..b.cols].fill(T::ZERO);
+            }
         }
         return;
     }
@@ -131,9 +188,9 @@ fn matmul_on<T: Element>(
     } else {
         Parallelism::None
     };
-    // SAFETY: the three views were bounds-checked above against their slices' lengths, `dst`
-    // is exclusively borrowed and row-major of exactly `a.rows x b.cols`, and the operands
-    // are shared borrows that cannot alias it.
+    // SAFETY: the three views were bounds-checked above against their slices' lengths (`dst`
+    // holds `a.rows` rows of `b.cols` elements, `row_stride` apart, which do not overlap), `dst`
+    // is exclusively borrowed, and the operands are shared borrows that cannot alias it.
     unsafe {
         gemm::gemm(
             a.rows,
@@ -141,7 +198,7 @@ fn matmul_on<T: Element>(
             a.cols,
             dst.as_mut_ptr(),
             1,
-            b.cols as isize,
+            row_stride as isize,
             accumulate,
             a.data.as_ptr(),
             a.col_stride as isize,
