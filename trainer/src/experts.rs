@@ -8,6 +8,7 @@
 //!
 //! - [`SwiGlu`]: `silu(x W_gate[e]) * (x W_up[e])`, the experts' first half.
 //! - [`GroupedMatmul`]: `h W_down[e]`, the second half.
+//! - [`WeightedRows`]: each routed row times its router probability.
 
 use std::sync::{Arc, Mutex};
 
@@ -465,5 +466,185 @@ impl CustomOp3 for SwiGlu {
                 }
             };
         Ok((Some(grad_x), Some(grad_gate), Some(grad_up)))
+    }
+}
+
+/// `rows.apply_op2(&weights, WeightedRows)`: `[rows, width]` x `[rows]` -> each row times its
+/// weight (the experts' outputs times their router probabilities).
+///
+/// An op of its own because candle's element-wise ops return their left operand unchanged
+/// when it has no elements, which drops the right one from the graph: a rank whose experts
+/// got no rows would then skip the backward pass of the weights' tensor-parallel entry, and
+/// its group would wait in that collective forever. This op keeps both inputs in the graph
+/// at any size.
+#[derive(Clone, Copy, Debug)]
+pub struct WeightedRows;
+
+impl WeightedRows {
+    fn forward<T: SoftmaxRow>(rows: &[T], weights: &[T]) -> Vec<T> {
+        let width = if weights.is_empty() {
+            0
+        } else {
+            rows.len() / weights.len()
+        };
+        let mut out = rows.to_vec();
+        if width > 0 {
+            out.par_chunks_mut(width)
+                .zip(weights.par_iter())
+                .for_each(|(row, w)| row.iter_mut().for_each(|v| *v = *v * *w));
+        }
+        out
+    }
+
+    /// The gradients of the rows and of the weights.
+    fn backward<T: SoftmaxRow>(rows: &[T], weights: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
+        let width = if weights.is_empty() {
+            0
+        } else {
+            rows.len() / weights.len()
+        };
+        let grad_rows = Self::forward(grad, weights);
+        let grad_weights = if width == 0 {
+            vec![T::ZERO; weights.len()]
+        } else {
+            rows.par_chunks(width)
+                .zip(grad.par_chunks(width))
+                .map(|(row, g)| row.iter().zip(g).fold(T::ZERO, |sum, (v, g)| sum + *v * *g))
+                .collect()
+        };
+        (grad_rows, grad_weights)
+    }
+}
+
+impl CustomOp2 for WeightedRows {
+    fn name(&self) -> &'static str {
+        "weighted-rows"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (count, _) = l1.shape().dims2()?;
+        if l2.shape().dims1()? != count {
+            return Err(error(format!(
+                "{:?} rows and {:?} weights differ in count",
+                l1.shape(),
+                l2.shape()
+            )));
+        }
+        let out = match (s1, s2) {
+            (CpuStorage::F32(r), CpuStorage::F32(w)) => CpuStorage::F32(Self::forward(
+                contiguous(OP, r, l1)?,
+                contiguous(OP, w, l2)?,
+            )),
+            (CpuStorage::F64(r), CpuStorage::F64(w)) => CpuStorage::F64(Self::forward(
+                contiguous(OP, r, l1)?,
+                contiguous(OP, w, l2)?,
+            )),
+            _ => return Err(error("rows and weights must both be f32 or both f64")),
+        };
+        Ok((out, l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        rows: &Tensor,
+        weights: &Tensor,
+        _result: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let grad = grad.contiguous()?;
+        let (rs, ws, gs) = (
+            rows.storage_and_layout().0,
+            weights.storage_and_layout().0,
+            grad.storage_and_layout().0,
+        );
+        let device = Device::Cpu;
+        macro_rules! run {
+            ($r:expr, $w:expr, $g:expr) => {{
+                let (grad_rows, grad_weights) = Self::backward(
+                    contiguous(OP, $r, rows.layout())?,
+                    contiguous(OP, $w, weights.layout())?,
+                    contiguous(OP, $g, grad.layout())?,
+                );
+                (
+                    Tensor::from_vec(grad_rows, rows.shape(), &device)?,
+                    Tensor::from_vec(grad_weights, weights.shape(), &device)?,
+                )
+            }};
+        }
+        let (grad_rows, grad_weights) = match (cpu(OP, &rs)?, cpu(OP, &ws)?, cpu(OP, &gs)?) {
+            (CpuStorage::F32(r), CpuStorage::F32(w), CpuStorage::F32(g)) => run!(r, w, g),
+            (CpuStorage::F64(r), CpuStorage::F64(w), CpuStorage::F64(g)) => run!(r, w, g),
+            _ => {
+                return Err(error(
+                    "rows, weights and the gradient must share a float type",
+                ))
+            }
+        };
+        Ok((Some(grad_rows), Some(grad_weights)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Var};
+
+    #[test]
+    fn weighted_rows_match_a_broadcast_multiply_and_keep_empty_weights_in_the_graph() {
+        let device = Device::Cpu;
+        let rows = Var::from_vec(
+            (0..12).map(|i| i as f64 * 0.25 - 1.0).collect::<Vec<_>>(),
+            (3, 4),
+            &device,
+        )
+        .unwrap();
+        let weights = Var::from_vec(vec![0.5f64, -2.0, 3.0], 3, &device).unwrap();
+        let upstream = Tensor::from_vec(
+            (0..12).map(|i| 1.0 + i as f64 * 0.1).collect::<Vec<_>>(),
+            (3, 4),
+            &device,
+        )
+        .unwrap();
+        let ours = rows.apply_op2(&weights, WeightedRows).unwrap();
+        let reference = rows.broadcast_mul(&weights.unsqueeze(1).unwrap()).unwrap();
+        let values = |t: &Tensor| -> Vec<f64> { t.flatten_all().unwrap().to_vec1().unwrap() };
+        assert_eq!(values(&ours), values(&reference));
+        let grads = |out: &Tensor| {
+            let g = (out * &upstream)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            (
+                values(g.get(&rows).unwrap()),
+                values(g.get(&weights).unwrap()),
+            )
+        };
+        assert_eq!(grads(&ours), grads(&reference));
+        // No rows (a rank whose experts got no tokens): the weights still get a gradient,
+        // zero, through the op, where the broadcast multiply drops them from the graph.
+        let none = Tensor::zeros(0, DType::U32, &device).unwrap();
+        let picked = weights.index_select(&none, 0).unwrap();
+        let empty = rows.index_select(&none, 0).unwrap();
+        let through = |out: Tensor| {
+            let total = (out.sum_all().unwrap() + rows.sum_all().unwrap()).unwrap();
+            total.backward().unwrap().get(&weights).map(values)
+        };
+        assert_eq!(
+            through(empty.apply_op2(&picked, WeightedRows).unwrap()),
+            Some(vec![0.0; 3])
+        );
+        assert_eq!(
+            through(empty.broadcast_mul(&picked.unsqueeze(1).unwrap()).unwrap()),
+            None,
+            "candle's broadcast multiply kept an empty right operand: the op may be unneeded"
+        );
     }
 }

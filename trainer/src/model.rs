@@ -23,7 +23,7 @@ use crate::attention::CausalAttention;
 use crate::config::ModelConfig;
 use crate::dist::{Group, World};
 use crate::expert_parallel::{DispatchSwiGlu, DownCombine, Route};
-use crate::experts::{GroupedMatmul, Groups, SwiGlu};
+use crate::experts::{GroupedMatmul, Groups, SwiGlu, WeightedRows};
 use crate::loss::LinearCrossEntropy;
 use crate::norm::RmsNorm;
 use crate::tensor_parallel::{Enter, Leave};
@@ -771,7 +771,7 @@ impl Model {
             .enter(&probs)?
             .flatten_all()?
             .index_select(&Tensor::new(positions.as_slice(), &self.device)?, 0)?;
-        let result = expert_out.broadcast_mul(&weights.unsqueeze(1)?)?;
+        let result = expert_out.apply_op2(&weights, WeightedRows)?;
         let out = self.leave(&x.zeros_like()?.index_add(&order, &result, 0)?)?;
         // Load balancing (Switch/Mixtral): experts x sum_e (share of assignments) x (mean prob).
         // The shares are global: every rank routes its own tokens over all experts, and the
