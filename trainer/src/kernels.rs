@@ -241,7 +241,7 @@ pub fn exp_f32(x: f32) -> f32 {
     value * f32::from_bits(((exponent + 127) as u32) << 23)
 }
 
-/// Lanes of the log-sum-exp's f64 sum: element `i` of a row is added to lane `i % 16`,
+/// Lanes of the f64 sums here (log-sum-exp, squares, products): element `i` goes to lane `i % 16`,
 /// the lanes are summed in order, and the elements past the last whole block after them.
 /// Sixteen lanes are four AVX2 registers of f64, four independent chains of additions.
 const SUM_LANES: usize = 16;
@@ -262,7 +262,10 @@ fn exp_sum_f32_body(row: &[f32], max: f32) -> f64 {
             *sum += exp_f32(*value - max) as f64;
         }
     }
-    lanes_sum(sums, blocks.remainder().iter().map(|v| exp_f32(*v - max)))
+    lanes_sum(
+        sums,
+        blocks.remainder().iter().map(|v| exp_f32(*v - max) as f64),
+    )
 }
 
 /// [`exp_sum_f32_body`], leaving `exp(row - max)` in the row: the same sum, bit for bit.
@@ -280,17 +283,18 @@ fn exp_sum_in_place_f32_body(row: &mut [f32], max: f32) -> f64 {
         sums,
         blocks.into_remainder().iter_mut().map(|v| {
             *v = exp_f32(*v - max);
-            *v
+            *v as f64
         }),
     )
 }
 
-/// The lanes' sums in order, then the exponentials of the elements past the last block.
+/// The lanes' sums in order, then the terms of the elements past the last whole block: the
+/// order every lane-summed reduction here ends in.
 #[inline(always)]
-fn lanes_sum(sums: [f64; SUM_LANES], rest: impl Iterator<Item = f32>) -> f64 {
+fn lanes_sum(sums: [f64; SUM_LANES], rest: impl Iterator<Item = f64>) -> f64 {
     let mut sum: f64 = sums.iter().sum();
     for value in rest {
-        sum += value as f64;
+        sum += value;
     }
     sum
 }
@@ -412,7 +416,7 @@ fn exp_sum_f32_avx2(row: &[f32], max: f32) -> f64 {
     }
     lanes_sum(
         stored_lanes(sums),
-        blocks.remainder().iter().map(|v| exp_f32(*v - max)),
+        blocks.remainder().iter().map(|v| exp_f32(*v - max) as f64),
     )
 }
 
@@ -440,7 +444,7 @@ fn exp_sum_in_place_f32_avx2(row: &mut [f32], max: f32) -> f64 {
         stored_lanes(sums),
         blocks.into_remainder().iter_mut().map(|v| {
             *v = exp_f32(*v - max);
-            *v
+            *v as f64
         }),
     )
 }
@@ -482,11 +486,13 @@ fn sum_of_squares_body(values: &[f32]) -> f64 {
             *sum += value * value;
         }
     }
-    let mut sum: f64 = sums.iter().sum();
-    for value in blocks.remainder() {
-        sum += f64::from(*value) * f64::from(*value);
-    }
-    sum
+    lanes_sum(
+        sums,
+        blocks
+            .remainder()
+            .iter()
+            .map(|v| f64::from(*v) * f64::from(*v)),
+    )
 }
 
 /// `sum(a * b * c)` in f64, in the lanes and order of [`sum_of_squares_body`].
@@ -503,11 +509,11 @@ fn triple_dot_body(a: &[f32], b: &[f32], c: &[f32]) -> f64 {
             *sum += f64::from(*a) * f64::from(*b) * f64::from(*c);
         }
     }
-    let mut sum: f64 = sums.iter().sum();
-    for ((a, b), c) in a[whole..].iter().zip(&b[whole..]).zip(&c[whole..]) {
-        sum += f64::from(*a) * f64::from(*b) * f64::from(*c);
-    }
-    sum
+    let rest = a[whole..].iter().zip(&b[whole..]).zip(&c[whole..]);
+    lanes_sum(
+        sums,
+        rest.map(|((a, b), c)| f64::from(*a) * f64::from(*b) * f64::from(*c)),
+    )
 }
 
 #[cfg(target_arch = "x86_64")]

@@ -318,12 +318,7 @@ impl AdamW {
         }
         for placement in &self.placements {
             let sum = &mut self.grads[placement.offset..placement.offset + placement.len];
-            match grads.get(parameters[placement.index].1) {
-                None if first => sum.fill(0.0),
-                None => {}
-                // Straight from the gradient's storage: no copy of it on the way.
-                Some(grad) => with_f32_values(grad, |grad| add_gradient(sum, grad, first))?,
-            }
+            add_gradient(sum, grads.get(parameters[placement.index].1), first)?;
         }
         self.accumulated += 1;
         Ok(())
@@ -675,13 +670,7 @@ impl Overlapped<'_, '_> {
                     (dense_at, &mut *dense)
                 };
                 let sum = &mut slice[placement.offset - at..placement.offset - at + placement.len];
-                match grads.get(parameters[placement.index].1) {
-                    None if self.first => sum.fill(0.0),
-                    None => {}
-                    Some(grad) => {
-                        with_f32_values(grad, |grad| add_gradient(sum, grad, self.first))?
-                    }
-                }
+                add_gradient(sum, grads.get(parameters[placement.index].1), self.first)?;
             }
         }
         let (world, shards) = (self.world, self.shards);
@@ -740,10 +729,20 @@ fn at_a_row(placements: &[Placement], bound: usize) -> usize {
     placement.offset + (within + row / 2) / row * row
 }
 
-/// The sum of squares of `values`, over fixed-size blocks summed in order.
-/// A micro-batch's gradient into the step's sum, on the math pool's threads: copied for the
-/// step's first micro-batch, else added (each element once, so in micro-batch order).
-fn add_gradient(sum: &mut [f32], grad: &[f32], first: bool) {
+/// A micro-batch's gradient of one parameter into the step's sum, on the math pool's threads:
+/// copied for the step's first micro-batch, else added (each element once, so in micro-batch
+/// order); a parameter without a gradient counts as zeros.
+fn add_gradient(sum: &mut [f32], grad: Option<&Tensor>, first: bool) -> Result<()> {
+    match grad {
+        None if first => sum.fill(0.0),
+        None => {}
+        // Straight from the gradient's storage: no copy of it on the way.
+        Some(grad) => with_f32_values(grad, |grad| add_values(sum, grad, first))?,
+    }
+    Ok(())
+}
+
+fn add_values(sum: &mut [f32], grad: &[f32], first: bool) {
     sum.par_chunks_mut(BLOCK)
         .zip(grad.par_chunks(BLOCK))
         .for_each(|(sum, grad)| {
@@ -757,6 +756,7 @@ fn add_gradient(sum: &mut [f32], grad: &[f32], first: bool) {
         });
 }
 
+/// The sum of squares of `values`, over fixed-size blocks summed in order.
 fn sum_of_squares(values: &[f32]) -> f64 {
     values
         .par_chunks(BLOCK)
