@@ -13,6 +13,7 @@
 use std::sync::Mutex;
 
 use gemm::Parallelism;
+use rayon::prelude::*;
 
 /// A read-only matrix view: element `(r, c)` is `data[r * row_stride + c * col_stride]`.
 #[derive(Clone, Copy, Debug)]
@@ -163,6 +164,62 @@ fn matmul_on<T: Element>(
     accumulate: bool,
     parallel: bool,
 ) {
+    // SAFETY: `dst` is an exclusively borrowed, initialised slice of its own length.
+    unsafe {
+        product_raw(
+            Destination {
+                data: dst.as_mut_ptr(),
+                len: dst.len(),
+            },
+            row_stride,
+            a,
+            b,
+            accumulate,
+            parallel,
+        )
+    }
+}
+
+/// A product's destination as a raw pointer, so that disjoint row blocks of one buffer, or a
+/// buffer not yet initialised, can be written from several threads.
+#[derive(Clone, Copy)]
+struct Destination<T> {
+    data: *mut T,
+    len: usize,
+}
+
+// SAFETY: a `Destination` is only built over memory that the function building it holds
+// exclusively, and the threads it is shared with write disjoint row blocks of it.
+unsafe impl<T: Send> Send for Destination<T> {}
+unsafe impl<T: Send> Sync for Destination<T> {}
+
+impl<T> Destination<T> {
+    /// Elements `start..start + len` of this destination.
+    fn block(self, start: usize, len: usize) -> Self {
+        assert!(start + len <= self.len, "destination block past its end");
+        Self {
+            // SAFETY: within the allocation, checked above.
+            data: unsafe { self.data.add(start) },
+            len,
+        }
+    }
+}
+
+/// `dst = a * b` (`dst += a * b` with `accumulate`) into `a.rows` rows of `b.cols` elements,
+/// `row_stride` apart. Without `accumulate` every element of those rows is written and none is
+/// read, so `dst` may be uninitialised.
+///
+/// # Safety
+/// `dst` must be valid for writes of `dst.len` elements (and initialised with `accumulate`),
+/// and no other thread may access the rows this product writes while it runs.
+unsafe fn product_raw<T: Element>(
+    dst: Destination<T>,
+    row_stride: usize,
+    a: MatRef<'_, T>,
+    b: MatRef<'_, T>,
+    accumulate: bool,
+    parallel: bool,
+) {
     assert_eq!(a.cols, b.rows, "inner dimensions differ");
     a.check("left operand");
     b.check("right operand");
@@ -171,13 +228,16 @@ fn matmul_on<T: Element>(
     }
     assert!(row_stride >= b.cols, "destination rows overlap");
     assert!(
-        (a.rows - 1) * row_stride + b.cols <= dst.len(),
+        (a.rows - 1) * row_stride + b.cols <= dst.len,
         "destination size"
     );
     if a.cols == 0 {
         if !accumulate {
-            for row in dst.chunks_mut(row_stride).take(a.rows) {
-                row[..b.cols].fill(T::ZERO);
+            for row in 0..a.rows {
+                for column in 0..b.cols {
+                    // SAFETY: inside the destination, checked above.
+                    unsafe { dst.data.add(row * row_stride + column).write(T::ZERO) };
+                }
             }
         }
         return;
@@ -188,15 +248,16 @@ fn matmul_on<T: Element>(
     } else {
         Parallelism::None
     };
-    // SAFETY: the three views were bounds-checked above against their slices' lengths (`dst`
-    // holds `a.rows` rows of `b.cols` elements, `row_stride` apart, which do not overlap), `dst`
-    // is exclusively borrowed, and the operands are shared borrows that cannot alias it.
+    // SAFETY: the operands were bounds-checked above against their slices' lengths, the
+    // destination's rows (`a.rows` rows of `b.cols` elements, `row_stride` apart, which do not
+    // overlap) against its length, and the caller guarantees it may write them. Without
+    // `accumulate`, gemm is told not to read the destination (it then only stores into it).
     unsafe {
         gemm::gemm(
             a.rows,
             b.cols,
             a.cols,
-            dst.as_mut_ptr(),
+            dst.data,
             1,
             row_stride as isize,
             accumulate,
@@ -214,6 +275,94 @@ fn matmul_on<T: Element>(
             parallelism,
         );
     }
+}
+
+/// Row blocks of a row-major matrix with rows of `cols` elements, each one product: rows
+/// `first..end` of block `i` are `a * b` (or gain `a * b` with `accumulate`), for
+/// `(a, b) = product(i)`. The blocks run in parallel on the rayon pool, each product on one
+/// thread, so that many small products (one per expert, say) keep every thread busy.
+///
+/// `blocks` must be ascending and disjoint; each block's product must have its row count.
+pub fn matmul_blocks<'a, T: Element>(
+    dst: &mut [T],
+    cols: usize,
+    blocks: &[(usize, usize)],
+    product: impl Fn(usize) -> (MatRef<'a, T>, MatRef<'a, T>) + Sync,
+    accumulate: bool,
+) {
+    let dst = Destination {
+        data: dst.as_mut_ptr(),
+        len: dst.len(),
+    };
+    // SAFETY: `dst` is an exclusively borrowed, initialised slice of its own length.
+    unsafe { blocks_raw(dst, cols, blocks, product, accumulate) }
+}
+
+/// [`matmul_blocks`] into a new `rows x cols` matrix, whose rows the blocks must cover in
+/// order (the first starts at row 0, each starts where the one before ended, the last ends at
+/// `rows`). Every element is written once by a product, so the matrix is not zero-filled
+/// first: a zero-fill of a large buffer is a serial pass over memory that the products
+/// overwrite anyway.
+pub fn matmul_blocks_new<'a, T: Element>(
+    rows: usize,
+    cols: usize,
+    blocks: &[(usize, usize)],
+    product: impl Fn(usize) -> (MatRef<'a, T>, MatRef<'a, T>) + Sync,
+) -> Vec<T> {
+    let mut covered = 0;
+    for &(first, end) in blocks {
+        assert_eq!(first, covered, "row blocks must cover the rows in order");
+        covered = end;
+    }
+    assert_eq!(covered, rows, "row blocks must cover the rows in order");
+    let mut out = Vec::with_capacity(rows * cols);
+    let dst = Destination {
+        data: out.as_mut_ptr(),
+        len: rows * cols,
+    };
+    // SAFETY: `out` holds `rows * cols` elements of capacity, uninitialised, and nothing else
+    // refers to it; without accumulation the products only write.
+    unsafe { blocks_raw(dst, cols, blocks, product, false) };
+    // SAFETY: the blocks cover every row, checked above, and each product wrote all of its
+    // rows' elements (a product whose operands do not fit its block panics before this).
+    unsafe { out.set_len(rows * cols) };
+    out
+}
+
+/// # Safety
+/// `dst` must be valid for writes of `dst.len` elements (and initialised with `accumulate`),
+/// and held exclusively by the caller.
+unsafe fn blocks_raw<'a, T: Element>(
+    dst: Destination<T>,
+    cols: usize,
+    blocks: &[(usize, usize)],
+    product: impl Fn(usize) -> (MatRef<'a, T>, MatRef<'a, T>) + Sync,
+    accumulate: bool,
+) {
+    let mut last_end = 0;
+    for &(first, end) in blocks {
+        assert!(
+            first >= last_end && end >= first,
+            "row blocks must be ascending and disjoint"
+        );
+        last_end = end;
+    }
+    assert!(
+        last_end * cols <= dst.len,
+        "row blocks past the destination"
+    );
+    blocks
+        .par_iter()
+        .enumerate()
+        .for_each(|(index, &(first, end))| {
+            let (a, b) = product(index);
+            assert_eq!(a.rows, end - first, "block {index}: product rows");
+            assert_eq!(b.cols, cols, "block {index}: product columns");
+            let block = dst.block(first * cols, (end - first) * cols);
+            // SAFETY: the blocks are disjoint row ranges of the destination, checked above, so
+            // this thread alone writes this block.
+            unsafe { product_raw(block, cols, a, b, accumulate, false) };
+        });
 }
 
 /// `exp(x)` in f32 by range reduction and a degree-6 polynomial (Cephes' `expf`), within two
@@ -1087,6 +1236,43 @@ mod tests {
         assert_eq!(dst, [-2.0, 5.5, -2.0, 16.0]);
         matmul(&mut dst, a, b, true);
         assert_eq!(dst, [-4.0, 11.0, -4.0, 32.0]);
+    }
+
+    #[test]
+    fn row_blocks_of_products_equal_one_product_and_must_cover_a_new_matrix() {
+        // a: 5x3, b: 3x2; blocks of rows 0..2, 2..2 (empty) and 2..5.
+        let a: Vec<f64> = (0..15).map(|i| i as f64 * 0.5 - 3.0).collect();
+        let b: Vec<f64> = (0..6).map(|i| 1.0 + i as f64).collect();
+        let (a, b) = (MatRef::row_major(&a, 5, 3), MatRef::row_major(&b, 3, 2));
+        let mut whole = vec![0.0; 10];
+        matmul(&mut whole, a, b, false);
+        let blocks = [(0, 2), (2, 2), (2, 5)];
+        let product = |index: usize| {
+            let (first, end) = blocks[index];
+            (a.rows(first, end), b)
+        };
+        assert_eq!(matmul_blocks_new(5, 2, &blocks, product), whole);
+        let mut twice = whole.clone();
+        matmul_blocks(&mut twice, 2, &blocks, product, true);
+        let doubled: Vec<f64> = whole.iter().map(|v| v * 2.0).collect();
+        assert_eq!(twice, doubled);
+        // A product with no inner dimension writes zeros.
+        let none = matmul_blocks_new(2, 2, &[(0, 2)], |_| {
+            (
+                MatRef::<f64>::row_major(&[], 2, 0),
+                MatRef::row_major(&[], 0, 2),
+            )
+        });
+        assert_eq!(none, [0.0; 4]);
+        for gap in [[(0, 2), (3, 5)], [(0, 2), (2, 4)], [(1, 2), (2, 5)]] {
+            let result = std::panic::catch_unwind(|| {
+                matmul_blocks_new(5, 2, &gap, |index| {
+                    let (first, end) = gap[index];
+                    (a.rows(first, end), b)
+                })
+            });
+            assert!(result.is_err(), "blocks {gap:?} do not cover the rows");
+        }
     }
 
     #[test]
