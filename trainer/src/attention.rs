@@ -134,9 +134,14 @@ impl CausalAttention {
     }
 
     /// Writes per-pair `[seq, head_dim]` blocks into a `[batch * seq, width]` tensor.
-    fn scatter<T: SoftmaxRow>(&self, blocks: &[Vec<T>], width: usize, head_dim: usize) -> Vec<T> {
+    fn scatter<'a, T: SoftmaxRow>(
+        &self,
+        blocks: impl Iterator<Item = &'a [T]>,
+        width: usize,
+        head_dim: usize,
+    ) -> Vec<T> {
         let mut out = vec![T::ZERO; self.batch * self.seq * width];
-        for (pair, block) in blocks.iter().enumerate() {
+        for (pair, block) in blocks.enumerate() {
             let (sequence, head) = (pair / self.heads, pair % self.heads);
             for (row, values) in block.chunks(head_dim).enumerate() {
                 let start = (sequence * self.seq + row) * width + head * head_dim;
@@ -212,7 +217,10 @@ impl CausalAttention {
             })
             .collect();
         let (blocks, states): (Vec<Vec<T>>, Vec<PairState<T>>) = results.into_iter().unzip();
-        Ok((self.scatter(&blocks, width, head_dim), states))
+        Ok((
+            self.scatter(blocks.iter().map(Vec::as_slice), width, head_dim),
+            states,
+        ))
     }
 
     /// Gradients of q, k and v given the upstream gradient of the output.
@@ -295,10 +303,8 @@ impl CausalAttention {
                 ]
             })
             .collect();
-        let pick = |index: usize| {
-            let blocks: Vec<Vec<T>> = grads.iter().map(|g| g[index].clone()).collect();
-            self.scatter(&blocks, width, head_dim)
-        };
+        let pick =
+            |index: usize| self.scatter(grads.iter().map(|g| g[index].as_slice()), width, head_dim);
         Ok([pick(0), pick(1), pick(2)])
     }
 }
