@@ -96,6 +96,24 @@ impl CausalAttention {
             .map(|start| (start, (start + self.block).min(self.seq)))
     }
 
+    /// `a b^T` as a `[seq, seq]` matrix, computed only on and below the diagonal's blocks:
+    /// each block of rows against the rows of `b` up to its last row. Above them it is zero;
+    /// the callers mask the rest of each row.
+    fn causal_products<T: SoftmaxRow>(&self, a: MatRef<'_, T>, b: MatRef<'_, T>) -> Vec<T> {
+        let seq = self.seq;
+        let mut out = vec![T::ZERO; seq * seq];
+        for (start, end) in self.blocks() {
+            matmul_serial_into(
+                &mut out[start * seq..],
+                seq,
+                a.rows(start, end),
+                b.rows(0, end).t(),
+                false,
+            );
+        }
+        out
+    }
+
     /// `(width, head_dim)` for inputs of `len` elements, or an error.
     fn widths(&self, len: usize) -> Result<(usize, usize)> {
         let rows = self.batch * self.seq;
@@ -176,21 +194,10 @@ impl CausalAttention {
             .map(|pair| {
                 let q = rotate(self.view(q, pair, width, head_dim), &cos, &sin);
                 let k = rotate(self.view(k, pair, width, head_dim), &cos, &sin);
-                let mut probs = vec![T::ZERO; seq * seq];
-                let (q_rows, k_rows) = (
+                let mut probs = self.causal_products(
                     MatRef::row_major(&q, seq, head_dim),
                     MatRef::row_major(&k, seq, head_dim),
                 );
-                // Each block of rows against the keys up to its last row.
-                for (start, end) in self.blocks() {
-                    matmul_serial_into(
-                        &mut probs[start * seq..],
-                        seq,
-                        q_rows.rows(start, end),
-                        k_rows.rows(0, end).t(),
-                        false,
-                    );
-                }
                 for (row, values) in probs.chunks_mut(seq).enumerate() {
                     let (live, masked) = values.split_at_mut(row + 1);
                     for value in live.iter_mut() {
@@ -252,16 +259,7 @@ impl CausalAttention {
                     );
                 }
                 // d scores = probs * (d probs - rowsum(d probs * probs)), on the causal prefix.
-                let mut grad_scores = vec![T::ZERO; seq * seq];
-                for (start, end) in self.blocks() {
-                    matmul_serial_into(
-                        &mut grad_scores[start * seq..],
-                        seq,
-                        upstream.rows(start, end),
-                        values.rows(0, end).t(),
-                        false,
-                    );
-                }
+                let mut grad_scores = self.causal_products(upstream, values);
                 for (row, values) in grad_scores.chunks_mut(seq).enumerate() {
                     let p = &state.probs[row * seq..(row + 1) * seq];
                     let (live, masked) = values.split_at_mut(row + 1);

@@ -100,11 +100,7 @@ impl Groups {
     ) -> Vec<T> {
         let blocks = self.blocks();
         matmul_blocks_new(rows, outer, &row_ranges(&blocks), |index| {
-            let (expert, first, end) = blocks[index];
-            (
-                MatRef::row_major(&x[first * inner..end * inner], end - first, inner),
-                expert_weight(w, expert, inner, outer),
-            )
+            forward_operands(blocks[index], x, w, (inner, outer))
         })
     }
 
@@ -186,7 +182,20 @@ fn row_ranges(blocks: &[(usize, usize, usize)]) -> Vec<(usize, usize)> {
     blocks.iter().map(|&(_, first, end)| (first, end)).collect()
 }
 
-/// `(grad rows of the block, w[expert]^T)`.
+/// `(x rows of the block, w[expert])`: a block of `out = x w[expert]`.
+fn forward_operands<'a, T>(
+    (expert, first, end): (usize, usize, usize),
+    x: &'a [T],
+    w: &'a [T],
+    (inner, outer): (usize, usize),
+) -> (MatRef<'a, T>, MatRef<'a, T>) {
+    (
+        MatRef::row_major(&x[first * inner..end * inner], end - first, inner),
+        expert_weight(w, expert, inner, outer),
+    )
+}
+
+/// `(grad rows of the block, w[expert]^T)`: a block of `grad_x = grad w[expert]^T`.
 fn input_gradient_operands<'a, T>(
     (expert, first, end): (usize, usize, usize),
     grad: &'a [T],
@@ -207,12 +216,8 @@ pub(crate) fn expert_forward<T: SoftmaxRow>(
     expert: usize,
     (rows, inner, outer): (usize, usize, usize),
 ) {
-    matmul(
-        out,
-        MatRef::row_major(x, rows, inner),
-        expert_weight(w, expert, inner, outer),
-        false,
-    );
+    let (a, b) = forward_operands((expert, 0, rows), x, w, (inner, outer));
+    matmul(out, a, b, false);
 }
 
 /// `grad_x (+)= grad w[expert]^T` for one expert's rows.
@@ -224,12 +229,8 @@ pub(crate) fn expert_backward_input<T: SoftmaxRow>(
     (rows, inner, outer): (usize, usize, usize),
     accumulate: bool,
 ) {
-    matmul(
-        grad_x,
-        MatRef::row_major(grad, rows, outer),
-        expert_weight(w, expert, inner, outer).t(),
-        accumulate,
-    );
+    let (a, b) = input_gradient_operands((expert, 0, rows), grad, w, (inner, outer));
+    matmul(grad_x, a, b, accumulate);
 }
 
 /// `grad_w = x^T grad`: one expert's `[in, out]` weight gradient from its rows.
