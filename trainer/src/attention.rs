@@ -114,6 +114,38 @@ impl CausalAttention {
         out
     }
 
+    /// `p b` for a lower-triangular `[seq, seq]` `p` (zero above the diagonal's blocks): each
+    /// block of rows of `p` against the rows of `b` up to its last row.
+    fn lower_times<T: SoftmaxRow>(&self, p: MatRef<'_, T>, b: MatRef<'_, T>) -> Vec<T> {
+        let width = b.cols;
+        let mut out = vec![T::ZERO; self.seq * width];
+        for (start, end) in self.blocks() {
+            matmul_serial(
+                &mut out[start * width..end * width],
+                p.rows(start, end).cols(0, end),
+                b.rows(0, end),
+                false,
+            );
+        }
+        out
+    }
+
+    /// `p^T b` for a lower-triangular `[seq, seq]` `p`: the rows of `b` a block's columns of
+    /// `p` meet are the block's own and every row below it.
+    fn lower_transposed_times<T: SoftmaxRow>(&self, p: MatRef<'_, T>, b: MatRef<'_, T>) -> Vec<T> {
+        let (seq, width) = (self.seq, b.cols);
+        let mut out = vec![T::ZERO; seq * width];
+        for (start, end) in self.blocks() {
+            matmul_serial(
+                &mut out[start * width..end * width],
+                p.rows(start, seq).cols(start, end).t(),
+                b.rows(start, seq),
+                false,
+            );
+        }
+        out
+    }
+
     /// `(width, head_dim)` for inputs of `len` elements, or an error.
     fn widths(&self, len: usize) -> Result<(usize, usize)> {
         let rows = self.batch * self.seq;
@@ -207,19 +239,10 @@ impl CausalAttention {
                     T::scaled_exp(live, log_sum_exp, 1.0);
                     masked.fill(T::ZERO);
                 }
-                let mut out = vec![T::ZERO; seq * head_dim];
-                let (p, values) = (
+                let out = self.lower_times(
                     MatRef::row_major(&probs, seq, seq),
                     self.view(v, pair, width, head_dim),
                 );
-                for (start, end) in self.blocks() {
-                    matmul_serial(
-                        &mut out[start * head_dim..end * head_dim],
-                        p.rows(start, end).cols(0, end),
-                        values.rows(0, end),
-                        false,
-                    );
-                }
                 (out, PairState { q, k, probs })
             })
             .collect();
@@ -248,16 +271,7 @@ impl CausalAttention {
                 let upstream = self.view(upstream, pair, width, head_dim);
                 let values = self.view(v, pair, width, head_dim);
                 let probs = MatRef::row_major(&state.probs, seq, seq);
-                // The keys of a block are seen by its rows and every row below.
-                let mut grad_v = vec![T::ZERO; seq * head_dim];
-                for (start, end) in self.blocks() {
-                    matmul_serial(
-                        &mut grad_v[start * head_dim..end * head_dim],
-                        probs.rows(start, seq).cols(start, end).t(),
-                        upstream.rows(start, seq),
-                        false,
-                    );
-                }
+                let grad_v = self.lower_transposed_times(probs, upstream);
                 // d scores = probs * (d probs - rowsum(d probs * probs)), on the causal prefix.
                 let mut grad_scores = self.causal_products(upstream, values);
                 for (row, values) in grad_scores.chunks_mut(seq).enumerate() {
@@ -278,22 +292,8 @@ impl CausalAttention {
                     MatRef::row_major(&state.q, seq, head_dim),
                     MatRef::row_major(&state.k, seq, head_dim),
                 );
-                let mut grad_q = vec![T::ZERO; seq * head_dim];
-                let mut grad_k = vec![T::ZERO; seq * head_dim];
-                for (start, end) in self.blocks() {
-                    matmul_serial(
-                        &mut grad_q[start * head_dim..end * head_dim],
-                        grad_scores.rows(start, end).cols(0, end),
-                        k_rows.rows(0, end),
-                        false,
-                    );
-                    matmul_serial(
-                        &mut grad_k[start * head_dim..end * head_dim],
-                        grad_scores.rows(start, seq).cols(start, end).t(),
-                        q_rows.rows(start, seq),
-                        false,
-                    );
-                }
+                let grad_q = self.lower_times(grad_scores, k_rows);
+                let grad_k = self.lower_transposed_times(grad_scores, q_rows);
                 [
                     unrotate(&grad_q, head_dim, &cos, &sin),
                     unrotate(&grad_k, head_dim, &cos, &sin),
