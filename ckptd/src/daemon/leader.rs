@@ -292,6 +292,11 @@ impl Leader {
         }
     }
 
+    /// This leader's own node.
+    pub fn node(&self) -> &str {
+        &self.cfg.node
+    }
+
     pub fn epoch(&self) -> u64 {
         self.epoch
     }
@@ -1498,7 +1503,7 @@ impl Leader {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use std::path::Path;
 
     use super::*;
@@ -1524,7 +1529,7 @@ mod tests {
     }
 
     /// Adds node `name` to the leader's nodes; what it receives.
-    async fn add_node(leader: &Leader, name: &str) -> mpsc::UnboundedReceiver<Message> {
+    pub(crate) async fn add_node(leader: &Leader, name: &str) -> mpsc::UnboundedReceiver<Message> {
         let (sender, receiver) = mpsc::unbounded_channel();
         let info = NodeInfo {
             address: format!("{name}:7001"),

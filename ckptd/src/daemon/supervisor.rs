@@ -589,6 +589,7 @@ async fn wait_for_nodes(
     // Nodes that join a world that lost some are swaps; a first world just starts.
     let replacing = !active.is_empty();
     let mut checked = Instant::now();
+    let started = Instant::now();
     loop {
         if leader.preempting() || leader.deposed() {
             return None;
@@ -632,6 +633,19 @@ async fn wait_for_nodes(
             if places[i].is_none() && !placed && healthy(own) && !drained.contains(own) {
                 places[i] = Some(own.clone());
             }
+        }
+        // A first world waits for the leader's own node, up to a heartbeat timeout. The nodes'
+        // hellos race (the leader's own uplink may retry while the others get through), and a
+        // first world started on whichever came first would leave the allocation's first node,
+        // the leader's, a spare by chance. Places fill in node-name order.
+        let own = leader.node();
+        if !replacing
+            && !nodes.iter().any(|n| n.node == own && alive(n, plan))
+            && !drained.iter().any(|n| n == own)
+            && started.elapsed().as_secs_f64() < plan.heartbeat_timeout_seconds
+        {
+            tokio::time::sleep(TICK).await;
+            continue;
         }
         for node in &nodes {
             let Some(empty) = places.iter().position(Option::is_none) else {
@@ -1270,8 +1284,49 @@ async fn drain(plan: &Supervision, node: &str, reason: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{death_detail, repeat_count, socket_template};
-    use crate::daemon::leader::RankDown;
+    use std::path::Path;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::{death_detail, repeat_count, socket_template, wait_for_nodes};
+    use crate::daemon::leader::tests::add_node;
+    use crate::daemon::leader::{Leader, RankDown};
+    use crate::daemon::testing;
+
+    /// Found by the full suite: the batch job's first world started on n2 and n3, whose
+    /// hellos reached the leader (n1) before its own uplink's, and left n1 a spare.
+    #[tokio::test]
+    async fn a_first_world_waits_for_the_leaders_own_node_and_fills_in_name_order() {
+        let flags = [
+            "--leader-candidate",
+            "--supervise",
+            "mpiexec",
+            "--active-nodes",
+            "2",
+            "--trainer-arg=train",
+        ];
+        let cfg = testing::config(Path::new("/unused"), "n1", "127.0.0.1:7001", &flags);
+        let plan = cfg.supervision.clone().expect("a supervising config");
+        let store = testing::memory_store().await;
+        let leader = Arc::new(Leader::new(
+            cfg.clone(),
+            store.run(&cfg.run),
+            Arc::default(),
+            None,
+            1,
+        ));
+        let _n3 = add_node(&leader, "n3").await;
+        let _n2 = add_node(&leader, "n2").await;
+        let late = Arc::clone(&leader);
+        let own = tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            add_node(&late, "n1").await
+        });
+        let mut target = 2;
+        let world = wait_for_nodes(&leader, &plan, &mut target, Vec::new(), &[], 0).await;
+        assert_eq!(world, Some(vec!["n1".to_string(), "n2".to_string()]));
+        drop(own.await);
+    }
 
     #[test]
     fn faults_count_in_a_row_at_one_step_and_a_lost_node_starts_over() {
