@@ -9,8 +9,8 @@
 //!    its own ("last snap", ms).
 //! 2. Stored/raw bytes over a 100-step run, against plain zstd (level 3) of every durable step.
 //! 3. Upload MB/s of the two daemons' shards of the run's last step (uploaded at once, after
-//!    the ranks finished), against two `dd` sequential writes (fsync) at once to the same file
-//!    system, and against one alone.
+//!    the ranks finished), against two `dd` sequential writes (fsync) of as many bytes at once
+//!    to the same file system, and against one alone: the medians of five rounds of each.
 //! 4. Peak RSS of a daemon against its node's snapshot bytes.
 //!
 //! Row 1 also prints the daemons' CPU seconds per snapshot over the run.
@@ -24,6 +24,7 @@ use std::path::Path;
 use std::process::Command;
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
+use lazarus_tests::stats::median;
 use lazarus_tests::train::TrainerArgs;
 use lazarus_tests::{bin, python, Ctl};
 
@@ -127,9 +128,10 @@ fn dcp_stall(bytes: u64, dir: &Path) -> Option<(f64, f64)> {
     ))
 }
 
-/// Bytes per second of `streams` dd processes writing 256 MiB each at once, with fsync.
-fn dd_rates(folder: &Path, streams: usize) -> Vec<f64> {
-    let count = 64u64;
+/// Bytes per second of `streams` dd processes writing `bytes` each (in 4 MiB blocks) at once,
+/// with fsync.
+fn dd_rates(folder: &Path, streams: usize, bytes: u64) -> Vec<f64> {
+    let count = bytes.div_ceil(4 << 20).max(1);
     let children: Vec<_> = (0..streams)
         .map(|stream| {
             let target = folder.join(format!("dd-{stream}.bin"));
@@ -160,6 +162,10 @@ fn dd_rates(folder: &Path, streams: usize) -> Vec<f64> {
         })
         .collect()
 }
+
+/// Rounds of the dd baselines: this machine's write rate swings by 2x from one second to the
+/// next, so the ratios are taken against the median of several.
+const DD_ROUNDS: usize = 5;
 
 fn main() {
     let dir = tempfile::tempdir().unwrap();
@@ -239,7 +245,7 @@ fn main() {
             Ctl::new(store.clone(), &dir.join("index-512")).wait_for_latest(&run, STEPS);
             let upload =
                 [0, 1].map(|node| cluster.metric(node, "lazarus_ckptd_upload_bytes_per_second"));
-            largest = Some((upload, store));
+            largest = Some((upload, store, ours.4));
         }
     }
 
@@ -295,30 +301,47 @@ fn main() {
         stored as f64 / zstd_bytes as f64
     );
 
-    let (upload, store) = largest.unwrap();
+    let (upload, store, shard_bytes) = largest.unwrap();
     println!();
     println!(
         "3. upload rate of the run's last durable step (d_model 512, uploaded after the ranks finished) against dd to the same file system"
     );
     let folder = Path::new(store.strip_prefix("file://").unwrap());
-    let alone = dd_rates(folder, 1)[0];
-    let together = dd_rates(folder, 2);
-    let mean = |rates: &[f64]| rates.iter().sum::<f64>() / rates.len() as f64;
+    // Each dd writes what one daemon uploaded, rounds of one alone and two at once in turn.
+    let (mut alone, mut together) = (Vec::new(), Vec::new());
+    for _ in 0..DD_ROUNDS {
+        alone.push(dd_rates(folder, 1, shard_bytes)[0]);
+        let pair = dd_rates(folder, 2, shard_bytes);
+        together.push(pair.iter().sum::<f64>() / pair.len() as f64);
+    }
+    let range = |rates: &[f64]| {
+        let (low, high) = rates
+            .iter()
+            .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), r| {
+                (l.min(*r), h.max(*r))
+            });
+        format!(
+            "median {:.0} MB/s (range {:.0}-{:.0})",
+            median(rates) / 1e6,
+            low / 1e6,
+            high / 1e6
+        )
+    };
     println!(
-        "ckptd, both nodes' daemons uploading their rank's shard at once (hash + shuffle/delta + zstd + fsync'd puts): {:.0} and {:.0} MB/s raw",
+        "ckptd, both nodes' daemons uploading their rank's shard ({:.1} MB) at once (hash + shuffle/delta + zstd + fsync'd puts): {:.0} and {:.0} MB/s raw",
+        shard_bytes as f64 / 1e6,
         upload[0] / 1e6,
         upload[1] / 1e6
     );
     println!(
-        "dd with fsync, two at once: {:.0} and {:.0} MB/s; one alone: {:.0} MB/s",
-        together[0] / 1e6,
-        together[1] / 1e6,
-        alone / 1e6
+        "dd with fsync of as many bytes, {DD_ROUNDS} rounds: each of two at once {}; one alone {}",
+        range(&together),
+        range(&alone)
     );
     println!(
-        "ckptd/dd, two at once: {:.2}; both daemons together against one dd alone: {:.2}",
-        mean(&upload) / mean(&together),
-        upload.iter().sum::<f64>() / alone
+        "ckptd/dd, two at once: {:.2}; both daemons together against one dd alone: {:.2} (against the medians)",
+        (upload[0] + upload[1]) / 2.0 / median(&together),
+        upload.iter().sum::<f64>() / median(&alone)
     );
 
     println!();
