@@ -250,7 +250,7 @@ impl Metrics {
         );
         registry.register(
             "replicas_held_bytes",
-            "Bytes of buddy replicas (T1) held in shared memory",
+            "Bytes of buddy replicas (T1) held in shared memory, with each rank's spare replica file",
             m.replicas_held_bytes.clone(),
         );
         Self { registry, ..m }

@@ -4,7 +4,8 @@
 //!
 //! A replica is written beside the current one and only replaces it once every chunk has
 //! arrived and verified against its hash; `meta.json` is written last, so its presence
-//! means complete. File work runs on blocking threads, not on the runtime's workers.
+//! means complete. The data file of a replica let go is written into by the next one. File
+//! work runs on blocking threads, not on the runtime's workers.
 
 use std::net::SocketAddr;
 use std::os::unix::fs::FileExt;
@@ -75,8 +76,8 @@ pub async fn receive(
     let dir = replica_dir(daemon, meta.rank);
     let incoming = dir.join("incoming");
     let file = {
-        let (incoming, slot_bytes) = (incoming.clone(), meta.slot_bytes);
-        Arc::new(tokio::task::spawn_blocking(move || prepare(&incoming, slot_bytes)).await??)
+        let (dir, incoming, slot_bytes) = (dir.clone(), incoming.clone(), meta.slot_bytes);
+        Arc::new(tokio::task::spawn_blocking(move || prepare(&dir, &incoming, slot_bytes)).await??)
     };
     let expected = chunk_count(meta.slot_bytes);
     let mut received = vec![None; expected as usize];
@@ -125,11 +126,22 @@ pub async fn receive(
     Ok(())
 }
 
-/// An empty `incoming` replica directory with its data file sized and reserved.
-fn prepare(incoming: &Path, slot_bytes: u64) -> Result<std::fs::File> {
+/// An empty `incoming` replica directory with its data file sized and reserved: the spare
+/// (see [`swap_in`]) when it has the size, since its pages are allocated already and writing
+/// into it is a copy, where reserving a fresh file's pages zeroes each of them first (a third
+/// of the receiving daemon's work per replica was that, and putting the pages in the page
+/// cache and freeing them again).
+fn prepare(dir: &Path, incoming: &Path, slot_bytes: u64) -> Result<std::fs::File> {
     let _ = std::fs::remove_dir_all(incoming);
-    std::fs::create_dir_all(incoming)?;
+    let spare = dir.join(SPARE);
     let data_path = incoming.join("data");
+    let sized = std::fs::metadata(spare.join("data")).is_ok_and(|m| m.len() == slot_bytes);
+    if sized && std::fs::rename(&spare, incoming).is_ok() {
+        // Every byte of it was reserved and written when it was a replica.
+        return Ok(std::fs::OpenOptions::new().write(true).open(&data_path)?);
+    }
+    let _ = std::fs::remove_dir_all(&spare);
+    std::fs::create_dir_all(incoming)?;
     let file = std::fs::File::create(&data_path)?;
     file.set_len(slot_bytes)
         .with_context(|| format!("sizing {}", data_path.display()))?;
@@ -137,8 +149,14 @@ fn prepare(incoming: &Path, slot_bytes: u64) -> Result<std::fs::File> {
     Ok(file)
 }
 
+/// The directory, beside a rank's `step-<k>` replicas, that keeps the data file of the last
+/// replica let go for the next one to be written into. It has no `meta.json`, so it is never
+/// taken for a replica.
+const SPARE: &str = "spare";
+
 /// Completes a received replica (`meta.json` last) and swaps it in as `step-<k>`, keeping the
-/// two newest of the rank. Returns the bytes of replica data held for all ranks.
+/// two newest of the rank; the data file of an older one becomes the spare when there is
+/// none. Returns the bytes of replica data held for all ranks, spares included.
 fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta) -> Result<u64> {
     std::fs::write(incoming.join("meta.json"), serde_json::to_vec(meta)?)?;
     let target = dir.join(format!("step-{}", meta.step));
@@ -157,8 +175,13 @@ fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta) -> Result<u64> {
         })
         .collect();
     steps.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
+    let spare = dir.join(SPARE);
     for (_, path) in steps.iter().skip(2) {
-        let _ = std::fs::remove_dir_all(path);
+        // Its description goes first: from then on it is no replica, whatever happens next.
+        let _ = std::fs::remove_file(path.join("meta.json"));
+        if spare.exists() || std::fs::rename(path, &spare).is_err() {
+            let _ = std::fs::remove_dir_all(path);
+        }
     }
     let mut held = 0;
     for rank_dir in std::fs::read_dir(dir.parent().expect("has a parent"))?.flatten() {
@@ -426,4 +449,76 @@ pub async fn all_held(daemon: &Daemon) -> Vec<wire::ReplicaEntry> {
     })
     .await
     .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn meta(step: u64, slot_bytes: u64) -> ReplicaMeta {
+        ReplicaMeta {
+            from_node: "n2".into(),
+            run: "run".parse().unwrap(),
+            rank: 1,
+            world_size: 2,
+            step,
+            slot_bytes,
+            tensors: Vec::new(),
+            chunks: Vec::new(),
+            blobs: Vec::new(),
+        }
+    }
+
+    /// Receives a replica of `step` (every byte `step`) as `receive` does: prepared, written,
+    /// swapped in. Returns the bytes the prepared file held (zeros when fresh, a replica let
+    /// go when it is the spare) and the bytes held after.
+    fn replicate(dir: &Path, step: u8, slot_bytes: u64) -> (Vec<u8>, u64) {
+        let incoming = dir.join("incoming");
+        let file = prepare(dir, &incoming, slot_bytes).unwrap();
+        let found = std::fs::read(incoming.join("data")).unwrap();
+        file.write_all_at(&vec![step; slot_bytes as usize], 0)
+            .unwrap();
+        let held = swap_in(dir, &incoming, &meta(step.into(), slot_bytes)).unwrap();
+        (found, held)
+    }
+
+    #[test]
+    fn a_let_go_replica_becomes_the_spare_that_the_next_one_is_written_into() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("rank-1");
+        std::fs::create_dir_all(&dir).unwrap();
+        let fresh = |len| vec![0u8; len];
+        assert_eq!(replicate(&dir, 1, 4096).0, fresh(4096));
+        assert_eq!(replicate(&dir, 2, 4096).0, fresh(4096));
+        assert!(!dir.join(SPARE).exists(), "two replicas are kept whole");
+        // The third lets step 1 go: its file is the spare, and no replica any more.
+        let (found, held) = replicate(&dir, 3, 4096);
+        assert_eq!(found, fresh(4096));
+        assert!(!dir.join("step-1").exists());
+        assert!(!dir.join(SPARE).join("meta.json").exists());
+        assert_eq!(held, 3 * 4096, "the spare's pages count as held");
+        // The fourth is written into it, and holds its own bytes.
+        assert_eq!(replicate(&dir, 4, 4096).0, vec![1u8; 4096]);
+        assert_eq!(
+            std::fs::read(dir.join("step-4").join("data")).unwrap(),
+            vec![4u8; 4096]
+        );
+        let steps: Vec<u8> = [2, 3, 4]
+            .into_iter()
+            .filter(|step| dir.join(format!("step-{step}")).exists())
+            .collect();
+        assert_eq!(steps, [3, 4]);
+        assert!(dir.join("step-3").join("meta.json").exists());
+        // Step 2's file is the spare now; a replica of another size gets a fresh file.
+        assert_eq!(replicate(&dir, 5, 8192).0, fresh(8192));
+        // Steps 3's and 4's files (4096 bytes) are the spare in turn, and not taken: steps 6
+        // and 7 are fresh. Step 5's (8192 bytes) is the next spare, and step 8 takes it.
+        assert_eq!(replicate(&dir, 6, 8192).0, fresh(8192));
+        assert_eq!(replicate(&dir, 7, 8192).0, fresh(8192));
+        assert_eq!(replicate(&dir, 8, 8192).0, vec![5u8; 8192]);
+        assert_eq!(
+            std::fs::read(dir.join("step-8").join("data")).unwrap(),
+            vec![8u8; 8192]
+        );
+    }
 }
