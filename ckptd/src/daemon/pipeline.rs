@@ -424,10 +424,12 @@ async fn new_base(
             state.slot_bytes,
         )
     };
-    let (base_path, tmp) = (dir.join("base"), dir.join("base.tmp"));
-    let to = tmp.clone();
+    // Written over the old base in place: the rank's state forgot it before this began (see
+    // `upload`), so no upload, nor a daemon restarted meanwhile, reads the file half copied;
+    // and the node never holds two bases.
+    let base_path = dir.join("base");
+    let to = base_path.clone();
     tokio::task::spawn_blocking(move || copy_file(&from, &to, slot_bytes)).await??;
-    std::fs::rename(&tmp, &base_path)?;
     super::crash::point("base");
     let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&base_path)?);
     let checked = match DeltaBases::of_regions(&tensors, &source, chunks.clone()) {

@@ -41,10 +41,16 @@ pub fn reserve(file: &std::fs::File, len: u64, path: &Path) -> Result<()> {
     })
 }
 
-/// Copies `len` bytes in slot-chunk pieces (bounded memory).
+/// Copies `len` bytes in slot-chunk pieces (bounded memory) over what `to` holds (it is
+/// made if missing, and sized to `len`): its pages are written in place, where a fresh file
+/// would allocate and zero each and the file it replaced free them.
 pub fn copy_file(from: &Path, to: &Path, len: u64) -> std::io::Result<()> {
     let source = std::fs::File::open(from)?;
-    let target = std::fs::File::create(to)?;
+    let target = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(to)?;
     target.set_len(len)?;
     let mut buffer = vec![0u8; SLOT_CHUNK_BYTES as usize];
     let mut offset = 0;
@@ -79,4 +85,29 @@ pub async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> 
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    /// A copy over an older, longer file leaves exactly the source's bytes in the same file
+    /// (its pages written in place), across a chunk boundary; a missing target is made.
+    #[test]
+    fn a_copy_writes_over_the_old_file_in_place_and_sizes_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let (from, to) = (dir.path().join("slot"), dir.path().join("base"));
+        let len = SLOT_CHUNK_BYTES + 4099;
+        let bytes: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&from, &bytes).unwrap();
+        copy_file(&from, &to, len).unwrap();
+        assert_eq!(std::fs::read(&to).unwrap(), bytes);
+        std::fs::write(&to, vec![7u8; (len + 100) as usize]).unwrap();
+        let inode = std::fs::metadata(&to).unwrap().ino();
+        copy_file(&from, &to, len).unwrap();
+        assert_eq!(std::fs::metadata(&to).unwrap().ino(), inode);
+        assert_eq!(std::fs::read(&to).unwrap(), bytes);
+    }
 }
