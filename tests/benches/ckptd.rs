@@ -24,7 +24,7 @@ use std::path::Path;
 use std::process::Command;
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
-use lazarus_tests::stats::median;
+use lazarus_tests::stats::{median, range};
 use lazarus_tests::train::TrainerArgs;
 use lazarus_tests::{bin, python, Ctl};
 
@@ -314,12 +314,8 @@ fn main() {
         let pair = dd_rates(folder, 2, shard_bytes);
         together.push(pair.iter().sum::<f64>() / pair.len() as f64);
     }
-    let range = |rates: &[f64]| {
-        let (low, high) = rates
-            .iter()
-            .fold((f64::INFINITY, f64::NEG_INFINITY), |(l, h), r| {
-                (l.min(*r), h.max(*r))
-            });
+    let figures = |rates: &[f64]| {
+        let (low, high) = range(rates);
         format!(
             "median {:.0} MB/s (range {:.0}-{:.0})",
             median(rates) / 1e6,
@@ -335,8 +331,8 @@ fn main() {
     );
     println!(
         "dd with fsync of as many bytes, {DD_ROUNDS} rounds: each of two at once {}; one alone {}",
-        range(&together),
-        range(&alone)
+        figures(&together),
+        figures(&alone)
     );
     println!(
         "ckptd/dd, two at once: {:.2}; both daemons together against one dd alone: {:.2} (against the medians)",
