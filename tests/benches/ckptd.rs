@@ -3,7 +3,7 @@
 //!
 //! 1. The training loop's stall per snapshot at three state sizes (it should be flat), each
 //!    snapshot's slowest rank, with the part of the largest stall that rank spent waiting for
-//!    a CPU; against the trainer's synchronous in-process save of the same state, and against
+//!    a CPU and the step it was at; against the trainer's synchronous in-process save of the same state, and against
 //!    PyTorch DCP `async_save` of a state of the same bytes (skipped without torch). The run's
 //!    last snapshot, which waits for a daemon still busy with the step before, in a column of
 //!    its own ("last snap", ms).
@@ -52,9 +52,9 @@ fn bench_args(
         .store(store)
 }
 
-/// (mean, median, max, of the max the wait for a CPU) ms and state bytes from the trainer's
-/// stall line (each checkpoint's slowest rank).
-fn stall(text: &str) -> (f64, f64, f64, f64, u64) {
+/// (mean, median, max, of the max the wait for a CPU) ms, state bytes and the max's step from
+/// the trainer's stall line (each checkpoint's slowest rank).
+fn stall(text: &str) -> (f64, f64, f64, f64, u64, u64) {
     let line = text
         .lines()
         .find(|l| l.starts_with("checkpoint stall"))
@@ -74,6 +74,7 @@ fn stall(text: &str) -> (f64, f64, f64, f64, u64) {
         number_after("max "),
         number_after("of it "),
         number_after("state ") as u64,
+        number_after("at step ") as u64,
     )
 }
 
@@ -174,10 +175,10 @@ fn main() {
 
     println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step; the last, which waits for a busy daemon, in its own column)");
     println!(
-        "{:>8} {:>14} {:>34} {:>10} {:>26} {:>20} {:>10} {:>16} {:>16}",
+        "{:>8} {:>14} {:>40} {:>10} {:>26} {:>20} {:>10} {:>16} {:>16}",
         "d_model",
         "state/rank",
-        "ckptd mean/median/max (CPU wait)",
+        "ckptd mean/median/max (CPU wait) @step",
         "last snap",
         "in-process mean/median/max",
         "DCP async median/max",
@@ -225,12 +226,12 @@ fn main() {
         let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
         memory.push((ours.4, rss));
         println!(
-            "{:>8} {:>11.1} MB {:>34} {:>10} {:>26} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
+            "{:>8} {:>11.1} MB {:>40} {:>10} {:>26} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
             d_model,
             ours.4 as f64 / 1e6,
             format!(
-                "{:.2} / {:.2} / {:.2} ({:.1})",
-                ours.0, ours.1, ours.2, ours.3
+                "{:.2} / {:.2} / {:.2} ({:.1}) @{}",
+                ours.0, ours.1, ours.2, ours.3, ours.5
             ),
             last_snapshot_ms(&text).map_or("-".into(), |ms| format!("{ms:.1}")),
             format!("{:.1} / {:.1} / {:.1}", sync.0, sync.1, sync.2),

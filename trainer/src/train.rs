@@ -189,9 +189,9 @@ struct Session {
     runtime: tokio::runtime::Runtime,
     state: TrainerState,
     saver: Saver,
-    /// Per checkpoint or snapshot: the seconds the training loop stood still, and of them
-    /// the seconds this thread was ready to run but waited for a CPU.
-    stalls: Vec<(f64, f64)>,
+    /// Per checkpoint or snapshot: its step, the seconds the training loop stood still, and
+    /// of them the seconds this thread was ready to run but waited for a CPU.
+    stalls: Vec<(u64, f64, f64)>,
     /// This (the training) thread's wait for a CPU, for the stalls.
     cpu_wait: crate::trace::CpuWait,
     /// Seconds of the pipeline steps so far, and of them waiting on neighbouring stages.
@@ -231,7 +231,7 @@ impl Session {
             Saver::Ckptd(saver) => saver.last_wait,
             Saver::Store { .. } => 0.0,
         };
-        let mut mine: Vec<f64> = self.stalls.iter().flat_map(|&(s, w)| [s, w]).collect();
+        let mut mine: Vec<f64> = self.stalls.iter().flat_map(|&(_, s, w)| [s, w]).collect();
         mine.push(last_wait);
         let all = self.world.all_gather_f64(Group::World, &mine);
         let last_wait = all
@@ -248,7 +248,14 @@ impl Session {
             })
             .collect();
         let mean = slowest.iter().map(|s| s.0).sum::<f64>() / n as f64;
-        let max = slowest.iter().copied().max_by(by_stall).unwrap_or_default();
+        // Every rank's stalls are of the same steps, in order.
+        let (max_step, max) = self
+            .stalls
+            .iter()
+            .map(|s| s.0)
+            .zip(slowest.iter().copied())
+            .max_by(|a, b| by_stall(&a.1, &b.1))
+            .unwrap_or_default();
         let mut sorted: Vec<f64> = slowest.iter().map(|s| s.0).collect();
         sorted.sort_by(f64::total_cmp);
         let cpu_wait = slowest.iter().map(|s| s.1).sum::<f64>();
@@ -262,7 +269,7 @@ impl Session {
         };
         writeln!(
             log,
-            "checkpoint stall ({}) over {n} in-loop checkpoints, slowest rank each: mean {:.3} ms, median {:.3} ms, max {:.3} ms (of it {:.3} ms waiting for a CPU; {:.0}% of all stall time), state {} bytes per rank{last}",
+            "checkpoint stall ({}) over {n} in-loop checkpoints, slowest rank each: mean {:.3} ms, median {:.3} ms, max {:.3} ms at step {max_step} (of it {:.3} ms waiting for a CPU; {:.0}% of all stall time), state {} bytes per rank{last}",
             self.saver_name(),
             mean * 1e3,
             sorted[n / 2] * 1e3,
@@ -602,6 +609,7 @@ impl Session {
         let waited = self.cpu_wait.now();
         self.checkpointed = Some(self.checkpoint()?);
         self.stalls.push((
+            self.state.step,
             started.elapsed().as_secs_f64(),
             self.cpu_wait.now().saturating_sub(waited).as_secs_f64(),
         ));
@@ -749,7 +757,7 @@ impl Session {
             saver.last_wait = saver.last_wait.max(saver.last_stall.as_secs_f64());
         } else {
             self.stalls
-                .push((saver.last_stall.as_secs_f64(), cpu_wait.as_secs_f64()));
+                .push((step, saver.last_stall.as_secs_f64(), cpu_wait.as_secs_f64()));
         }
         self.take_answers();
         Ok(())
