@@ -6,7 +6,8 @@
 //!    a CPU and the step it was at; against the trainer's synchronous in-process save of the same state, and against
 //!    PyTorch DCP `async_save` of a state of the same bytes (skipped without torch). The run's
 //!    last snapshot, which waits for a daemon still busy with the step before, in a column of
-//!    its own ("last snap", ms).
+//!    its own ("last snap", ms), and how many of the run's snapshots the daemons took (the
+//!    others were skipped while a daemon was busy with the one before).
 //! 2. Stored/raw bytes over a 100-step run, against plain zstd (level 3) of every durable step.
 //! 3. Upload MB/s of the two daemons' shards of the run's last step (uploaded at once, after
 //!    the ranks finished), against two `dd` sequential writes (fsync) of as many bytes at once
@@ -52,9 +53,9 @@ fn bench_args(
         .store(store)
 }
 
-/// (mean, median, max, of the max the wait for a CPU) ms, state bytes and the max's step from
-/// the trainer's stall line (each checkpoint's slowest rank).
-fn stall(text: &str) -> (f64, f64, f64, f64, u64, u64) {
+/// (mean, median, max, of the max the wait for a CPU and for the daemon's answers) ms, state
+/// bytes and the max's step from the trainer's stall line (each checkpoint's slowest rank).
+fn stall(text: &str) -> (f64, f64, f64, (f64, f64), u64, u64) {
     let line = text
         .lines()
         .find(|l| l.starts_with("checkpoint stall"))
@@ -72,7 +73,7 @@ fn stall(text: &str) -> (f64, f64, f64, f64, u64, u64) {
         number_after("mean "),
         number_after("median "),
         number_after("max "),
-        number_after("of it "),
+        (number_after("of it "), number_after("CPU and ")),
         number_after("state ") as u64,
         number_after("at step ") as u64,
     )
@@ -85,6 +86,18 @@ fn last_snapshot_ms(text: &str) -> Option<f64> {
     let line = text.lines().find(|l| l.starts_with("checkpoint stall"))?;
     let rest = &line[line.find(key)? + key.len()..];
     rest.split_whitespace().next()?.parse().ok()
+}
+
+/// Snapshots the daemons took of `steps`: a rank skips a snapshot while its daemon is busy,
+/// and every rank skips the same ones.
+fn taken(text: &str, steps: u64) -> u64 {
+    let skipped = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("ckptd: ")?.split_once(" snapshots skipped"))
+        .map(|(count, _)| count.trim().parse::<u64>().unwrap())
+        .max()
+        .unwrap_or_else(|| panic!("no skipped-snapshots line in {text}"));
+    steps - skipped
 }
 
 /// CPU seconds (user and system) process `pid` has used so far.
@@ -175,11 +188,12 @@ fn main() {
 
     println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step; the last, which waits for a busy daemon, in its own column)");
     println!(
-        "{:>8} {:>14} {:>40} {:>10} {:>26} {:>20} {:>10} {:>16} {:>16}",
+        "{:>8} {:>14} {:>46} {:>10} {:>6} {:>26} {:>20} {:>10} {:>16} {:>16}",
         "d_model",
         "state/rank",
-        "ckptd mean/median/max (CPU wait) @step",
+        "ckptd mean/median/max (CPU/answer wait) @step",
         "last snap",
+        "taken",
         "in-process mean/median/max",
         "DCP async median/max",
         "in-proc/ckptd",
@@ -226,14 +240,15 @@ fn main() {
         let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
         memory.push((ours.4, rss));
         println!(
-            "{:>8} {:>11.1} MB {:>40} {:>10} {:>26} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
+            "{:>8} {:>11.1} MB {:>46} {:>10} {:>6} {:>26} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
             d_model,
             ours.4 as f64 / 1e6,
             format!(
-                "{:.2} / {:.2} / {:.2} ({:.1}) @{}",
-                ours.0, ours.1, ours.2, ours.3, ours.5
+                "{:.2} / {:.2} / {:.2} ({:.1}/{:.1}) @{}",
+                ours.0, ours.1, ours.2, ours.3 .0, ours.3 .1, ours.5
             ),
             last_snapshot_ms(&text).map_or("-".into(), |ms| format!("{ms:.1}")),
+            format!("{}/{STEPS}", taken(&text, STEPS)),
             format!("{:.1} / {:.1} / {:.1}", sync.0, sync.1, sync.2),
             dcp.map_or("skipped".into(), |(m, x)| format!("{m:.1} / {x:.1}")),
             sync.1 / ours.1.max(1e-6),

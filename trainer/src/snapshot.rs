@@ -8,6 +8,7 @@
 //! update the new state already sits in a slot the daemon can read: a snapshot is a message
 //! naming that slot, whatever the state's size.
 
+use std::collections::VecDeque;
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -215,6 +216,12 @@ impl StateMemory {
         })
     }
 
+    /// Whether an update has somewhere to go while the daemon holds `held`: the current
+    /// slot, or another free one.
+    pub fn has_free_slot(&self, held: &HeldSlots) -> bool {
+        (0..self.buffers.len()).any(|i| !held.contains(i))
+    }
+
     pub fn finish_update(&mut self) {
         self.current = self.next;
     }
@@ -244,8 +251,26 @@ pub struct Choice {
 /// had cost a fast run dozens of skipped snapshots.
 const RECONNECT_EVERY: Duration = Duration::from_millis(100);
 
-/// The rank's connection to its node's `ckptd` (Unix socket, one request at a time). It
-/// owns the rank's view of the held slots: every answer of the daemon updates it.
+/// A request written to the daemon whose answer is not read yet.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Pending {
+    /// A hand-over of `slot`, holding `step`.
+    HandOver { step: u64, slot: usize },
+    /// A heartbeat, or word of a skipped snapshot: answered with the held slots.
+    Note,
+}
+
+/// The most requests a rank leaves unanswered before it waits for the oldest answer: a
+/// daemon that falls behind holds the rank back only after this many steps' heartbeats.
+const PENDING_MAX: usize = 4;
+
+/// The rank's connection to its node's `ckptd` (Unix socket). The daemon answers requests
+/// in order; the loop's heartbeats and hand-overs go on without waiting for theirs, which are
+/// read once they have come (or before a request that needs its own answer). The client owns
+/// the rank's view of the held slots: every answer of the daemon updates it. The daemon
+/// takes a slot only when the rank hands it over, so a view older than the daemon's state
+/// holds at least what the daemon holds: it may keep a free slot from an update, never give
+/// the update one the daemon reads.
 #[derive(Debug)]
 pub struct Ckptd {
     socket: PathBuf,
@@ -259,15 +284,17 @@ pub struct Ckptd {
     last_request_sent: bool,
     pub slots: Vec<PathBuf>,
     held: HeldSlots,
-    /// A hand-over written by [`Ckptd::hand_over`] whose answer is not read yet: its step
-    /// and slot. The answer is read before the next request is written.
-    unanswered: Option<(u64, usize)>,
+    /// Requests written whose answers are not read yet, oldest first; at most one
+    /// hand-over among them.
+    pending: VecDeque<Pending>,
     /// The hand-overs answered since [`Ckptd::take_answers`] last took them: step, and
     /// whether the daemon took it.
     answers: Vec<(u64, bool)>,
     /// The daemon's busy word for this rank, beside the slot files (a daemon without one is
     /// asked instead).
     busy_word: Option<BusyWordReader>,
+    /// How long this client has been blocked reading the daemon's answers, in all.
+    answer_wait: Duration,
 }
 
 impl Ckptd {
@@ -296,9 +323,10 @@ impl Ckptd {
             last_request_sent: false,
             slots: Vec::new(),
             held: HeldSlots::default(),
-            unanswered: None,
+            pending: VecDeque::new(),
             answers: Vec::new(),
             busy_word: None,
+            answer_wait: Duration::ZERO,
         };
         client.reconnect().with_context(|| {
             format!(
@@ -314,18 +342,42 @@ impl Ckptd {
         &self.held
     }
 
-    /// Whether the daemon is busy with this rank's last snapshot, read from the word it
-    /// keeps in shm rather than asked; `None` when the link is down, the daemon keeps no
-    /// word, or its last answer held three slots (then ask with [`Ckptd::poll`]). The word
-    /// says nothing of the held set: after a hand-over on its say-so whose answer never came
-    /// (the daemon died), that answer's three slots and the one handed over would leave the
-    /// rank's update no free slot, while the daemon had let one go. An answer brings the set.
-    pub fn busy_now(&self) -> Option<bool> {
+    /// Whether the daemon is busy with this rank's last snapshot: yes while that hand-over's
+    /// answer is pending, else read from the word it keeps in shm rather than asked; `None`
+    /// when the link is down, the daemon keeps no word, or it is free but the held slots
+    /// known hold three (then ask with [`Ckptd::poll`]). The busy flag says nothing of the
+    /// held set: after a hand-over on its say-so whose answer never came (the daemon died),
+    /// three slots held and the one handed over would leave the rank's update no free slot,
+    /// while the daemon had let one go. So the held slots are first read from the word too,
+    /// where the daemon keeps them ([`Ckptd::read_held`]).
+    pub fn busy_now(&mut self) -> Option<bool> {
         self.stream.as_ref()?;
+        if self.handing_over() {
+            return Some(true);
+        }
+        if self.busy_word.as_ref()?.get() {
+            return Some(true);
+        }
+        self.read_held();
         if self.held.answered.len() + 2 > self.slots.len() {
             return None;
         }
-        self.busy_word.as_ref().map(BusyWordReader::get)
+        Some(false)
+    }
+
+    /// Takes the slots the daemon holds from its shm word, where it keeps them (with the link
+    /// up): they are its state now, newer than any answer not yet read. A hand-over not yet
+    /// answered keeps its slot held. The answers still to come are older, so they hold at
+    /// least as much.
+    pub fn read_held(&mut self) {
+        if self.stream.is_none() {
+            return;
+        }
+        if let Some(held) = self.busy_word.as_ref().and_then(BusyWordReader::held) {
+            let unconfirmed = self.held.unconfirmed;
+            self.held.answer(&held);
+            self.held.unconfirmed = unconfirmed;
+        }
     }
 
     fn reconnect(&mut self) -> Result<()> {
@@ -348,20 +400,21 @@ impl Ckptd {
         Ok(())
     }
 
-    /// One request and its answer. A broken link is retried (with a re-registration) at the
-    /// next request, then at most every [`RECONNECT_EVERY`]; until it works, this returns an
-    /// error and the caller carries on.
+    /// One request and its answer, after the answers still pending (the daemon answers in
+    /// order). A broken link is retried (with a re-registration) at the next request, then at
+    /// most every [`RECONNECT_EVERY`]; until it works, this returns an error and the caller
+    /// carries on.
     fn call(&mut self, message: &Message, payload: &[u8]) -> Result<wire::Frame> {
+        // What the pending answers say is kept in `answers`; a link they broke is retried
+        // by the send.
+        let _ = self.settle();
         self.send(message, payload)?;
         self.receive()
     }
 
-    /// Writes one request, after reading the answer to a hand-over still unanswered (the
-    /// daemon answers in order).
+    /// Writes one request; its answer is read by the caller, or queued as `pending`.
     fn send(&mut self, message: &Message, payload: &[u8]) -> Result<()> {
         self.last_request_sent = false;
-        // What the answer says is kept in `answers`; a link it broke is retried below.
-        let _ = self.settle();
         if self.stream.is_none() {
             if self
                 .broken_at
@@ -387,13 +440,106 @@ impl Ckptd {
             .stream
             .as_mut()
             .ok_or_else(|| anyhow!("ckptd link is down"))?;
+        let started = Instant::now();
         let read = wire::read_frame_sync(stream, None);
+        self.answer_wait += started.elapsed();
         read.map_err(|error| self.broke(error))
     }
 
+    /// How long this client has been blocked reading the daemon's answers so far: the
+    /// difference over a span is the part of it spent waiting for the daemon.
+    pub fn answer_wait(&self) -> Duration {
+        self.answer_wait
+    }
+
+    /// The link is gone, and with it the answers still pending: a hand-over among them
+    /// counts as not taken, and its slot stays held (the daemon may have taken it) until the
+    /// daemon answers again.
     fn broke(&mut self, error: impl std::fmt::Display) -> anyhow::Error {
         self.stream = None;
+        for pending in std::mem::take(&mut self.pending) {
+            if let Pending::HandOver { step, .. } = pending {
+                self.answers.push((step, false));
+            }
+        }
         anyhow!("ckptd link broke: {error}")
+    }
+
+    /// Whether an answer (or the link's end) has come and can be read without waiting.
+    fn answer_arrived(&self) -> bool {
+        use rustix::event::{poll, PollFd, PollFlags, Timespec};
+        let Some(stream) = &self.stream else {
+            return false;
+        };
+        let mut fds = [PollFd::new(stream, PollFlags::IN)];
+        let now = Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // An error of poll itself is read as an arrival: the read then breaks the link.
+        poll(&mut fds, Some(&now)).map_or(true, |ready| ready > 0)
+    }
+
+    /// Reads the oldest pending answer, waiting for it. A hand-over's refusal or a link that
+    /// broke is an error.
+    fn read_pending(&mut self) -> Result<()> {
+        let Some(pending) = self.pending.pop_front() else {
+            return Ok(());
+        };
+        let frame = match self.receive() {
+            Ok(frame) => frame,
+            Err(error) => {
+                if let Pending::HandOver { step, .. } = pending {
+                    self.answers.push((step, false));
+                }
+                return Err(error);
+            }
+        };
+        let result = match (pending, frame.message) {
+            (Pending::Note, Message::Held { held, .. }) => {
+                self.held.answer(&held);
+                Ok(())
+            }
+            (Pending::HandOver { step, .. }, Message::Held { held, accepted, .. }) => {
+                self.held.answer(&held);
+                self.answers.push((step, accepted));
+                Ok(())
+            }
+            (Pending::HandOver { step, slot }, Message::Refused { reason }) => {
+                tracing::warn!(step, %reason, "ckptd refused the snapshot");
+                self.held.refused(slot);
+                self.answers.push((step, false));
+                Err(io::Error::other(reason).into())
+            }
+            (Pending::HandOver { step, .. }, other) => {
+                self.answers.push((step, false));
+                Err(anyhow!("ckptd answered {other:?} to Snapshot"))
+            }
+            (Pending::Note, other) => Err(anyhow!("ckptd answered {other:?} to a heartbeat")),
+        };
+        // The answer to a request written before a hand-over says nothing of its slot.
+        for pending in &self.pending {
+            if let Pending::HandOver { slot, .. } = *pending {
+                self.held.unconfirmed(slot);
+            }
+        }
+        result
+    }
+
+    /// Reads the pending answers that have come, without waiting for the others.
+    pub fn take_arrived(&mut self) {
+        while !self.pending.is_empty() && self.answer_arrived() {
+            // What it says is kept; a link it broke is retried by the next request.
+            let _ = self.read_pending();
+        }
+    }
+
+    /// Whether a hand-over's answer is still pending: the daemon has not taken the request
+    /// in yet, so it is busy (its busy word may not say so yet).
+    pub fn handing_over(&self) -> bool {
+        self.pending
+            .iter()
+            .any(|p| matches!(p, Pending::HandOver { .. }))
     }
 
     /// The steps this world could start from: (memory-committed, durable).
@@ -448,6 +594,29 @@ impl Ckptd {
             Message::Refused { reason } => bail!("ckptd could not restore: {reason}"),
             other => bail!("ckptd answered {other:?} to Restore"),
         }
+    }
+
+    /// The loop's heartbeat, with `step`'s loss once it is known, written without waiting
+    /// for its answer (read with the answers that come later). Past [`PENDING_MAX`] pending
+    /// requests, it first waits for the oldest answers.
+    pub fn heartbeat(&mut self, step: u64, compute: Duration, loss: Option<f64>) -> Result<()> {
+        let poll = Message::Poll {
+            step,
+            compute_us: compute.as_micros() as u64,
+            loss,
+        };
+        self.note(&poll)
+    }
+
+    /// Writes a request answered with the held slots, without waiting for the answer.
+    fn note(&mut self, message: &Message) -> Result<()> {
+        self.take_arrived();
+        while self.pending.len() >= PENDING_MAX {
+            let _ = self.read_pending();
+        }
+        self.send(message, &[])?;
+        self.pending.push_back(Pending::Note);
+        Ok(())
     }
 
     /// Heartbeat, with `step`'s loss once it is known; returns whether the daemon is busy.
@@ -512,15 +681,10 @@ impl Ckptd {
         self.call(&Message::Bye, &[]).map(|_| ())
     }
 
-    /// Tells the daemon the ranks skipped `step` (it counts skips in its metrics).
+    /// Tells the daemon the ranks skipped `step` (it counts skips in its metrics), without
+    /// waiting for the answer, as a heartbeat.
     pub fn skipped(&mut self, step: u64) -> Result<()> {
-        match self.call(&Message::Skipped { step }, &[])?.message {
-            Message::Held { held, .. } => {
-                self.held.answer(&held);
-                Ok(())
-            }
-            other => bail!("ckptd answered {other:?} to Skipped"),
-        }
+        self.note(&Message::Skipped { step })
     }
 
     /// Hands `slot` (holding `step`) over and waits for the answer. Returns whether the
@@ -540,10 +704,11 @@ impl Ckptd {
     }
 
     /// Hands `slot` (holding `step`) over without waiting for the answer: the rank goes on
-    /// training while the daemon takes the request in, and the answer is read before the
-    /// next request (or by [`Ckptd::settle`]). Until then `slot` counts as held. On a busy
-    /// node the wait for the answer was a wait to be scheduled again, up to tens of
-    /// milliseconds, which the training loop need not stand still for.
+    /// training while the daemon takes the request in, and the answer is read once it has
+    /// come (or by [`Ckptd::settle`]). Until then `slot` counts as held. On a busy node the
+    /// wait for the answer was a wait to be scheduled again, up to tens of milliseconds,
+    /// which the training loop need not stand still for. A hand-over still pending is
+    /// answered first: the rank's view keeps one unconfirmed slot.
     pub fn hand_over(
         &mut self,
         step: u64,
@@ -560,6 +725,10 @@ impl Ckptd {
             blobs: specs,
             stall_us: stall.as_micros() as u64,
         };
+        if self.handing_over() {
+            let _ = self.settle();
+        }
+        self.take_arrived();
         if let Err(error) = self.send(&message, &payload) {
             if self.last_request_sent {
                 self.held.unconfirmed(slot);
@@ -568,31 +737,22 @@ impl Ckptd {
             return Err(error);
         }
         self.held.unconfirmed(slot);
-        self.unanswered = Some((step, slot));
+        self.pending.push_back(Pending::HandOver { step, slot });
         Ok(())
     }
 
-    /// Reads the answer to an unanswered hand-over, if there is one. A link that breaks
-    /// first leaves its slot held (the daemon may have taken it) and counts it not taken.
+    /// Reads every pending answer, waiting for them. A hand-over's refusal, or a link that
+    /// breaks first, is an error; the slot of a hand-over whose answer never came stays held
+    /// and counts as not taken.
     pub fn settle(&mut self) -> Result<()> {
-        let Some((step, slot)) = self.unanswered.take() else {
-            return Ok(());
-        };
-        let taken = self.receive().and_then(|frame| match frame.message {
-            Message::Held { held, accepted, .. } => {
-                self.held.answer(&held);
-                Ok(accepted)
+        let mut result = Ok(());
+        while !self.pending.is_empty() {
+            let read = self.read_pending();
+            if result.is_ok() {
+                result = read;
             }
-            Message::Refused { reason } => {
-                tracing::warn!(step, %reason, "ckptd refused the snapshot");
-                self.held.refused(slot);
-                Err(io::Error::other(reason).into())
-            }
-            other => bail!("ckptd answered {other:?} to Snapshot"),
-        });
-        self.answers
-            .push((step, taken.as_ref().is_ok_and(|&accepted| accepted)));
-        taken.map(drop)
+        }
+        result
     }
 
     /// The hand-overs answered since the last call: step, and whether the daemon took it.
@@ -661,7 +821,9 @@ mod tests {
         assert_eq!(read(2), 3.0f32.to_le_bytes().repeat(16));
         // Every slot held is an error, not a write into one of them (nor a panic).
         let mut all = held(&[0, 1]);
+        assert!(memory.has_free_slot(&all));
         all.unconfirmed(2);
+        assert!(!memory.has_free_slot(&all));
         assert!(memory.begin_update(&all).is_err());
         assert_eq!(read(0), 4.0f32.to_le_bytes().repeat(16));
     }
@@ -834,6 +996,106 @@ mod tests {
         assert!(client.held().contains(1) && client.held().contains(2));
     }
 
+    /// A heartbeat goes on without its answer. An answer to a request written before a
+    /// hand-over (the daemon's state before it) keeps the handed-over slot held; the
+    /// hand-over's own answer says what the daemon holds. While it is pending, the daemon is
+    /// busy.
+    #[test]
+    fn an_answer_older_than_a_hand_over_keeps_its_slot_held() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ckptd.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let (answered, poll_answered) = std::sync::mpsc::channel::<()>();
+        let daemon = std::thread::spawn(move || {
+            let mut stream = accept_registration(&listener, &[0]);
+            let poll = wire::read_frame_sync(&mut stream, None).unwrap();
+            assert!(matches!(poll.message, Message::Poll { step: 1, .. }));
+            let handed = wire::read_frame_sync(&mut stream, None).unwrap();
+            assert!(matches!(
+                handed.message,
+                Message::Snapshot {
+                    step: 1,
+                    slot: 2,
+                    ..
+                }
+            ));
+            // The rank wrote both before any answer came.
+            let went_on = released.recv_timeout(Duration::from_secs(30)).is_ok();
+            wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None).unwrap();
+            answered.send(()).unwrap();
+            released.recv_timeout(Duration::from_secs(30)).unwrap();
+            wire::write_frame_sync(&mut stream, &answer(&[0, 2], true, true), &[], None).unwrap();
+            went_on
+        });
+        let mut client =
+            Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        client.heartbeat(1, Duration::ZERO, None).unwrap();
+        client.hand_over(1, 2, false, &[], Duration::ZERO).unwrap();
+        assert_eq!(client.busy_now(), Some(true), "the hand-over is pending");
+        release.send(()).unwrap();
+        poll_answered.recv_timeout(Duration::from_secs(30)).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while client.pending.len() == 2 {
+            assert!(Instant::now() < deadline, "the poll's answer was not read");
+            client.take_arrived();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(client.pending.len(), 1, "only what has come is read");
+        let mut expected = held(&[0]);
+        expected.unconfirmed(2);
+        assert_eq!(client.held(), &expected, "slot 2 is still held");
+        assert!(client.take_answers().is_empty());
+        release.send(()).unwrap();
+        client.settle().unwrap();
+        assert_eq!(client.take_answers(), vec![(1, true)]);
+        assert_eq!(client.held(), &held(&[0, 2]));
+        assert!(
+            daemon.join().unwrap(),
+            "the heartbeat or the hand-over waited for an answer"
+        );
+    }
+
+    /// Heartbeats do not wait for their answers until [`PENDING_MAX`] are pending: then the
+    /// next waits for the oldest.
+    #[test]
+    fn heartbeats_wait_for_answers_only_past_the_pending_limit() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ckptd.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let daemon = std::thread::spawn(move || {
+            let mut stream = accept_registration(&listener, &[0]);
+            for _ in 0..PENDING_MAX {
+                wire::read_frame_sync(&mut stream, None).unwrap();
+            }
+            let went_on = released.recv_timeout(Duration::from_secs(30)).is_ok();
+            for _ in 0..=PENDING_MAX {
+                wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None)
+                    .unwrap();
+            }
+            wire::read_frame_sync(&mut stream, None).unwrap();
+            wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None).unwrap();
+            went_on
+        });
+        let mut client =
+            Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        for step in 0..PENDING_MAX as u64 {
+            client.heartbeat(step, Duration::ZERO, None).unwrap();
+        }
+        assert_eq!(client.pending.len(), PENDING_MAX);
+        release.send(()).unwrap();
+        client
+            .heartbeat(PENDING_MAX as u64, Duration::ZERO, None)
+            .unwrap();
+        assert!(client.pending.len() <= PENDING_MAX, "{:?}", client.pending);
+        client.settle().unwrap();
+        assert!(
+            daemon.join().unwrap(),
+            "a heartbeat within the limit waited"
+        );
+    }
+
     /// The rank reads its daemon's busy word instead of asking; without one it has no word.
     #[test]
     fn the_busy_word_beside_the_slots_is_read_without_asking() {
@@ -855,7 +1117,7 @@ mod tests {
             client
         };
         std::fs::write(&word, 1u32.to_ne_bytes()).unwrap();
-        let client = registered(Vec::new());
+        let mut client = registered(Vec::new());
         assert_eq!(client.busy_now(), Some(true));
         std::fs::write(&word, 0u32.to_ne_bytes()).unwrap();
         assert_eq!(client.busy_now(), Some(false), "the same word, mapped");
@@ -864,6 +1126,22 @@ mod tests {
         // rank once handed slot 2 over on it while its view held 0, 1 and 3, the daemon died
         // before answering, and the update found every slot held).
         assert_eq!(registered(vec![0, 1, 3]).busy_now(), None, "ask instead");
+
+        // A daemon that keeps its held slots in the word too: they are read from there, and
+        // the word is then enough.
+        let daemon_word = busy_word::BusyWord::create(&word, 0o600).unwrap();
+        daemon_word.set(false);
+        daemon_word.set_held(&[1]);
+        let mut client = registered(vec![0, 1, 3]);
+        assert_eq!(client.busy_now(), Some(false));
+        assert_eq!(client.held(), &held(&[1]));
+        // A hand-over not yet answered keeps its slot held, whatever the word says.
+        client.held.unconfirmed(2);
+        client.read_held();
+        let mut expected = held(&[1]);
+        expected.unconfirmed(2);
+        assert_eq!(client.held(), &expected);
+        drop(daemon_word);
 
         // A daemon that keeps no word is asked instead.
         std::fs::remove_file(&word).unwrap();

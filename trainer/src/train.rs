@@ -153,17 +153,37 @@ struct CkptdSaver {
     client: Ckptd,
     /// How long the last snapshot held the training loop.
     last_stall: std::time::Duration,
-    /// What the last [`Session::busy`] poll spent waiting for a CPU (part of the stall).
-    poll_cpu_wait: std::time::Duration,
-    /// Whether the daemon was busy with an earlier snapshot at this step's heartbeat (or did
-    /// not answer it).
-    busy_at_heartbeat: bool,
+    /// What the last [`Session::busy`] poll spent waiting for a CPU and for the daemon's
+    /// answer (parts of the stall).
+    poll_waits: (std::time::Duration, std::time::Duration),
     skipped: u64,
     /// Seconds the run's last snapshot took: it waits for a daemon still busy with the step
     /// before, so it is not counted among the loop's stalls. 0 before it.
     last_wait: f64,
     /// When the last per-step heartbeat went, and this rank's time inside collectives then.
     heartbeat_mark: (Instant, f64),
+}
+
+/// How long one checkpoint or snapshot held the training loop, and what it waited for.
+#[derive(Clone, Copy, Debug, Default)]
+struct Stall {
+    step: u64,
+    /// Seconds the loop stood still.
+    seconds: f64,
+    /// Of them, seconds this thread was ready to run but waited for a CPU.
+    cpu_wait: f64,
+    /// Of them, seconds this thread was blocked reading the daemon's answers (to a poll, or
+    /// to the hand-over before, read before the next request is written).
+    answer_wait: f64,
+}
+
+impl Stall {
+    /// The figures one rank gathers per stall, in this order.
+    const FIGURES: usize = 3;
+
+    fn figures(&self) -> [f64; Self::FIGURES] {
+        [self.seconds, self.cpu_wait, self.answer_wait]
+    }
 }
 
 /// The held slots of a saver that has none (the store's: the state is one heap buffer).
@@ -189,9 +209,8 @@ struct Session {
     runtime: tokio::runtime::Runtime,
     state: TrainerState,
     saver: Saver,
-    /// Per checkpoint or snapshot: its step, the seconds the training loop stood still, and
-    /// of them the seconds this thread was ready to run but waited for a CPU.
-    stalls: Vec<(u64, f64, f64)>,
+    /// Per checkpoint or snapshot, how long the training loop stood still for it.
+    stalls: Vec<Stall>,
     /// This (the training) thread's wait for a CPU, for the stalls.
     cpu_wait: crate::trace::CpuWait,
     /// Seconds of the pipeline steps so far, and of them waiting on neighbouring stages.
@@ -218,7 +237,7 @@ impl Session {
     /// How long the loop stood still for its checkpoints or snapshots, if it took any: each
     /// checkpoint's slowest rank (the others wait for it at the next collective), and how much
     /// of that rank's stall it spent ready to run but waiting for a CPU (other processes on
-    /// its cores, the daemon's work among them). Collective: every rank checkpointed the same
+    /// its cores, the daemon's work among them) and blocked on the daemon's answers. Collective: every rank checkpointed the same
     /// steps. The run's last snapshot through `ckptd` waits for a daemon still busy with the
     /// step before (the last step must be taken): its time is given on its own, not counted.
     fn report_stalls(&self, log: &mut dyn Write) -> Result<()> {
@@ -231,34 +250,45 @@ impl Session {
             Saver::Ckptd(saver) => saver.last_wait,
             Saver::Store { .. } => 0.0,
         };
-        let mut mine: Vec<f64> = self.stalls.iter().flat_map(|&(_, s, w)| [s, w]).collect();
+        let mut mine: Vec<f64> = self.stalls.iter().flat_map(Stall::figures).collect();
         mine.push(last_wait);
         let all = self.world.all_gather_f64(Group::World, &mine);
+        let per_rank = Stall::FIGURES * n + 1;
         let last_wait = all
-            .chunks(2 * n + 1)
-            .map(|rank| rank[2 * n])
+            .chunks(per_rank)
+            .map(|rank| rank[per_rank - 1])
             .fold(0.0, f64::max);
-        let by_stall = |a: &(f64, f64), b: &(f64, f64)| a.0.total_cmp(&b.0);
-        // Per checkpoint, the slowest rank's (stall, CPU wait).
-        let slowest: Vec<(f64, f64)> = (0..n)
-            .filter_map(|i| {
-                all.chunks(2 * n + 1)
-                    .map(|rank| (rank[2 * i], rank[2 * i + 1]))
-                    .max_by(by_stall)
-            })
-            .collect();
-        let mean = slowest.iter().map(|s| s.0).sum::<f64>() / n as f64;
-        // Every rank's stalls are of the same steps, in order.
-        let (max_step, max) = self
+        // Per checkpoint, the slowest rank's stall. Every rank's stalls are of the same
+        // steps, in order.
+        let slowest: Vec<Stall> = self
             .stalls
             .iter()
-            .map(|s| s.0)
-            .zip(slowest.iter().copied())
-            .max_by(|a, b| by_stall(&a.1, &b.1))
+            .enumerate()
+            .filter_map(|(i, own)| {
+                all.chunks(per_rank)
+                    .map(|rank| {
+                        let at = Stall::FIGURES * i;
+                        Stall {
+                            step: own.step,
+                            seconds: rank[at],
+                            cpu_wait: rank[at + 1],
+                            answer_wait: rank[at + 2],
+                        }
+                    })
+                    .max_by(|a, b| a.seconds.total_cmp(&b.seconds))
+            })
+            .collect();
+        let total = slowest.iter().map(|s| s.seconds).sum::<f64>();
+        let max = slowest
+            .iter()
+            .copied()
+            .max_by(|a, b| a.seconds.total_cmp(&b.seconds))
             .unwrap_or_default();
-        let mut sorted: Vec<f64> = slowest.iter().map(|s| s.0).collect();
+        let mut sorted: Vec<f64> = slowest.iter().map(|s| s.seconds).collect();
         sorted.sort_by(f64::total_cmp);
-        let cpu_wait = slowest.iter().map(|s| s.1).sum::<f64>();
+        let share = |part: fn(&Stall) -> f64| {
+            100.0 * slowest.iter().map(part).sum::<f64>() / total.max(f64::MIN_POSITIVE)
+        };
         let last = if last_wait > 0.0 {
             format!(
                 "; the run's last snapshot, which waits for a daemon busy with the step before, {:.3} ms (not counted)",
@@ -269,13 +299,16 @@ impl Session {
         };
         writeln!(
             log,
-            "checkpoint stall ({}) over {n} in-loop checkpoints, slowest rank each: mean {:.3} ms, median {:.3} ms, max {:.3} ms at step {max_step} (of it {:.3} ms waiting for a CPU; {:.0}% of all stall time), state {} bytes per rank{last}",
+            "checkpoint stall ({}) over {n} in-loop checkpoints, slowest rank each: mean {:.3} ms, median {:.3} ms, max {:.3} ms at step {} (of it {:.3} ms waiting for a CPU and {:.3} ms for the daemon's answers; {:.0}% and {:.0}% of all stall time), state {} bytes per rank{last}",
             self.saver_name(),
-            mean * 1e3,
+            total / n as f64 * 1e3,
             sorted[n / 2] * 1e3,
-            max.0 * 1e3,
-            max.1 * 1e3,
-            100.0 * cpu_wait / (mean * n as f64).max(f64::MIN_POSITIVE),
+            max.seconds * 1e3,
+            max.step,
+            max.cpu_wait * 1e3,
+            max.answer_wait * 1e3,
+            share(|s| s.cpu_wait),
+            share(|s| s.answer_wait),
             4 * self.optim.state_len()
         )?;
         Ok(())
@@ -421,8 +454,7 @@ impl Session {
         self.saver = Saver::Ckptd(Box::new(CkptdSaver {
             client: ckptd,
             last_stall: std::time::Duration::ZERO,
-            poll_cpu_wait: std::time::Duration::ZERO,
-            busy_at_heartbeat: false,
+            poll_waits: Default::default(),
             skipped: 0,
             last_wait: 0.0,
             heartbeat_mark: (Instant::now(), crate::dist::communication_seconds()),
@@ -540,8 +572,11 @@ impl Session {
         error
     }
 
-    /// Asks `ckptd` which slots it holds before an update writes one. Once a step, so it
-    /// is also the rank's heartbeat, with its own compute time since the last one.
+    /// The rank's heartbeat to `ckptd`, once a step before the update, with its own compute
+    /// time since the last one. It does not wait for the answer: the update goes by the held
+    /// slots of the answers come so far (the daemon takes no slot the rank did not hand over,
+    /// so they hold at least what it holds), then by the daemon's word, and waits for the
+    /// daemon's answers only when those leave it no free slot.
     fn heartbeat(&mut self) {
         let Saver::Ckptd(saver) = &mut self.saver else {
             return;
@@ -553,10 +588,15 @@ impl Session {
             .elapsed()
             .saturating_sub(std::time::Duration::from_secs_f64(communication - waited));
         // A daemon that does not answer keeps its last word on the held slots.
-        saver.busy_at_heartbeat = saver
+        let _ = saver
             .client
-            .poll(self.state.step, compute, self.last_loss)
-            .unwrap_or(true);
+            .heartbeat(self.state.step, compute, self.last_loss);
+        if !self.optim.memory.has_free_slot(saver.client.held()) {
+            saver.client.read_held();
+        }
+        if !self.optim.memory.has_free_slot(saver.client.held()) {
+            let _ = saver.client.settle();
+        }
         self.take_answers();
     }
 
@@ -576,26 +616,28 @@ impl Session {
     }
 
     /// Whether this rank's saver is busy with an earlier checkpoint, and how long asking took.
-    /// A daemon free at this step's heartbeat is free still (only a hand-over makes it busy);
-    /// one busy then is read from its busy word, and asked only if it keeps none. The loop
-    /// then waits for no answer of the daemon between the step's end and the hand-over.
+    /// A daemon with a hand-over not yet answered is busy; otherwise its busy word says, and
+    /// it is asked only if it keeps none (or the answers so far leave too few slots free for
+    /// the word to be enough). The loop then waits for no answer of the daemon between the
+    /// step's end and the hand-over.
     fn busy(&mut self, step: u64) -> (bool, std::time::Duration) {
         let Saver::Ckptd(saver) = &mut self.saver else {
             return (false, std::time::Duration::ZERO);
         };
-        if !saver.busy_at_heartbeat {
-            return (false, std::time::Duration::ZERO);
-        }
+        saver.client.take_arrived();
         if let Some(busy) = saver.client.busy_now() {
             return (busy, std::time::Duration::ZERO);
         }
         let started = Instant::now();
-        let waited = self.cpu_wait.now();
+        let (waited, answered) = (self.cpu_wait.now(), saver.client.answer_wait());
         let busy = saver
             .client
             .poll(step, std::time::Duration::ZERO, None)
             .unwrap_or(true);
-        saver.poll_cpu_wait = self.cpu_wait.now().saturating_sub(waited);
+        saver.poll_waits = (
+            self.cpu_wait.now().saturating_sub(waited),
+            saver.client.answer_wait().saturating_sub(answered),
+        );
         (busy, started.elapsed())
     }
 
@@ -608,11 +650,12 @@ impl Session {
         let started = Instant::now();
         let waited = self.cpu_wait.now();
         self.checkpointed = Some(self.checkpoint()?);
-        self.stalls.push((
-            self.state.step,
-            started.elapsed().as_secs_f64(),
-            self.cpu_wait.now().saturating_sub(waited).as_secs_f64(),
-        ));
+        self.stalls.push(Stall {
+            step: self.state.step,
+            seconds: started.elapsed().as_secs_f64(),
+            cpu_wait: self.cpu_wait.now().saturating_sub(waited).as_secs_f64(),
+            answer_wait: 0.0,
+        });
         Ok(())
     }
 
@@ -715,6 +758,7 @@ impl Session {
             unreachable!("a snapshot needs ckptd");
         };
         let ckptd = &mut saver.client;
+        let answered = ckptd.answer_wait();
         // Whether any rank's daemon is busy, and whether any rank's wait ran out: both are
         // summed, so every rank leaves the wait at the same poll.
         let any_busy = |ckptd: &mut Ckptd, world: &World| {
@@ -751,13 +795,18 @@ impl Session {
             };
         }
         saver.last_stall = started.elapsed() + poll_time;
-        let cpu_wait =
-            self.cpu_wait.now().saturating_sub(waited) + std::mem::take(&mut saver.poll_cpu_wait);
+        let (poll_cpu_wait, poll_answer_wait) = std::mem::take(&mut saver.poll_waits);
+        let cpu_wait = self.cpu_wait.now().saturating_sub(waited) + poll_cpu_wait;
+        let answer_wait = saver.client.answer_wait().saturating_sub(answered) + poll_answer_wait;
         if last {
             saver.last_wait = saver.last_wait.max(saver.last_stall.as_secs_f64());
         } else {
-            self.stalls
-                .push((step, saver.last_stall.as_secs_f64(), cpu_wait.as_secs_f64()));
+            self.stalls.push(Stall {
+                step,
+                seconds: saver.last_stall.as_secs_f64(),
+                cpu_wait: cpu_wait.as_secs_f64(),
+                answer_wait: answer_wait.as_secs_f64(),
+            });
         }
         self.take_answers();
         Ok(())

@@ -277,15 +277,19 @@ impl RankState {
         }
     }
 
-    /// From now on `word` says whether this rank's daemon is busy.
+    /// From now on `word` says whether this rank's daemon is busy, and which slots it holds.
     pub fn attach_busy_word(&mut self, word: BusyWord) {
         self.busy_word = Some(word);
         self.publish();
     }
 
-    /// Writes [`RankState::busy`] to the busy word; every method that changes it ends here.
+    /// Writes [`RankState::busy`] and [`RankState::held`] to the busy word; every method that
+    /// changes them ends here. A held set that shrinks as T0 moves is written only after
+    /// `state.json` names the new T0, as the answers to the rank are: a daemon restarted in
+    /// between must not find its T0 in a slot the rank was told it may write.
     fn publish(&self) {
         if let Some(word) = &self.busy_word {
+            word.set_held(&self.held());
             word.set(self.busy());
         }
     }
@@ -399,12 +403,13 @@ impl RankState {
             return Ok(false);
         }
         self.t0 = self.pending.take();
-        self.publish();
         if let Some(t0) = self.t0.as_mut().filter(|_| durable) {
             // Marked, so that an upload running now uploads this step when it ends.
             t0.durable_requested = true;
         }
-        self.persist()?;
+        let persisted = self.persist();
+        self.publish();
+        persisted?;
         Ok(true)
     }
 
@@ -422,7 +427,9 @@ impl RankState {
         }
         if self.t0.as_ref().is_some_and(|t0| later(t0.step)) {
             self.t0 = None;
-            self.persist()?;
+            let persisted = self.persist();
+            self.publish();
+            persisted?;
         }
         Ok(())
     }
@@ -456,6 +463,7 @@ impl RankState {
         }
         self.durable_waiting = None;
         self.uploading = Some(snap.slot);
+        self.publish();
         Upload::Start(snap)
     }
 
@@ -480,6 +488,7 @@ impl RankState {
     /// newest durable-requested T0 goes next.
     pub fn upload_ended(&mut self, uploaded: u64) -> Upload {
         self.uploading = None;
+        self.publish();
         if self
             .t0
             .as_ref()
@@ -512,7 +521,9 @@ impl RankState {
         self.publish();
         if self.t0.as_ref().is_some_and(|t| Some(t.step) != keep) {
             self.t0 = None;
-            self.persist()?;
+            let persisted = self.persist();
+            self.publish();
+            persisted?;
         }
         let slot = self.free_slot().ok_or_else(|| {
             anyhow!(
@@ -522,21 +533,24 @@ impl RankState {
             )
         })?;
         self.restoring = Some(slot);
+        self.publish();
         Ok(slot)
     }
 
     /// A fill that failed lets its slot go.
     pub fn end_fill(&mut self) {
         self.restoring = None;
+        self.publish();
     }
 
     /// A restore ended: `snap` (filled, or T0 verified) is the rank's T0, or it has none.
     pub fn install(&mut self, snap: Option<Snap>) -> Result<()> {
         self.restoring = None;
         self.pending = None;
-        self.publish();
         self.t0 = snap;
-        self.persist()
+        let persisted = self.persist();
+        self.publish();
+        persisted
     }
 
     fn persist(&self) -> Result<()> {
@@ -872,6 +886,12 @@ mod tests {
                 self.busy_word.get(),
                 self.daemon.busy(),
                 "the rank reads another busy than the daemon's: {:?}",
+                self.daemon
+            );
+            assert_eq!(
+                self.busy_word.held(),
+                Some(self.daemon.held()),
+                "the rank reads other held slots than the daemon's: {:?}",
                 self.daemon
             );
         }
