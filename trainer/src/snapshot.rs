@@ -878,6 +878,39 @@ mod tests {
         }
     }
 
+    /// The daemon's side: reads a request that must be a hand-over; its step and slot.
+    fn read_hand_over(stream: &mut std::os::unix::net::UnixStream) -> (u64, u32) {
+        match wire::read_frame_sync(stream, None).unwrap().message {
+            Message::Snapshot { step, slot, .. } => (step, slot),
+            other => panic!("{other:?} instead of a hand-over"),
+        }
+    }
+
+    /// A client registered with a daemon holding slot 0 whose further side is `script`: it
+    /// gets the connection and the receiving end of the returned sender, by which the test
+    /// lets it go on (say, once the rank went on without an answer).
+    fn held_back_daemon<T: Send + 'static>(
+        script: impl FnOnce(std::os::unix::net::UnixStream, std::sync::mpsc::Receiver<()>) -> T
+            + Send
+            + 'static,
+    ) -> (
+        tempfile::TempDir,
+        Ckptd,
+        std::sync::mpsc::Sender<()>,
+        std::thread::JoinHandle<T>,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("ckptd.sock");
+        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let daemon = std::thread::spawn(move || {
+            let stream = accept_registration(&listener, &[0]);
+            script(stream, released)
+        });
+        let client = Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
+        (dir, client, release, daemon)
+    }
+
     /// Regression: a rank kept the held set of its last poll and added each slot it handed
     /// over. The daemon then held T0, the committed snapshot and the upload (3 slots); the
     /// rank handed the fourth over; its daemon died; the next poll failed, and the update
@@ -948,21 +981,8 @@ mod tests {
     /// meanwhile, and the answer is read before the next request's.
     #[test]
     fn a_hand_over_goes_on_without_its_answer_and_the_next_request_reads_it() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("ckptd.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
-        let (release, released) = std::sync::mpsc::channel::<()>();
-        let daemon = std::thread::spawn(move || {
-            let mut stream = accept_registration(&listener, &[0]);
-            let handed = wire::read_frame_sync(&mut stream, None).unwrap();
-            assert!(matches!(
-                handed.message,
-                Message::Snapshot {
-                    step: 1,
-                    slot: 2,
-                    ..
-                }
-            ));
+        let (_dir, mut client, release, daemon) = held_back_daemon(move |mut stream, released| {
+            assert_eq!(read_hand_over(&mut stream), (1, 2));
             // The answer comes only once the rank has gone on without it.
             let went_on = released.recv_timeout(Duration::from_secs(30)).is_ok();
             wire::write_frame_sync(&mut stream, &answer(&[0, 2], true, true), &[], None).unwrap();
@@ -973,8 +993,6 @@ mod tests {
             wire::read_frame_sync(&mut stream, None).unwrap();
             went_on
         });
-        let mut client =
-            Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
         client.hand_over(1, 2, false, &[], Duration::ZERO).unwrap();
         assert!(client.held().contains(2), "{:?}", client.held());
         assert!(client.take_answers().is_empty(), "no answer read yet");
@@ -1002,24 +1020,11 @@ mod tests {
     /// busy.
     #[test]
     fn an_answer_older_than_a_hand_over_keeps_its_slot_held() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("ckptd.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
-        let (release, released) = std::sync::mpsc::channel::<()>();
         let (answered, poll_answered) = std::sync::mpsc::channel::<()>();
-        let daemon = std::thread::spawn(move || {
-            let mut stream = accept_registration(&listener, &[0]);
+        let (_dir, mut client, release, daemon) = held_back_daemon(move |mut stream, released| {
             let poll = wire::read_frame_sync(&mut stream, None).unwrap();
             assert!(matches!(poll.message, Message::Poll { step: 1, .. }));
-            let handed = wire::read_frame_sync(&mut stream, None).unwrap();
-            assert!(matches!(
-                handed.message,
-                Message::Snapshot {
-                    step: 1,
-                    slot: 2,
-                    ..
-                }
-            ));
+            assert_eq!(read_hand_over(&mut stream), (1, 2));
             // The rank wrote both before any answer came.
             let went_on = released.recv_timeout(Duration::from_secs(30)).is_ok();
             wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None).unwrap();
@@ -1028,8 +1033,6 @@ mod tests {
             wire::write_frame_sync(&mut stream, &answer(&[0, 2], true, true), &[], None).unwrap();
             went_on
         });
-        let mut client =
-            Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
         client.heartbeat(1, Duration::ZERO, None).unwrap();
         client.hand_over(1, 2, false, &[], Duration::ZERO).unwrap();
         assert_eq!(client.busy_now(), Some(true), "the hand-over is pending");
@@ -1060,12 +1063,7 @@ mod tests {
     /// next waits for the oldest.
     #[test]
     fn heartbeats_wait_for_answers_only_past_the_pending_limit() {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("ckptd.sock");
-        let listener = std::os::unix::net::UnixListener::bind(&socket).unwrap();
-        let (release, released) = std::sync::mpsc::channel::<()>();
-        let daemon = std::thread::spawn(move || {
-            let mut stream = accept_registration(&listener, &[0]);
+        let (_dir, mut client, release, daemon) = held_back_daemon(move |mut stream, released| {
             for _ in 0..PENDING_MAX {
                 wire::read_frame_sync(&mut stream, None).unwrap();
             }
@@ -1078,8 +1076,6 @@ mod tests {
             wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None).unwrap();
             went_on
         });
-        let mut client =
-            Ckptd::connect(&socket, "run".parse().unwrap(), 0, 1, Vec::new(), 16).unwrap();
         for step in 0..PENDING_MAX as u64 {
             client.heartbeat(step, Duration::ZERO, None).unwrap();
         }
