@@ -288,10 +288,18 @@ impl Cli {
     }
 
     pub(crate) async fn open_store(&self, mode: OpenMode) -> anyhow::Result<Store> {
+        self.open_store_with(mode, self.store_options()).await
+    }
+
+    pub(crate) async fn open_store_with(
+        &self,
+        mode: OpenMode,
+        options: StoreOptions,
+    ) -> anyhow::Result<Store> {
         let url = self.store.as_deref().ok_or_else(|| {
             UsageError("no store given: pass --store URL or set LAZARUS_STORE".into())
         })?;
-        Ok(Store::open(url, mode, self.store_options()).await?)
+        Ok(Store::open(url, mode, options).await?)
     }
 }
 
