@@ -374,9 +374,19 @@ impl Ckptd {
             return;
         }
         if let Some(held) = self.busy_word.as_ref().and_then(BusyWordReader::held) {
-            let unconfirmed = self.held.unconfirmed;
-            self.held.answer(&held);
-            self.held.unconfirmed = unconfirmed;
+            self.take_held(&held);
+        }
+    }
+
+    /// The daemon's word on its held slots, from an answer or its shm word: it replaces what
+    /// was known, except the slot of a hand-over still pending, which the daemon may not have
+    /// taken in when it said so.
+    fn take_held(&mut self, held: &[u32]) {
+        self.held.answer(held);
+        for pending in &self.pending {
+            if let Pending::HandOver { slot, .. } = *pending {
+                self.held.unconfirmed(slot);
+            }
         }
     }
 
@@ -497,11 +507,11 @@ impl Ckptd {
         };
         let result = match (pending, frame.message) {
             (Pending::Note, Message::Held { held, .. }) => {
-                self.held.answer(&held);
+                self.take_held(&held);
                 Ok(())
             }
             (Pending::HandOver { step, .. }, Message::Held { held, accepted, .. }) => {
-                self.held.answer(&held);
+                self.take_held(&held);
                 self.answers.push((step, accepted));
                 Ok(())
             }
@@ -517,12 +527,6 @@ impl Ckptd {
             }
             (Pending::Note, other) => Err(anyhow!("ckptd answered {other:?} to a heartbeat")),
         };
-        // The answer to a request written before a hand-over says nothing of its slot.
-        for pending in &self.pending {
-            if let Pending::HandOver { slot, .. } = *pending {
-                self.held.unconfirmed(slot);
-            }
-        }
         result
     }
 
@@ -1133,6 +1137,7 @@ mod tests {
         assert_eq!(client.held(), &held(&[1]));
         // A hand-over not yet answered keeps its slot held, whatever the word says.
         client.held.unconfirmed(2);
+        client.pending.push_back(Pending::HandOver { step: 1, slot: 2 });
         client.read_held();
         let mut expected = held(&[1]);
         expected.unconfirmed(2);

@@ -184,6 +184,20 @@ impl Stall {
     fn figures(&self) -> [f64; Self::FIGURES] {
         [self.seconds, self.cpu_wait, self.answer_wait]
     }
+
+    /// The stall of `step` from its [`Stall::figures`].
+    fn from_figures(step: u64, figures: &[f64]) -> Self {
+        Self {
+            step,
+            seconds: figures[0],
+            cpu_wait: figures[1],
+            answer_wait: figures[2],
+        }
+    }
+
+    fn by_seconds(a: &Stall, b: &Stall) -> std::cmp::Ordering {
+        a.seconds.total_cmp(&b.seconds)
+    }
 }
 
 /// The held slots of a saver that has none (the store's: the state is one heap buffer).
@@ -266,23 +280,15 @@ impl Session {
             .enumerate()
             .filter_map(|(i, own)| {
                 all.chunks(per_rank)
-                    .map(|rank| {
-                        let at = Stall::FIGURES * i;
-                        Stall {
-                            step: own.step,
-                            seconds: rank[at],
-                            cpu_wait: rank[at + 1],
-                            answer_wait: rank[at + 2],
-                        }
-                    })
-                    .max_by(|a, b| a.seconds.total_cmp(&b.seconds))
+                    .map(|rank| Stall::from_figures(own.step, &rank[Stall::FIGURES * i..]))
+                    .max_by(Stall::by_seconds)
             })
             .collect();
         let total = slowest.iter().map(|s| s.seconds).sum::<f64>();
         let max = slowest
             .iter()
             .copied()
-            .max_by(|a, b| a.seconds.total_cmp(&b.seconds))
+            .max_by(Stall::by_seconds)
             .unwrap_or_default();
         let mut sorted: Vec<f64> = slowest.iter().map(|s| s.seconds).collect();
         sorted.sort_by(f64::total_cmp);

@@ -617,11 +617,7 @@ async fn verify(
 ) -> Result<()> {
     // Verify reads the store, never the local chunk index: opening it (and the database's
     // first use) cost 13-29 ms of CPU and a seventh of a 524 MB verify's samples.
-    let unindexed = StoreOptions {
-        index_path: None,
-        ..cli.store_options()
-    };
-    let run = open_run_with(cli, run, unindexed).await?;
+    let run = open_run_with(cli, run, cli.store_options_without_index()).await?;
     let steps: Vec<StepKey> = if all {
         let catalog = run.catalog().await?;
         catalog
@@ -1303,10 +1299,7 @@ async fn restore(cli: &Cli, run: &str, step: &str, out: &Path, bars: bool) -> Re
     let target = Store::open(
         &url,
         OpenMode::CreateIfMissing,
-        StoreOptions {
-            index_path: None,
-            ..cli.store_options()
-        },
+        cli.store_options_without_index(),
     )
     .await?;
     let bar = Bar::bytes("restore", bars);

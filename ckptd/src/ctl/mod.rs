@@ -287,6 +287,14 @@ impl Cli {
         }
     }
 
+    /// [`Cli::store_options`] without the local chunk index, for commands that never read it.
+    pub(crate) fn store_options_without_index(&self) -> StoreOptions {
+        StoreOptions {
+            index_path: None,
+            ..self.store_options()
+        }
+    }
+
     pub(crate) async fn open_store(&self, mode: OpenMode) -> anyhow::Result<Store> {
         self.open_store_with(mode, self.store_options()).await
     }

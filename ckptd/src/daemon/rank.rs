@@ -407,9 +407,7 @@ impl RankState {
             // Marked, so that an upload running now uploads this step when it ends.
             t0.durable_requested = true;
         }
-        let persisted = self.persist();
-        self.publish();
-        persisted?;
+        self.persist_and_publish()?;
         Ok(true)
     }
 
@@ -427,9 +425,7 @@ impl RankState {
         }
         if self.t0.as_ref().is_some_and(|t0| later(t0.step)) {
             self.t0 = None;
-            let persisted = self.persist();
-            self.publish();
-            persisted?;
+            self.persist_and_publish()?;
         }
         Ok(())
     }
@@ -521,9 +517,7 @@ impl RankState {
         self.publish();
         if self.t0.as_ref().is_some_and(|t| Some(t.step) != keep) {
             self.t0 = None;
-            let persisted = self.persist();
-            self.publish();
-            persisted?;
+            self.persist_and_publish()?;
         }
         let slot = self.free_slot().ok_or_else(|| {
             anyhow!(
@@ -548,6 +542,13 @@ impl RankState {
         self.restoring = None;
         self.pending = None;
         self.t0 = snap;
+        self.persist_and_publish()
+    }
+
+    /// Records T0 in `state.json`, then tells the rank the held slots: a held set that
+    /// shrank as T0 moved must not reach the busy word before the file names the new T0. The
+    /// word is written even when the file could not be, as the answers are.
+    fn persist_and_publish(&self) -> Result<()> {
         let persisted = self.persist();
         self.publish();
         persisted
