@@ -1137,7 +1137,9 @@ mod tests {
         assert_eq!(client.held(), &held(&[1]));
         // A hand-over not yet answered keeps its slot held, whatever the word says.
         client.held.unconfirmed(2);
-        client.pending.push_back(Pending::HandOver { step: 1, slot: 2 });
+        client
+            .pending
+            .push_back(Pending::HandOver { step: 1, slot: 2 });
         client.read_held();
         let mut expected = held(&[1]);
         expected.unconfirmed(2);
