@@ -23,6 +23,7 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::{Duration, Instant};
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
 use lazarus_tests::stats::{median, range};
@@ -121,6 +122,23 @@ fn vm_hwm_bytes(pid: u32) -> u64 {
         .and_then(|v| v.parse().ok())
         .unwrap();
     kb * 1024
+}
+
+/// Waits until the leader has committed `step` as durable, reading the daemons' metrics
+/// (a scrape costs the cores far less than a `ckptctl list` would while they upload).
+fn wait_for_durable(cluster: &Cluster, step: u64) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let committed = || {
+        (0..2)
+            .any(|node| cluster.metric(node, "lazarus_ckptd_durable_committed_step") == step as f64)
+    };
+    while !committed() {
+        assert!(
+            Instant::now() < deadline,
+            "step {step} was not committed as durable within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 fn dcp_stall(bytes: u64, dir: &Path) -> Option<(f64, f64)> {
@@ -230,8 +248,11 @@ fn main() {
         let cluster = Cluster::start(dir, &run, &store, 2, &settings, Vec::new());
         let text = cluster.train(&args(dir, &run, &store, d_model, STEPS, 1));
         let ours = stall(&text);
+        // The run's last step is uploaded once the ranks are done: both daemons at once,
+        // nothing else on the cores (the DCP run below waits for it), as the dd runs below.
+        wait_for_durable(&cluster, STEPS);
         // Both daemons' CPU over the run, per snapshot (the hashing, sending and receiving of
-        // its replica, and the uploads of the durable steps finished by then).
+        // its replica, and the uploads of its durable steps, the last one included).
         let cpu = (0..2)
             .map(|node| cpu_seconds(cluster.pid(node).unwrap()))
             .sum::<f64>()
@@ -256,9 +277,6 @@ fn main() {
             cpu
         );
         if d_model == 512 {
-            // The run's last step is uploaded once the ranks are done: both daemons at once,
-            // nothing else on the cores, as the dd runs below. Its commit comes after both.
-            Ctl::new(store.clone(), &dir.join("index-512")).wait_for_latest(&run, STEPS);
             let upload =
                 [0, 1].map(|node| cluster.metric(node, "lazarus_ckptd_upload_bytes_per_second"));
             largest = Some((upload, store, ours.4));
