@@ -970,6 +970,7 @@ async fn import(
         world_size: 1,
         tensors,
         blobs,
+        copy: None,
     };
     let manifest = handle
         .write_shard_sourced(input, bases.as_ref(), &bar)

@@ -13,7 +13,7 @@
 //! | `replica-in` | the first chunk of a buddy's replica was written aside, the rest not |
 //! | `commit` | a memory commit made a snapshot T0 and `state.json` says so |
 //! | `upload` | a durable upload has stored some chunks, not yet its manifest |
-//! | `base` | an upload is stored and the delta-base file replaced by its slot; `state.json` does not name the new base yet |
+//! | `base` | an upload is copying its hashed chunks over the delta-base file, which `state.json` no longer names |
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;

@@ -18,7 +18,7 @@ use lazarus_shared::Rank;
 use tokio::net::{UnixListener, UnixStream};
 
 use super::rank::RankState;
-use super::slots::reserve;
+use super::slots::{reserve, BaseCopy, BASE_FILE};
 use super::{pipeline, restore, Config, ConfigError, Daemon, SLOTS_PER_RANK};
 
 fn ranks_dir(cfg: &Config) -> PathBuf {
@@ -409,8 +409,9 @@ async fn register(
     // ranks' polls and the heartbeat go on meanwhile. A rank registers from one process at
     // a time, so nothing else touches its directory.
     let busy_word = {
-        let (dir, mode) = (dir.clone(), daemon.cfg.socket_mode);
-        tokio::task::spawn_blocking(move || make_slots(&dir, slot_bytes, mode, !reuse)).await??
+        let (dir, mode, delta) = (dir.clone(), daemon.cfg.socket_mode, daemon.cfg.delta);
+        tokio::task::spawn_blocking(move || make_slots(&dir, slot_bytes, mode, !reuse, delta))
+            .await??
     };
     let mut ranks = daemon.ranks.lock().await;
     let mut state = ranks
@@ -448,9 +449,15 @@ async fn register(
 
 /// The rank's slot files in `dir`, sized and with every page reserved: a rank writing a
 /// slot through its mapping into a full tmpfs would die of SIGBUS; here it is a clear
-/// refusal instead. `fresh` first removes what an earlier layout left there. With them, the
-/// rank's busy word.
-fn make_slots(dir: &std::path::Path, slot_bytes: u64, mode: u32, fresh: bool) -> Result<BusyWord> {
+/// refusal instead. With `delta`, the delta-base file too ([`BaseCopy::make`]). `fresh`
+/// first removes what an earlier layout left there. With them, the rank's busy word.
+fn make_slots(
+    dir: &std::path::Path,
+    slot_bytes: u64,
+    mode: u32,
+    fresh: bool,
+    delta: bool,
+) -> Result<BusyWord> {
     if fresh {
         let _ = std::fs::remove_dir_all(dir);
     }
@@ -470,6 +477,9 @@ fn make_slots(dir: &std::path::Path, slot_bytes: u64, mode: u32, fresh: bool) ->
                 .with_context(|| format!("sizing {}", path.display()))?;
         }
         reserve(&file, slot_bytes, &path)?;
+    }
+    if delta {
+        BaseCopy::make(&dir.join(BASE_FILE), slot_bytes)?;
     }
     let path = dir.join(busy_word::FILE_NAME);
     BusyWord::create(&path, mode).with_context(|| format!("creating {}", path.display()))

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Result};
 use bytes::Bytes;
-use lazarus_shared::store::{ByteSource, DeltaBases, Progress, SourcedShard};
+use lazarus_shared::store::{ByteSource, DeltaBases, Progress, RawCopy, SourcedShard};
 use lazarus_shared::wire::{self, Message, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{Base, HandOver, RankState, Snap, Upload};
-use super::slots::{chunk_count, copy_file, read_chunk, verify_slot};
+use super::slots::{chunk_count, read_chunk, verify_slot, BaseCopy, BASE_FILE};
 use super::{replica, Daemon, SLOT_CHUNK_BYTES};
 use lazarus_shared::store::FileSource;
 
@@ -284,102 +284,78 @@ impl Progress for Counting<'_> {
     }
 }
 
-/// Uploads a rank's T0 through the store library and tells the leader its manifest is stored;
-/// then, while the slot is still held, makes it the delta base of the next upload. A durable
-/// step committed to memory meanwhile is uploaded next.
+/// Uploads a rank's T0 through the store library, writing the next upload's delta base as it
+/// goes, records the step and its base, and tells the leader its manifest is stored. A
+/// durable step committed to memory meanwhile is uploaded next.
 async fn upload(daemon: Arc<Daemon>, rank: Rank, snap: Snap) {
-    let (uploaded, slot) = (snap.step, snap.slot);
+    let uploaded = snap.step;
     let result = upload_inner(&daemon, rank, snap).await;
-    let stored = {
-        let mut ranks = daemon.ranks.lock().await;
-        let Some(state) = ranks.get_mut(&rank) else {
-            return;
-        };
-        match result {
-            Ok((step, chunks)) => {
-                // The base file is about to change: from now until the new base is recorded,
-                // no upload (nor a daemon restarted meanwhile) pairs it with the old chunks.
-                let recorded = if daemon.cfg.delta {
-                    state.forget_base()
-                } else {
-                    Ok(())
-                }
-                .and_then(|()| state.stored(step, None));
-                if let Err(error) = recorded {
-                    tracing::error!(error = %format!("{error:#}"), "cannot record the stored step");
-                }
-                let _ = daemon.to_leader.send(stored_message(&daemon, state, step));
-                Some((step, chunks))
-            }
-            Err(error) => {
-                daemon.metrics.error("upload");
-                tracing::warn!(rank, error = %format!("{error:#}"), "durable upload failed; the next durable step tries again");
-                None
-            }
-        }
-    };
-    let base = match stored {
-        Some((step, chunks)) if daemon.cfg.delta => {
-            match new_base(&daemon, rank, slot, uploaded, chunks).await {
-                Ok(base) => Some((step, base)),
-                Err(error) => {
-                    tracing::warn!(rank, error = %format!("{error:#}"), "no delta base for the next upload; it stores whole chunks");
-                    None
-                }
-            }
-        }
-        _ => None,
-    };
     let mut ranks = daemon.ranks.lock().await;
-    if let Some(state) = ranks.get_mut(&rank) {
-        if let Some((step, base)) = base {
-            if let Err(error) = state.stored(step, Some(base)) {
-                tracing::error!(error = %format!("{error:#}"), "cannot record the delta base");
+    let Some(state) = ranks.get_mut(&rank) else {
+        return;
+    };
+    match result {
+        Ok((step, base)) => {
+            if let Err(error) = state.stored(step, base) {
+                tracing::error!(error = %format!("{error:#}"), "cannot record the stored step");
             }
+            let _ = daemon.to_leader.send(stored_message(&daemon, state, step));
         }
-        let next = state.upload_ended(uploaded);
-        follow(&daemon, state, next);
+        Err(error) => {
+            daemon.metrics.error("upload");
+            tracing::warn!(rank, error = %format!("{error:#}"), "durable upload failed; the next durable step tries again");
+        }
     }
+    let next = state.upload_ended(uploaded);
+    follow(&daemon, state, next);
 }
 
 /// Writes `snap`'s shard (its T0 slot) through the store library. Returns the step as stored
-/// and, per tensor, the chunks the store recorded.
+/// and, with delta encoding, the new delta base: the slot's chunks as the writer hashed them,
+/// copied over the old base file (which they were encoded against) as it went.
 async fn upload_inner(
     daemon: &Arc<Daemon>,
     rank: Rank,
     snap: Snap,
-) -> Result<(StepKey, Vec<Vec<lazarus_shared::format::ChunkRef>>)> {
-    let (path, dir, tensors, world_size, base) = {
-        let ranks = daemon.ranks.lock().await;
+) -> Result<(StepKey, Option<Base>)> {
+    let (path, dir, tensors, world_size, slot_bytes, old_base, replace_base) = {
+        let mut ranks = daemon.ranks.lock().await;
         let state = ranks
-            .get(&rank)
+            .get_mut(&rank)
             .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+        let old_base = state.base.clone();
+        // The base file is about to change: from now until the new base is recorded, no
+        // upload (nor a daemon restarted meanwhile) pairs it with the old chunks. Where
+        // `state.json` cannot say so, the file is left alone and this upload stores whole
+        // chunks.
+        let replace_base = daemon.cfg.delta
+            && match state.forget_base() {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::error!(rank, error = %format!("{error:#}"), "cannot forget the delta base; this upload neither uses nor replaces it");
+                    false
+                }
+            };
         (
             state.slot_path(snap.slot),
             state.dir.clone(),
             state.tensors.clone(),
             state.world_size,
-            state.base.clone(),
+            state.slot_bytes,
+            old_base,
+            replace_base,
         )
     };
     let started = Instant::now();
     let timeline = daemon.run.current_timeline().await?;
     let key = StepKey::new(snap.step, timeline);
     let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&path)?);
-    let bases = match (base, daemon.cfg.delta) {
-        (Some(base), true) if base.chunks.len() == tensors.len() => {
-            let base_source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&dir.join("base"))?);
-            DeltaBases::of_regions(&tensors, &base_source, base.chunks).map(|bases| {
-                if base.checked {
-                    bases.already_checked()
-                } else {
-                    bases
-                }
-            })
-        }
-        _ => None,
+    let (copy, bases) = if replace_base {
+        open_base(rank, &dir.join(BASE_FILE), slot_bytes, &tensors, old_base)?
+    } else {
+        (None, None)
     };
-    let shard = SourcedShard::from_regions(
+    let mut shard = SourcedShard::from_regions(
         key,
         rank,
         world_size,
@@ -387,6 +363,7 @@ async fn upload_inner(
         &source,
         blobs_of(&snap.blobs),
     );
+    shard.copy = copy.clone().map(|copy| copy as Arc<dyn RawCopy>);
     let manifest = daemon
         .run
         .write_shard_sourced(shard, bases.as_ref(), &Counting(&daemon.metrics))
@@ -397,53 +374,47 @@ async fn upload_inner(
         .upload_bytes_per_second
         .set(manifest.raw_bytes() as f64 / started.elapsed().as_secs_f64().max(1e-9));
     tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), uploaded = manifest.uploaded_bytes, seconds = started.elapsed().as_secs_f64(), "shard stored");
-    Ok((
-        key,
-        manifest.tensors.into_iter().map(|t| t.chunks).collect(),
-    ))
+    // Every tensor chunk was copied from the bytes its name was hashed from, so the next
+    // upload trusts the base without hashing it (`checked`).
+    let base = copy.filter(|copy| copy.complete()).map(|_| Base {
+        step: snap.step,
+        chunks: manifest.tensors.into_iter().map(|t| t.chunks).collect(),
+        checked: true,
+    });
+    Ok((key, base))
 }
 
-/// Copies the uploaded slot to the rank's delta-base file and hashes the copy against the
-/// chunks just stored, so the next upload encodes against it without hashing it again.
-async fn new_base(
-    daemon: &Arc<Daemon>,
+/// Opens `rank`'s delta-base file for an upload to copy the new base over, and offers the
+/// old base's chunks as delta bases where the file still holds them (it has the slot's size).
+/// Without the file, the upload stores whole chunks and keeps no base.
+fn open_base(
     rank: Rank,
-    slot: u32,
-    step: u64,
-    chunks: Vec<Vec<lazarus_shared::format::ChunkRef>>,
-) -> Result<Base> {
-    let (from, dir, tensors, slot_bytes) = {
-        let ranks = daemon.ranks.lock().await;
-        let state = ranks
-            .get(&rank)
-            .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-        (
-            state.slot_path(slot),
-            state.dir.clone(),
-            state.tensors.clone(),
-            state.slot_bytes,
-        )
+    path: &std::path::Path,
+    slot_bytes: u64,
+    tensors: &[SlotTensor],
+    old: Option<Base>,
+) -> Result<(Option<Arc<BaseCopy>>, Option<DeltaBases>)> {
+    let (copy, sized) = match BaseCopy::open(path, slot_bytes) {
+        Ok(opened) => opened,
+        Err(error) => {
+            tracing::warn!(rank, error = %format!("{error:#}"), "cannot open the delta-base file; this upload stores whole chunks");
+            return Ok((None, None));
+        }
     };
-    // Written over the old base in place: the rank's state forgot it before this began (see
-    // `upload`), so no upload, nor a daemon restarted meanwhile, reads the file half copied;
-    // and the node never holds two bases.
-    let base_path = dir.join("base");
-    let to = base_path.clone();
-    tokio::task::spawn_blocking(move || copy_file(&from, &to, slot_bytes)).await??;
-    super::crash::point("base");
-    let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&base_path)?);
-    let checked = match DeltaBases::of_regions(&tensors, &source, chunks.clone()) {
-        Some(mut bases) => bases.check(daemon.cfg.upload_concurrency).await?,
-        None => false,
+    let bases = match old {
+        Some(old) if sized && old.chunks.len() == tensors.len() => {
+            let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(path)?);
+            DeltaBases::of_regions(tensors, &source, old.chunks).map(|bases| {
+                if old.checked {
+                    bases.already_checked()
+                } else {
+                    bases
+                }
+            })
+        }
+        _ => None,
     };
-    if !checked {
-        tracing::warn!(rank, step, "the delta-base copy does not hash to the chunks just stored; the next upload hashes each base chunk before using it");
-    }
-    Ok(Base {
-        step,
-        chunks,
-        checked,
-    })
+    Ok((Some(Arc::new(copy)), bases))
 }
 
 /// The blobs a snapshot carries, as the store takes them.

@@ -50,8 +50,8 @@ pub use reader::{Checkpoint, TensorInfo};
 pub use regions::{row_major_runs, Region, RegionKind, RestoreChoice};
 pub use verify::{Problem, VerifyOptions, VerifyReport};
 pub use writer::{
-    ByteSource, DeltaBases, FileSource, ShardInput, SourceRange, SourcedShard, SourcedTensor,
-    TensorData,
+    ByteSource, DeltaBases, FileSource, RawCopy, ShardInput, SourceRange, SourcedShard,
+    SourcedTensor, TensorData,
 };
 
 use crate::error::StoreError;

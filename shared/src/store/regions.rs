@@ -225,6 +225,7 @@ impl SourcedShard {
                 })
                 .collect(),
             blobs,
+            copy: None,
         }
     }
 }

@@ -274,6 +274,23 @@ pub struct SourcedShard {
     pub world_size: u32,
     pub tensors: Vec<SourcedTensor>,
     pub blobs: Vec<(String, Bytes)>,
+    /// Where the writer copies each tensor chunk's bytes as it hashed them (`None`: nowhere).
+    pub copy: Option<Arc<dyn RawCopy>>,
+}
+
+/// Takes a copy of the raw bytes of every tensor chunk a shard write stores (found stored
+/// already or not), the very bytes the chunk's name was hashed from: a copy made this way
+/// hashes to the manifest's chunks with no second read or hash of the source. `ckptd` keeps
+/// its delta base so.
+///
+/// A chunk is copied after its own delta base was read, and a chunk's base is the chunk at
+/// its position in the step before: so where the bases are read from a file laid out as the
+/// source (a copy of the source's previous contents), the copy may be written over that very
+/// file. Chunks are copied concurrently, in no order, from blocking threads. A copy that fails
+/// does not fail the write: the implementation notes it.
+pub trait RawCopy: Send + Sync + std::fmt::Debug {
+    /// `bytes` were read at `offset` of their source.
+    fn copy(&self, offset: u64, bytes: &[u8]);
 }
 
 /// What one rank stores for one step.
@@ -292,8 +309,8 @@ pub struct ShardInput {
 ///
 /// The writer hashes each base chunk before it encodes against it, and stores the chunk whole
 /// when the bytes are not the named chunk's: a delta against other bytes would decode to
-/// something else. Bases whose bytes were already checked against their hashes (decoded
-/// from storage, or [`DeltaBases::check`]ed once after they were copied) skip that hash.
+/// something else. Bases whose bytes are known to hash to their chunks (decoded from storage,
+/// or the [`RawCopy`] of the write that stored those chunks) skip that hash.
 #[derive(Clone, Debug, Default)]
 pub struct DeltaBases {
     tensors: HashMap<String, (SourceRange, Vec<ChunkRef>)>,
@@ -306,8 +323,9 @@ impl DeltaBases {
         self.checked = false;
     }
 
-    /// Says that every base's bytes were read back and found to hash to their chunk (the
-    /// caller decoded them from storage, which checks that): the writer trusts them.
+    /// Says that every base's bytes are known to hash to their chunk (the caller decoded them
+    /// from storage, which checks that, or they are the [`RawCopy`] of the write that stored
+    /// those chunks): the writer trusts them.
     pub fn already_checked(mut self) -> Self {
         self.checked = true;
         self
@@ -316,37 +334,6 @@ impl DeltaBases {
     /// Whether the writer will trust these bases without hashing them.
     pub fn is_checked(&self) -> bool {
         self.checked
-    }
-
-    /// Hashes every base chunk (`concurrency` at a time, on blocking threads) and compares it
-    /// with its reference. `true`, and the bases marked checked, if every one matches: bytes
-    /// that then stay unchanged (a file only their owner writes) need no hash at each write.
-    pub async fn check(&mut self, concurrency: usize) -> Result<bool, StoreError> {
-        let mut chunks = Vec::new();
-        for (raw, refs) in self.tensors.values() {
-            let mut offset = 0u64;
-            for chunk in refs {
-                if offset + chunk.raw_len > raw.len {
-                    return Ok(false);
-                }
-                chunks.push((raw.sub(offset, chunk.raw_len), chunk.hash));
-                offset += chunk.raw_len;
-            }
-        }
-        let matching: Vec<bool> =
-            stream::iter(chunks.into_iter().map(|(range, hash)| async move {
-                let bytes = range.load().await?;
-                Ok::<_, StoreError>(
-                    tokio::task::spawn_blocking(move || ChunkHash::of(&bytes) == hash)
-                        .await
-                        .expect("hashing does not panic"),
-                )
-            }))
-            .buffer_unordered(concurrency.max(1))
-            .try_collect()
-            .await?;
-        self.checked = matching.iter().all(|m| *m);
-        Ok(self.checked)
     }
 
     fn base_for(
@@ -371,6 +358,17 @@ struct ChunkJob {
     base: Option<(SourceRange, ChunkRef)>,
     /// The base's bytes are known to hash to its reference ([`DeltaBases::already_checked`]).
     base_checked: bool,
+    /// Where the raw bytes are copied once hashed (and the base read).
+    copy: Option<Arc<dyn RawCopy>>,
+}
+
+impl ChunkJob {
+    /// Hands the chunk's hashed bytes to its copy, if it has one (a blocking call).
+    fn copy_raw(&self, raw: &[u8]) {
+        if let Some(copy) = &self.copy {
+            copy.copy(self.raw.offset, raw);
+        }
+    }
 }
 
 struct ChunkDone {
@@ -394,6 +392,7 @@ impl RunStore {
             world_size: input.world_size,
             tensors: input.tensors.into_iter().map(Into::into).collect(),
             blobs: input.blobs,
+            copy: None,
         };
         self.write_shard_sourced(input, bases, progress).await
     }
@@ -447,6 +446,7 @@ impl RunStore {
                     element_bytes: tensor.dtype.element_bytes(),
                     base,
                     base_checked: bases.is_some_and(DeltaBases::is_checked),
+                    copy: input.copy.clone(),
                 });
             }
             total_bytes += tensor_len as u64;
@@ -462,6 +462,7 @@ impl RunStore {
                     element_bytes: 1,
                     base: None,
                     base_checked: false,
+                    copy: None,
                 });
             }
             total_bytes += data.len() as u64;
@@ -606,6 +607,12 @@ impl RunStore {
             .expect("hashing does not panic");
         let raw_len = raw.len() as u64;
         if let Some(existing) = self.known_chunk(hash).await? {
+            if job.copy.is_some() {
+                let job = job.clone();
+                tokio::task::spawn_blocking(move || job.copy_raw(&raw))
+                    .await
+                    .expect("copying does not panic");
+            }
             progress.advance(raw_len);
             let reference = ChunkRef {
                 hash,
@@ -629,6 +636,7 @@ impl RunStore {
         // chunks, and the rare fallback of `put_chunk` reads its source again.
         let run = self.run.clone();
         let base_checked = job.base_checked;
+        let copied = job.clone();
         let (encoded, base_ref) = tokio::task::spawn_blocking(move || {
             // A delta against bytes that are not its base's would decode to something else
             // under the base's name: a base offered with other bytes than its reference names
@@ -646,6 +654,7 @@ impl RunStore {
                 raw,
             });
             let encoded = codec::encode_best(&raw, hash, delta, policy);
+            copied.copy_raw(&raw);
             (encoded, base.map(|(_, chunk)| chunk))
         })
         .await
@@ -1088,11 +1097,11 @@ mod tests {
     use object_store::memory::InMemory;
     use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
-    use super::layout;
+    use super::{layout, DeltaBases};
     use crate::codec::{self, Codec, DeltaBase};
     use crate::hash::ChunkHash;
     use crate::ids::StepKey;
-    use crate::store::testing::{bases_of, floats, open_run, shard, write};
+    use crate::store::testing::{bases_of, floats, open_run, shard, write, FLOATS};
     use crate::store::RunStore;
     use crate::StoreError;
 
@@ -1239,47 +1248,133 @@ mod tests {
         assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
     }
 
-    /// `check` hashes the base bytes once: bytes that match are trusted by later writes (a
-    /// delta against them), other bytes are reported and left to the per-chunk hash, which
-    /// does not use them. Trusting unchecked bytes is what `already_checked` asserts.
+    /// Memory laid out as a rank's flat state, read as a source and written as a copy: a
+    /// delta-base file in miniature.
+    #[derive(Debug)]
+    struct Memory(std::sync::Mutex<Vec<u8>>);
+
+    impl Memory {
+        fn new(bytes: Vec<u8>) -> Arc<Self> {
+            Arc::new(Self(std::sync::Mutex::new(bytes)))
+        }
+
+        fn bytes(&self) -> Vec<u8> {
+            self.0.lock().unwrap().clone()
+        }
+    }
+
+    impl super::ByteSource for Memory {
+        fn read_at(&self, offset: u64, len: usize) -> std::io::Result<bytes::Bytes> {
+            let bytes = self.0.lock().unwrap();
+            let at = offset as usize;
+            Ok(bytes::Bytes::copy_from_slice(&bytes[at..at + len]))
+        }
+
+        fn describe(&self) -> String {
+            "memory".into()
+        }
+    }
+
+    impl super::RawCopy for Memory {
+        fn copy(&self, offset: u64, bytes: &[u8]) {
+            let at = offset as usize;
+            self.0.lock().unwrap()[at..at + bytes.len()].copy_from_slice(bytes);
+        }
+    }
+
+    /// A shard write copies every tensor chunk as it hashed it, at its source offset, and
+    /// only once that chunk's base was read: so the copy can go over the very memory the bases
+    /// are read from (a daemon's base file), and the next write trusts it as checked bases.
+    /// Chunks found stored are copied too; blobs are not.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn checked_bases_are_hashed_once_and_stale_ones_still_refused() {
+    async fn a_raw_copy_written_over_the_bases_is_the_next_writes_base() {
         let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
         let run_store = open(objects, None).await;
-        let (a, b, stale) = (floats(1, 0), floats(1, 64), floats(1, 32));
-        let first = write(&run_store, 1, &a, None).await;
-
-        let mut good = bases_of(&a, &first);
-        assert!(!good.is_checked());
-        assert!(good.check(4).await.unwrap());
-        assert!(good.is_checked());
-        let second = write(&run_store, 2, &b, Some(&good)).await;
-        assert_eq!(
-            second.tensors[0].chunks[0].bases,
-            vec![first.tensors[0].chunks[0].hash]
-        );
-
-        let mut bad = bases_of(&stale, &first);
-        assert!(!bad.check(4).await.unwrap());
-        assert!(!bad.is_checked());
-        let third = write(&run_store, 3, &floats(1, 96), Some(&bad)).await;
-        assert!(third.tensors[0].chunks[0].bases.is_empty());
-
-        for step in [2, 3] {
-            run_store.commit(StepKey::new(step, 0), 1).await.unwrap();
-        }
-        let read = |step| {
-            let run_store = &run_store;
-            async move {
-                let checkpoint = run_store
-                    .open_checkpoint(StepKey::new(step, 0))
-                    .await
-                    .unwrap();
-                checkpoint.read_tensor("w", &()).await.unwrap()
+        // Tensor `w` of two chunks, then `v` of one, in one flat state.
+        let state = |seed| [floats(seed, 0), floats(seed + 1, 0), floats(seed + 2, 0)].concat();
+        let chunk = (FLOATS * 4) as u64;
+        let shard = |step: u64, source: &Arc<Memory>, copy: &Arc<Memory>| {
+            let source: Arc<dyn super::ByteSource> = source.clone();
+            let tensor = |name: &str, offset: u64, len: u64| super::SourcedTensor {
+                name: name.into(),
+                dtype: crate::format::DType::F32,
+                global_shape: vec![len / 4],
+                slice: vec![crate::format::DimRange {
+                    start: 0,
+                    len: len / 4,
+                }],
+                data: super::SourceRange {
+                    source: source.clone(),
+                    offset,
+                    len,
+                },
+            };
+            super::SourcedShard {
+                step: StepKey::new(step, 0),
+                rank: 0,
+                world_size: 1,
+                tensors: vec![tensor("w", 0, 2 * chunk), tensor("v", 2 * chunk, chunk)],
+                blobs: vec![("extra".into(), floats(9, 0))],
+                copy: Some(copy.clone() as Arc<dyn super::RawCopy>),
             }
         };
-        assert_eq!(read(2).await, b.to_vec());
-        assert_eq!(read(3).await, floats(1, 96).to_vec());
+        let first = state(1);
+        // A few values changed in every chunk: each chunk is new, and a good delta.
+        let second: Vec<u8> = first
+            .chunks(chunk as usize)
+            .flat_map(|piece| {
+                let mut piece = piece.to_vec();
+                piece[..64].fill(0x3f);
+                piece
+            })
+            .collect();
+        let base = Memory::new(vec![0; first.len()]);
+        let written = run_store
+            .write_shard_sourced(shard(1, &Memory::new(first.clone()), &base), None, &())
+            .await
+            .unwrap();
+        assert_eq!(base.bytes(), first);
+
+        let mut bases = DeltaBases::default();
+        let base_source: Arc<dyn super::ByteSource> = base.clone();
+        for (tensor, offset, len) in [(0, 0, 2 * chunk), (1, 2 * chunk, chunk)] {
+            let range = super::SourceRange {
+                source: base_source.clone(),
+                offset,
+                len,
+            };
+            let entry = &written.tensors[tensor];
+            bases.insert(entry.name.clone(), range, entry.chunks.clone());
+        }
+        let bases = bases.already_checked();
+        let second_source = Memory::new(second.clone());
+        let delta = run_store
+            .write_shard_sourced(shard(2, &second_source, &base), Some(&bases), &())
+            .await
+            .unwrap();
+        for (stored, before) in delta.tensors.iter().zip(&written.tensors) {
+            for (chunk, base) in stored.chunks.iter().zip(&before.chunks) {
+                assert_eq!(chunk.bases, vec![base.hash], "{} not a delta", stored.name);
+            }
+        }
+        assert_eq!(base.bytes(), second);
+        run_store.commit(StepKey::new(2, 0), 1).await.unwrap();
+        let checkpoint = run_store.open_checkpoint(StepKey::new(2, 0)).await.unwrap();
+        let read = [
+            checkpoint.read_tensor("w", &()).await.unwrap(),
+            checkpoint.read_tensor("v", &()).await.unwrap(),
+        ]
+        .concat();
+        assert_eq!(read, second);
+
+        // Every chunk stored already: nothing uploaded, and still all copied.
+        let again = Memory::new(vec![0; second.len()]);
+        let same = run_store
+            .write_shard_sourced(shard(3, &second_source, &again), None, &())
+            .await
+            .unwrap();
+        assert_eq!(same.uploaded_bytes, 0);
+        assert_eq!(again.bytes(), second);
     }
 
     /// `put_chunk` itself, losing the create-only race: it takes the stored encoding (nothing
