@@ -12,7 +12,9 @@
 //! 3. Upload MB/s of the two daemons' shards of the run's last step (uploaded at once, after
 //!    the ranks finished), against two `dd` sequential writes (fsync) of as many bytes at once
 //!    to the same file system, and against one alone: the medians of five rounds of each.
-//! 4. Peak RSS of a daemon against its node's snapshot bytes.
+//! 4. Both daemons' CPU per durable upload: the CPU of a run with two durable steps less that
+//!    of one with none, halved (every snapshot taken in both).
+//! 5. Peak RSS of a daemon against its node's snapshot bytes.
 //!
 //! Row 1 also prints the daemons' CPU seconds per snapshot over the run.
 //!
@@ -139,6 +141,82 @@ fn wait_for_durable(cluster: &Cluster, step: u64) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Both daemons' CPU seconds over a run at d_model 512 that takes every snapshot
+/// (`checkpoint.busy = wait`), with a durable step every `every` steps, until they are idle;
+/// and the seconds each of their uploads took, by step, as their logs say.
+fn daemons_cpu(dir: &Path, every: u64) -> (f64, Vec<(String, f64)>) {
+    let run = format!("cpu-{every}");
+    let store = format!("file://{}", dir.join(&run).display());
+    let settings = Settings {
+        durable_every_steps: every,
+        ..Settings::default()
+    };
+    let cluster = Cluster::start(dir, &run, &store, 2, &settings, Vec::new());
+    let wait_args = bench_args(dir, &run, &store, 512, STEPS, 1)
+        .set("checkpoint.busy", "wait")
+        .build();
+    let text = cluster.train(&wait_args);
+    assert_eq!(taken(&text, STEPS), STEPS, "{text}");
+    if every <= STEPS {
+        wait_for_durable(&cluster, STEPS - STEPS % every);
+    }
+    // Idle: under 20 ms of CPU in half a second.
+    let cpu = || {
+        (0..2)
+            .map(|node| cpu_seconds(cluster.pid(node).unwrap()))
+            .sum::<f64>()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut last = cpu();
+    loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = cpu();
+        if now - last < 0.02 {
+            let uploads = (0..2)
+                .flat_map(|node| upload_seconds(&cluster.log(node)))
+                .collect();
+            return (now, uploads);
+        }
+        assert!(Instant::now() < deadline, "the daemons never went idle");
+        last = now;
+    }
+}
+
+/// (step, seconds) of every "shard stored" line of a daemon's log.
+fn upload_seconds(log: &str) -> Vec<(String, f64)> {
+    let field = |line: &str, key: &str| -> Option<String> {
+        let rest = &line[line.find(key)? + key.len()..];
+        Some(rest.split_whitespace().next()?.to_string())
+    };
+    log.lines()
+        .map(strip_ansi)
+        .filter(|line| line.contains("shard stored"))
+        .filter_map(|line| {
+            let seconds = field(&line, "seconds=")?.parse().ok()?;
+            Some((field(&line, "step=")?, seconds))
+        })
+        .collect()
+}
+
+/// `line` without its terminal colour codes.
+fn strip_ansi(line: &str) -> String {
+    let mut out = String::with_capacity(line.len());
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        if c == '\u{1b}' {
+            // ESC [ ... letter
+            for c in chars.by_ref() {
+                if c.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
 }
 
 fn dcp_stall(bytes: u64, dir: &Path) -> Option<(f64, f64)> {
@@ -375,7 +453,25 @@ fn main() {
     );
 
     println!();
-    println!("4. daemon peak RSS (node 1) against its snapshot bytes; slots, replicas and the delta base live in shm files, outside RSS");
+    println!("4. both daemons' CPU per durable upload (d_model 512, {STEPS} steps, every snapshot taken): a run with durable steps 5 and 10 against one with none, the difference halved");
+    let (with_uploads, uploads) = daemons_cpu(dir, 5);
+    let (without, _) = daemons_cpu(dir, 1000);
+    let per_upload = (with_uploads - without) / 2.0;
+    println!(
+        "{with_uploads:.2} s of CPU with 2 durable steps, {without:.2} s with none: {per_upload:.3} s per upload of both shards ({:.2} ns per raw byte)",
+        per_upload * 1e9 / (2 * shard_bytes) as f64
+    );
+    println!(
+        "each daemon's uploads of them took (s, from the daemons' logs): {}",
+        uploads
+            .iter()
+            .map(|(step, seconds)| format!("step {step} {seconds:.3}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+
+    println!();
+    println!("5. daemon peak RSS (node 1) against its snapshot bytes; slots, replicas and the delta base live in shm files, outside RSS");
     for (bytes, rss) in memory {
         println!(
             "snapshot {:>7.1} MB: peak RSS {:>6.1} MB = {:.2}x (limit 1.3x + a fixed overhead)",
