@@ -357,8 +357,10 @@ async fn open_run_with(cli: &Cli, run: &str, options: StoreOptions) -> Result<Ru
     Ok(handle)
 }
 
+/// A committed step, for the commands that only read it (show, diff, export, restore): they
+/// never consult the local chunk index, so it is not opened (as for verify).
 async fn open_step(cli: &Cli, run: &str, step: &str) -> Result<Checkpoint> {
-    let run = open_run(cli, run).await?;
+    let run = open_run_with(cli, run, cli.store_options_without_index()).await?;
     let key = run.resolve_step(step).await?;
     Ok(run.open_checkpoint(key).await?)
 }
