@@ -522,12 +522,17 @@ fn planes_of(payload: &[u8], raw_len: usize) -> Result<Planes<'_>, CodecError> {
 /// The raw bytes of a planes4 payload of `raw_len` bytes (before any delta is undone).
 fn read_planes(payload: &[u8], raw_len: usize) -> Result<Vec<u8>, CodecError> {
     let ([p0, p1, p2, p3], tail) = planes_of(payload, raw_len)?;
-    // Filled block by block rather than zeroed first and then overwritten: the zeroing was
-    // 4% of an export's samples (the allocator clears reused memory).
-    let mut raw = Vec::with_capacity(raw_len);
-    unshuffle4_blocks([&p0, &p1, &p2, &p3], |block| raw.extend_from_slice(block));
+    Ok(interleaved([&p0, &p1, &p2, &p3], tail))
+}
+
+/// The whole elements of four planes interleaved, then `tail` (the bytes of an incomplete
+/// last element). Filled block by block rather than zeroed first and then overwritten: the
+/// zeroing was 4% of an export's samples (the allocator clears reused memory).
+fn interleaved(planes: [&[u8]; 4], tail: &[u8]) -> Vec<u8> {
+    let mut raw = Vec::with_capacity(4 * planes[0].len() + tail.len());
+    unshuffle4_blocks(planes, |block| raw.extend_from_slice(block));
     raw.extend_from_slice(tail);
-    Ok(raw)
+    raw
 }
 
 /// Elements interleaved per block: 256 KiB of raw bytes, which stay in the processor's cache.
@@ -697,11 +702,11 @@ fn shuffle4_avx2(bytes: &[u8], planes: [&mut [u8]; 4]) {
 /// Inverse of [`shuffle4`].
 pub fn unshuffle4(bytes: &[u8]) -> Vec<u8> {
     let elements = bytes.len() / 4;
-    let mut out = vec![0u8; bytes.len()];
     let plane = |lane: usize| &bytes[lane * elements..(lane + 1) * elements];
-    unshuffle4_from([plane(0), plane(1), plane(2), plane(3)], &mut out);
-    out[elements * 4..].copy_from_slice(&bytes[elements * 4..]);
-    out
+    interleaved(
+        [plane(0), plane(1), plane(2), plane(3)],
+        &bytes[elements * 4..],
+    )
 }
 
 /// Interleaves four planes of equal length into the whole elements at the start of `out`.

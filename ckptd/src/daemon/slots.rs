@@ -1,8 +1,9 @@
 //! Slot files: the shm files that hold a rank's optimizer state (T0 and the snapshots in
 //! flight) and the buddy's replicas of other ranks' (T1). Reading one chunk at a time
 //! (through `store::FileSource`) on a blocking thread, re-hashing against the hashes taken at
-//! hand-over, reserving every page when a file is made, and writing a rank's delta base as an upload hashes its chunks. The rank state, the snapshot
-//! pipeline, restores and replicas use these; this module knows nothing of them.
+//! hand-over, reserving every page when a file is made, and writing a rank's delta base as an
+//! upload hashes its chunks. The rank state, the snapshot pipeline, restores and replicas use
+//! these; this module knows nothing of them.
 
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
