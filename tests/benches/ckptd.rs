@@ -191,32 +191,12 @@ fn upload_seconds(log: &str) -> Vec<(String, f64)> {
         Some(rest.split_whitespace().next()?.to_string())
     };
     log.lines()
-        .map(strip_ansi)
         .filter(|line| line.contains("shard stored"))
         .filter_map(|line| {
-            let seconds = field(&line, "seconds=")?.parse().ok()?;
-            Some((field(&line, "step=")?, seconds))
+            let seconds = field(line, "seconds=")?.parse().ok()?;
+            Some((field(line, "step=")?, seconds))
         })
         .collect()
-}
-
-/// `line` without its terminal colour codes.
-fn strip_ansi(line: &str) -> String {
-    let mut out = String::with_capacity(line.len());
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        if c == '\u{1b}' {
-            // ESC [ ... letter
-            for c in chars.by_ref() {
-                if c.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
 }
 
 fn dcp_stall(bytes: u64, dir: &Path) -> Option<(f64, f64)> {
