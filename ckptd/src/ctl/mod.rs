@@ -25,6 +25,8 @@ use clap::{Parser, Subcommand, ValueEnum};
 use lazarus_shared::store::{OpenMode, S3Settings, Store, StoreOptions};
 use lazarus_shared::StoreError;
 
+pub use crate::logging::LogFormat;
+
 #[derive(Debug, Parser)]
 #[command(
     name = "ckptctl",
@@ -60,12 +62,6 @@ pub struct Cli {
     pub log_format: LogFormat,
     #[command(subcommand)]
     pub command: Command,
-}
-
-#[derive(Clone, Copy, Debug, ValueEnum)]
-pub enum LogFormat {
-    Human,
-    Json,
 }
 
 #[derive(Clone, Copy, Debug, ValueEnum)]
@@ -231,7 +227,7 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
 }
 
 pub fn main(cli: Cli) -> ExitCode {
-    init_logging(cli.log_format);
+    crate::logging::init(cli.log_format, "warn");
     // File IO, hashing and decoding run on the blocking threads. Twice as many as cores
     // keep the cores busy while some wait on the disk; an unbounded pool starts a thread per
     // chunk in flight, each with its own heap, so the chunk buffers one frees are not the
@@ -249,21 +245,6 @@ pub fn main(cli: Cli) -> ExitCode {
             eprintln!("ckptctl: error: {error:#}");
             ExitCode::from(exit_code(&error))
         }
-    }
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("LAZARUS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
-    // Colour only on a terminal: a log file (journald, a Slurm job's output) would otherwise
-    // get escape codes between every field's name and value.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Human => builder.init(),
-        LogFormat::Json => builder.json().init(),
     }
 }
 

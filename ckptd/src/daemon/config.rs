@@ -7,13 +7,7 @@ use clap::{Parser, ValueEnum};
 use lazarus_shared::RunId;
 use serde::Deserialize;
 
-#[derive(Clone, Copy, Debug, Default, ValueEnum, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum LogFormat {
-    #[default]
-    Human,
-    Json,
-}
+pub use crate::logging::LogFormat;
 
 /// Flags; each overrides the same key of the config file.
 #[derive(Debug, Parser)]

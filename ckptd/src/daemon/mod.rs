@@ -123,7 +123,7 @@ pub fn main(cli: Cli) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    init_logging(cfg.log_format);
+    crate::logging::init(cfg.log_format, "info");
     yield_to_the_ranks();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -171,21 +171,6 @@ fn yield_to_the_ranks() {
             error = %std::io::Error::last_os_error(),
             "could not run under SCHED_BATCH: the daemon's wake-ups may preempt training ranks"
         );
-    }
-}
-
-fn init_logging(format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("LAZARUS_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    // Colour only on a terminal: a log file (journald, a Slurm job's output) would otherwise
-    // get escape codes between every field's name and value.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    match format {
-        LogFormat::Human => builder.init(),
-        LogFormat::Json => builder.json().init(),
     }
 }
 
