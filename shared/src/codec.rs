@@ -407,20 +407,19 @@ fn decompress(payload: &[u8], raw_len: u64) -> Result<Vec<u8>, CodecError> {
 }
 
 /// Compresses one byte plane. A plane's bytes are alike in their distribution (the exponent
-/// bytes of floats of similar size) more than they repeat in runs, so zstd's entropy coder
-/// does most of the work. At the store's default level (1 or below) the plane gets level 1
-/// with a 4 KiB hash table (`HashLog` 10, which stays in the L1 cache) and a match search that,
-/// where it finds nothing, steps ahead about 257 bytes at a time (`TargetLength` 256, in zstd's
-/// fast strategy): on such planes matches are few, and looking for one every few bytes cost
-/// more than the entropy coding.
-/// The literals are always entropy-coded (zstd would leave them raw once `TargetLength` is
-/// set). Measured on the planes that compress of a trained `tiny` state (472.8 MB after 10
-/// steps, step 5 its delta base), per plane byte, against `TargetLength` 4: the plain planes
-/// compress in 0.68 ns instead of 1.00 (plain level 1: 1.56) and decompress in 0.32 instead of
-/// 0.36, 11% larger; the XOR-delta planes in 0.81 instead of 1.27 and 0.45 instead of 0.60,
-/// 0.9% larger. The whole state stores 1.1% (plain) and 0.3% (delta) more bytes, and encodes
-/// in 0.45 and 0.71 ns per byte instead of 0.62 and 0.98. Higher levels are used as they are.
-/// The frames are standard zstd: any decoder reads them.
+/// bytes of floats of similar size) more than they repeat in runs, so zstd's entropy coder does
+/// most of the work. At the store's default level (1 or below) the plane gets level 1 with a
+/// 4 KiB hash table (`HashLog` 10, which stays in the L1 cache) and a match search that, where it
+/// finds nothing, steps ahead about 257 bytes at a time (`TargetLength` 256, in zstd's fast
+/// strategy): on such planes matches are few, and looking for one every few bytes cost more
+/// than the entropy coding. The literals are always entropy-coded (zstd would leave them raw
+/// once `TargetLength` is set). Measured on the planes that compress of a trained `tiny` state
+/// (472.8 MB after 10 steps, step 5 its delta base), per plane byte, against `TargetLength` 4:
+/// the plain planes compress in 0.68 ns instead of 1.00 (plain level 1: 1.56) and decompress in
+/// 0.32 instead of 0.36, 11% larger; the XOR-delta planes in 0.81 instead of 1.27 and 0.45
+/// instead of 0.60, 0.9% larger. The whole state stores 1.1% (plain) and 0.3% (delta) more
+/// bytes, and encodes in 0.45 and 0.71 ns per byte instead of 0.62 and 0.98. Higher levels are
+/// used as they are. The frames are standard zstd: any decoder reads them.
 fn compress_plane(plane: &[u8], level: i32) -> Vec<u8> {
     use zstd::zstd_safe::{CParameter, ParamSwitch};
     if level > 1 {
@@ -641,9 +640,8 @@ fn entropy_bits_of(len: usize, byte: impl Fn(usize) -> u8) -> f64 {
         tables[0][usize::from(byte(at))] += 1;
         at += step;
     }
-    let counts: Vec<u64> = (0..256)
-        .map(|value| tables.iter().map(|table| u64::from(table[value])).sum())
-        .collect();
+    let counts: [u64; 256] =
+        std::array::from_fn(|value| tables.iter().map(|table| u64::from(table[value])).sum());
     let samples: u64 = counts.iter().sum();
     counts
         .iter()

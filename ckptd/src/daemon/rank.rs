@@ -43,8 +43,9 @@ pub struct Base {
     pub step: u64,
     /// Per tensor, in slot order, the chunks the store wrote.
     pub chunks: Vec<Vec<ChunkRef>>,
-    /// The base file was hashed against `chunks` after it was copied, by this life of the
-    /// daemon: uploads need not hash it again. A restarted daemon checks it chunk by chunk.
+    /// This life of the daemon wrote the base file, during the upload that stored `chunks`,
+    /// from the very bytes their names were hashed from: uploads need not hash it again. A
+    /// restarted daemon checks it chunk by chunk.
     #[serde(skip)]
     pub checked: bool,
 }
