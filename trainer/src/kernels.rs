@@ -277,6 +277,40 @@ unsafe fn product_raw<T: Element>(
     }
 }
 
+/// Rows of the destination, and columns of the source, a thread transposes at a time.
+const TRANSPOSE_TILE: usize = 64;
+
+/// The transpose of `src`, a row-major matrix of `src_rows` rows: row-major, `src_rows`
+/// columns. Written in tiles on the rayon pool's threads, into memory that is not zero-filled
+/// first.
+pub fn transposed<T: Element>(src: &[T], src_rows: usize) -> Vec<T> {
+    if src_rows == 0 {
+        return Vec::new();
+    }
+    assert_eq!(src.len() % src_rows, 0, "a transpose of whole rows");
+    // The output's rows are `src`'s columns.
+    let (rows, cols) = (src.len() / src_rows, src_rows);
+    let mut out = Vec::with_capacity(src.len());
+    out.spare_capacity_mut()[..src.len()]
+        .par_chunks_mut(TRANSPOSE_TILE * cols)
+        .enumerate()
+        .for_each(|(tile, block)| {
+            let first = tile * TRANSPOSE_TILE;
+            for start in (0..cols).step_by(TRANSPOSE_TILE) {
+                let end = (start + TRANSPOSE_TILE).min(cols);
+                for (offset, row) in block.chunks_mut(cols).enumerate() {
+                    for (c, value) in row[start..end].iter_mut().enumerate() {
+                        value.write(src[(start + c) * rows + first + offset]);
+                    }
+                }
+            }
+        });
+    // SAFETY: the chunks cover the first `src.len()` elements, each row of each chunk whole
+    // (`src.len()` is a multiple of `cols`), and every element of every row was written above.
+    unsafe { out.set_len(src.len()) };
+    out
+}
+
 /// Row blocks of a row-major matrix with rows of `cols` elements, each one product: rows
 /// `first..end` of block `i` are `a * b` (or gain `a * b` with `accumulate`), for
 /// `(a, b) = product(i)`. The blocks run in parallel on the rayon pool, each product on one
@@ -915,29 +949,41 @@ pub trait SoftmaxRow: Element {
     ) {
         swiglu_backward_body(inputs, grad_gate, grad_up)
     }
-    /// A process-wide scratch buffer for big temporaries (the loss's logits), kept between
-    /// steps so that each step does not map and fault in hundreds of megabytes afresh.
-    fn scratch() -> &'static Mutex<Vec<Self>>;
+    /// Process-wide scratch buffers for big temporaries (the loss's logits and the transpose
+    /// of its weight gradient), kept between steps so that each step does not map and fault in
+    /// hundreds of megabytes afresh.
+    fn scratch() -> &'static Mutex<Vec<Vec<Self>>>;
 }
 
-static SCRATCH_F32: Mutex<Vec<f32>> = Mutex::new(Vec::new());
-static SCRATCH_F64: Mutex<Vec<f64>> = Mutex::new(Vec::new());
+static SCRATCH_F32: Mutex<Vec<Vec<f32>>> = Mutex::new(Vec::new());
+static SCRATCH_F64: Mutex<Vec<Vec<f64>>> = Mutex::new(Vec::new());
 
-/// Borrows the scratch buffer of `T` with at least `len` elements (contents unspecified) for
-/// `run`. A second, concurrent caller gets a fresh buffer rather than waiting.
+/// Scratch buffers kept between uses, per element type: as many as are in use at once (the
+/// loss's logits and the transpose of its weight gradient).
+const SCRATCH_KEPT: usize = 2;
+
+/// Borrows a scratch buffer of `T` with at least `len` elements (contents unspecified) for
+/// `run`: the smallest kept one that is big enough, else the biggest, grown. Nested and
+/// concurrent callers each get a buffer of their own.
 pub fn with_scratch<T: SoftmaxRow, R>(len: usize, run: impl FnOnce(&mut [T]) -> R) -> R {
-    let mut buffer = T::scratch()
-        .try_lock()
-        .map(|mut cached| std::mem::take(&mut *cached))
-        .unwrap_or_default();
+    let mut buffer = {
+        let mut kept = T::scratch().lock().unwrap_or_else(|e| e.into_inner());
+        kept.sort_by_key(Vec::len);
+        let fits = kept.iter().position(|buffer| buffer.len() >= len);
+        match fits.or(kept.len().checked_sub(1)) {
+            Some(index) => kept.remove(index),
+            None => Vec::new(),
+        }
+    };
     if buffer.len() < len {
         buffer.resize(len, T::ZERO);
     }
     let result = run(&mut buffer[..len]);
-    if let Ok(mut cached) = T::scratch().try_lock() {
-        if cached.len() < buffer.len() {
-            *cached = buffer;
-        }
+    let mut kept = T::scratch().lock().unwrap_or_else(|e| e.into_inner());
+    kept.push(buffer);
+    if kept.len() > SCRATCH_KEPT {
+        kept.sort_by_key(Vec::len);
+        kept.remove(0);
     }
     result
 }
@@ -1022,7 +1068,7 @@ impl SoftmaxRow for f32 {
         swiglu_backward_body(inputs, grad_gate, grad_up)
     }
 
-    fn scratch() -> &'static Mutex<Vec<Self>> {
+    fn scratch() -> &'static Mutex<Vec<Vec<Self>>> {
         &SCRATCH_F32
     }
 }
@@ -1062,7 +1108,7 @@ impl SoftmaxRow for f64 {
         f64::exp(self)
     }
 
-    fn scratch() -> &'static Mutex<Vec<Self>> {
+    fn scratch() -> &'static Mutex<Vec<Vec<Self>>> {
         &SCRATCH_F64
     }
 }
@@ -1272,6 +1318,53 @@ mod tests {
                 })
             });
             assert!(result.is_err(), "blocks {gap:?} do not cover the rows");
+        }
+    }
+
+    #[test]
+    fn a_transpose_moves_every_element_across_partial_tiles() {
+        // 70 x 130 into 130 x 70: no side a multiple of the tile.
+        let (rows, cols) = (130, 70);
+        let src: Vec<f64> = (0..rows * cols).map(|i| i as f64).collect();
+        let dst = transposed(&src, cols);
+        for r in 0..rows {
+            for c in 0..cols {
+                assert_eq!(dst[r * cols + c], src[c * rows + r], "({r}, {c})");
+            }
+        }
+    }
+
+    #[test]
+    fn a_product_computed_transposed_has_the_same_bits() {
+        // The loss's weight gradient: `E^T x` against `(x^T E)^T`, over more rows than one
+        // of gemm's inner-dimension blocks, stored and then accumulated.
+        let (tokens, vocab, hidden) = (1100, 300, 40);
+        let values = |n: usize, seed: u32| -> Vec<f32> {
+            let mut state = seed;
+            (0..n)
+                .map(|_| {
+                    state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    (state >> 8) as f32 / 16_777_216.0 - 0.5
+                })
+                .collect()
+        };
+        let (e, x) = (values(tokens * vocab, 1), values(tokens * hidden, 2));
+        let (e, x) = (
+            MatRef::row_major(&e, tokens, vocab),
+            MatRef::row_major(&x, tokens, hidden),
+        );
+        let mut direct = vec![0f32; vocab * hidden];
+        let mut x_t_e = vec![0f32; hidden * vocab];
+        for accumulate in [false, true] {
+            matmul(&mut direct, e.t(), x, accumulate);
+            matmul(&mut x_t_e, x.t(), e, accumulate);
+            let back = transposed(&x_t_e, hidden);
+            let differ = direct
+                .iter()
+                .zip(&back)
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(differ, 0, "accumulate {accumulate}");
         }
     }
 
