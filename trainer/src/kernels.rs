@@ -988,6 +988,16 @@ pub fn with_scratch<T: SoftmaxRow, R>(len: usize, run: impl FnOnce(&mut [T]) -> 
     result
 }
 
+/// [`with_scratch`] for two buffers at once, of `lens.0` and `lens.1` elements.
+pub fn with_scratches<T: SoftmaxRow, R>(
+    lens: (usize, usize),
+    run: impl FnOnce(&mut [T], &mut [T]) -> R,
+) -> R {
+    with_scratch(lens.0, |first| {
+        with_scratch(lens.1, |second| run(first, second))
+    })
+}
+
 impl SoftmaxRow for f32 {
     fn log_sum_exp(row: &[f32]) -> f64 {
         #[cfg(target_arch = "x86_64")]

@@ -23,7 +23,7 @@ use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, T
 use rayon::prelude::*;
 
 use crate::custom_op::{contiguous, cpu};
-use crate::kernels::{matmul, transposed, with_scratch, MatRef, SoftmaxRow};
+use crate::kernels::{matmul, transposed, with_scratches, MatRef, SoftmaxRow};
 
 /// Rows of logits alive at once: at most one logits-sized buffer (2048 rows of a 50304
 /// vocabulary is 412 MB in f32). More, smaller chunks measured slower: the weight gradient
@@ -183,82 +183,81 @@ fn forward<T: SoftmaxRow>(
     // `[H, V]`, the transpose of the stored rows.
     let weight_t = MatRef::row_major(weight, vocab, hidden).t();
     let grad_weight_len = if gradients { hidden * vocab } else { 0 };
-    let grad_weight = with_scratch(grad_weight_len, |grad_weight_t: &mut [T]| {
-        with_scratch(CHUNK_ROWS.min(rows) * vocab, |logits: &mut [T]| {
-            for first in (0..rows).step_by(CHUNK_ROWS) {
-                let count = CHUNK_ROWS.min(rows - first);
-                let x_chunk = &x[first * hidden..(first + count) * hidden];
-                let chunk = &mut logits[..count * vocab];
-                let multiplying = tracing::info_span!("logits_matmul").entered();
-                matmul(
-                    chunk,
-                    MatRef::row_major(x_chunk, count, hidden),
-                    weight_t,
-                    false,
-                );
-                drop(multiplying);
-                let softmax = tracing::info_span!("softmax").entered();
-                let rows = first..first + count;
-                let targets = &targets[rows.clone()];
-                // Each row's shift, when it holds its exponentials.
-                let shifts = match split {
-                    None => {
-                        let (shifts, lse): (Vec<f64>, Vec<f64>) = chunk
-                            .par_chunks_mut(vocab)
-                            .zip(losses[rows.clone()].par_iter_mut())
-                            .zip(targets.par_iter())
-                            .map(|((row, loss), target)| {
-                                let picked = row[*target as usize].to_f64();
-                                let (shift, lse) = if gradients {
-                                    T::exp_in_place(row)
-                                } else {
-                                    (0.0, T::log_sum_exp(row))
-                                };
-                                *loss = lse - picked;
-                                (shift, lse)
-                            })
-                            .unzip();
-                        log_sum_exp[rows.clone()].copy_from_slice(&lse);
-                        shifts
-                    }
-                    Some(split) => split_rows(
-                        chunk,
-                        vocab,
-                        split,
-                        targets,
-                        &mut log_sum_exp[rows.clone()],
-                        &mut losses[rows.clone()],
-                        gradients,
-                    ),
-                };
-                drop(softmax);
-                if let Some(grad_x) = &mut grad_x {
-                    let scales: Vec<f64> = shifts
-                        .iter()
-                        .zip(&log_sum_exp[rows.clone()])
-                        .map(|(shift, lse)| (shift - lse).exp())
-                        .collect();
-                    let local: Vec<Option<usize>> = targets
-                        .iter()
-                        .map(|target| match split {
-                            None => Some(*target as usize),
-                            Some(split) => split.local(*target, vocab),
+    let lens = (CHUNK_ROWS.min(rows) * vocab, grad_weight_len);
+    let grad_weight = with_scratches(lens, |logits: &mut [T], grad_weight_t: &mut [T]| {
+        for first in (0..rows).step_by(CHUNK_ROWS) {
+            let count = CHUNK_ROWS.min(rows - first);
+            let x_chunk = &x[first * hidden..(first + count) * hidden];
+            let chunk = &mut logits[..count * vocab];
+            let multiplying = tracing::info_span!("logits_matmul").entered();
+            matmul(
+                chunk,
+                MatRef::row_major(x_chunk, count, hidden),
+                weight_t,
+                false,
+            );
+            drop(multiplying);
+            let softmax = tracing::info_span!("softmax").entered();
+            let rows = first..first + count;
+            let targets = &targets[rows.clone()];
+            // Each row's shift, when it holds its exponentials.
+            let shifts = match split {
+                None => {
+                    let (shifts, lse): (Vec<f64>, Vec<f64>) = chunk
+                        .par_chunks_mut(vocab)
+                        .zip(losses[rows.clone()].par_iter_mut())
+                        .zip(targets.par_iter())
+                        .map(|((row, loss), target)| {
+                            let picked = row[*target as usize].to_f64();
+                            let (shift, lse) = if gradients {
+                                T::exp_in_place(row)
+                            } else {
+                                (0.0, T::log_sum_exp(row))
+                            };
+                            *loss = lse - picked;
+                            (shift, lse)
                         })
-                        .collect();
-                    gradients_from_exps(
-                        Exps {
-                            exps: MatRef::row_major(&*chunk, count, vocab),
-                            scales: &scales,
-                            targets: &local,
-                        },
-                        x_chunk,
-                        weight,
-                        &mut grad_x[first * hidden..(first + count) * hidden],
-                        (&mut *grad_weight_t, first > 0),
-                    );
+                        .unzip();
+                    log_sum_exp[rows.clone()].copy_from_slice(&lse);
+                    shifts
                 }
+                Some(split) => split_rows(
+                    chunk,
+                    vocab,
+                    split,
+                    targets,
+                    &mut log_sum_exp[rows.clone()],
+                    &mut losses[rows.clone()],
+                    gradients,
+                ),
+            };
+            drop(softmax);
+            if let Some(grad_x) = &mut grad_x {
+                let scales: Vec<f64> = shifts
+                    .iter()
+                    .zip(&log_sum_exp[rows.clone()])
+                    .map(|(shift, lse)| (shift - lse).exp())
+                    .collect();
+                let local: Vec<Option<usize>> = targets
+                    .iter()
+                    .map(|target| match split {
+                        None => Some(*target as usize),
+                        Some(split) => split.local(*target, vocab),
+                    })
+                    .collect();
+                gradients_from_exps(
+                    Exps {
+                        exps: MatRef::row_major(&*chunk, count, vocab),
+                        scales: &scales,
+                        targets: &local,
+                    },
+                    x_chunk,
+                    weight,
+                    &mut grad_x[first * hidden..(first + count) * hidden],
+                    (&mut *grad_weight_t, first > 0),
+                );
             }
-        });
+        }
         gradients.then(|| untransposed(grad_weight_t, hidden))
     });
     (losses, grad_x.zip(grad_weight))
@@ -401,42 +400,41 @@ fn backward<T: SoftmaxRow>(
     // `[H, V]`, the transpose of the stored rows.
     let weight = MatRef::row_major(weight, vocab, hidden).t();
     // Accumulated transposed, as in the forward pass (see `untransposed`).
-    let grad_weight = with_scratch(hidden * vocab, |grad_weight_t: &mut [T]| {
-        with_scratch(CHUNK_ROWS.min(rows) * vocab, |logits: &mut [T]| {
-            for first in (0..rows).step_by(CHUNK_ROWS) {
-                let count = CHUNK_ROWS.min(rows - first);
-                let x_chunk =
-                    MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
-                let chunk = &mut logits[..count * vocab];
-                matmul(chunk, x_chunk, weight, false);
-                // Rows are independent: upstream * (softmax - one_hot), in place.
-                chunk
-                    .par_chunks_mut(vocab)
-                    .enumerate()
-                    .for_each(|(offset, row)| {
-                        let index = first + offset;
-                        // A split row's log-sum-exp is the whole row's: always saved by the
-                        // forward pass (the op checks).
-                        let lse = saved_log_sum_exp
-                            .get(index)
-                            .copied()
-                            .unwrap_or_else(|| T::log_sum_exp(row));
-                        let target = match split {
-                            None => Some(targets[index] as usize),
-                            Some(split) => split.local(targets[index], vocab),
-                        };
-                        logits_to_gradient(row, lse, target, upstream[index]);
-                    });
-                let dlogits = MatRef::row_major(&*chunk, count, vocab);
-                matmul(
-                    &mut grad_x[first * hidden..(first + count) * hidden],
-                    dlogits,
-                    weight.t(),
-                    false,
-                );
-                matmul(grad_weight_t, x_chunk.t(), dlogits, first > 0);
-            }
-        });
+    let lens = (CHUNK_ROWS.min(rows) * vocab, hidden * vocab);
+    let grad_weight = with_scratches(lens, |logits: &mut [T], grad_weight_t: &mut [T]| {
+        for first in (0..rows).step_by(CHUNK_ROWS) {
+            let count = CHUNK_ROWS.min(rows - first);
+            let x_chunk =
+                MatRef::row_major(&x[first * hidden..(first + count) * hidden], count, hidden);
+            let chunk = &mut logits[..count * vocab];
+            matmul(chunk, x_chunk, weight, false);
+            // Rows are independent: upstream * (softmax - one_hot), in place.
+            chunk
+                .par_chunks_mut(vocab)
+                .enumerate()
+                .for_each(|(offset, row)| {
+                    let index = first + offset;
+                    // A split row's log-sum-exp is the whole row's: always saved by the
+                    // forward pass (the op checks).
+                    let lse = saved_log_sum_exp
+                        .get(index)
+                        .copied()
+                        .unwrap_or_else(|| T::log_sum_exp(row));
+                    let target = match split {
+                        None => Some(targets[index] as usize),
+                        Some(split) => split.local(targets[index], vocab),
+                    };
+                    logits_to_gradient(row, lse, target, upstream[index]);
+                });
+            let dlogits = MatRef::row_major(&*chunk, count, vocab);
+            matmul(
+                &mut grad_x[first * hidden..(first + count) * hidden],
+                dlogits,
+                weight.t(),
+                false,
+            );
+            matmul(grad_weight_t, x_chunk.t(), dlogits, first > 0);
+        }
         untransposed(grad_weight_t, hidden)
     });
     (grad_x, grad_weight)
