@@ -7,7 +7,8 @@
 //! paths therefore give bit-identical results; AVX2 only makes them faster.
 //!
 //! This is the one module of the trainer allowed `unsafe`: the raw-pointer `gemm` call behind
-//! a bounds-checked wrapper, and calls into AVX2 code after checking the CPU has it.
+//! a bounds-checked wrapper, products and a transpose written into memory not initialised
+//! first, and calls into AVX2 code after checking the CPU has it.
 #![allow(unsafe_code)]
 
 use std::sync::Mutex;
@@ -282,12 +283,15 @@ const TRANSPOSE_TILE: usize = 64;
 
 /// The transpose of `src`, a row-major matrix of `src_rows` rows: row-major, `src_rows`
 /// columns. Written in tiles on the rayon pool's threads, into memory that is not zero-filled
-/// first.
+/// first. Panics unless `src_rows` divides a non-empty `src`'s length.
 pub fn transposed<T: Element>(src: &[T], src_rows: usize) -> Vec<T> {
-    if src_rows == 0 {
+    if src.is_empty() {
         return Vec::new();
     }
-    assert_eq!(src.len() % src_rows, 0, "a transpose of whole rows");
+    assert!(
+        src_rows > 0 && src.len() % src_rows == 0,
+        "a transpose of whole rows"
+    );
     // The output's rows are `src`'s columns.
     let (rows, cols) = (src.len() / src_rows, src_rows);
     let mut out = Vec::with_capacity(src.len());
@@ -1342,6 +1346,14 @@ mod tests {
                 assert_eq!(dst[r * cols + c], src[c * rows + r], "({r}, {c})");
             }
         }
+        // Smaller than a tile, one row, one column, nothing.
+        let src = [1.0f64, 2.0, 3.0, 4.0, 5.0, 6.0];
+        assert_eq!(transposed(&src, 2), [1.0, 4.0, 2.0, 5.0, 3.0, 6.0]);
+        assert_eq!(transposed(&src, 1), src);
+        assert_eq!(transposed(&src, 6), src);
+        assert!(transposed::<f64>(&[], 3).is_empty());
+        let uneven = std::panic::catch_unwind(|| transposed(&src, 4));
+        assert!(uneven.is_err(), "4 rows do not divide 6 elements");
     }
 
     #[test]

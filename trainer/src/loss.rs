@@ -6,7 +6,8 @@
 //! `CHUNK_ROWS` rows at a time and keeps only per-row losses, and the backward pass recomputes
 //! each chunk, turns it into `softmax - one_hot` in place, and accumulates the gradients of
 //! `x` and `W` from it. Peak extra memory is one chunk of logits, not several logits-sized
-//! buffers (a 2048-token batch at vocabulary 50304 is 412 MB per buffer).
+//! buffers (a 2048-token batch at vocabulary 50304 is 412 MB per buffer), and `W`'s gradient
+//! twice: accumulated transposed, then in `W`'s layout (51.5 MB each at hidden 256).
 //!
 //! Under tensor parallelism the op is vocabulary-parallel ([`LinearCrossEntropy::split`]):
 //! each rank holds `W`'s columns for its share of the vocabulary and computes only those
@@ -27,8 +28,12 @@ use crate::kernels::{matmul, transposed, with_scratches, MatRef, SoftmaxRow};
 
 /// Rows of logits alive at once: at most one logits-sized buffer (2048 rows of a 50304
 /// vocabulary is 412 MB in f32). More, smaller chunks measured slower: the weight gradient
-/// is re-read and re-written once per chunk.
+/// is re-read and re-written once per chunk. The unit tests use small chunks, so that their
+/// few hundred rows cross chunk boundaries.
+#[cfg(not(test))]
 const CHUNK_ROWS: usize = 2048;
+#[cfg(test)]
+const CHUNK_ROWS: usize = 128;
 
 /// The op; apply it as `x.apply_op3(&weight, &targets, op)`, with `x: [N, H]`,
 /// `weight: [V, H]` (one row per token, as the embedding; both f32 or both f64, contiguous) and `targets: [N]` (u32). Returns
@@ -185,6 +190,11 @@ fn forward<T: SoftmaxRow>(
     let grad_weight_len = if gradients { hidden * vocab } else { 0 };
     let lens = (CHUNK_ROWS.min(rows) * vocab, grad_weight_len);
     let grad_weight = with_scratches(lens, |logits: &mut [T], grad_weight_t: &mut [T]| {
+        if rows == 0 {
+            // The first chunk's product stores into the reused buffer; with no chunk at all
+            // it must still read as zeros.
+            grad_weight_t.fill(T::ZERO);
+        }
         for first in (0..rows).step_by(CHUNK_ROWS) {
             let count = CHUNK_ROWS.min(rows - first);
             let x_chunk = &x[first * hidden..(first + count) * hidden];
@@ -402,6 +412,10 @@ fn backward<T: SoftmaxRow>(
     // Accumulated transposed, as in the forward pass (see `untransposed`).
     let lens = (CHUNK_ROWS.min(rows) * vocab, hidden * vocab);
     let grad_weight = with_scratches(lens, |logits: &mut [T], grad_weight_t: &mut [T]| {
+        if rows == 0 {
+            // Zeros with no chunk to store into the reused buffer, as in `forward`.
+            grad_weight_t.fill(T::ZERO);
+        }
         for first in (0..rows).step_by(CHUNK_ROWS) {
             let count = CHUNK_ROWS.min(rows - first);
             let x_chunk =
@@ -598,7 +612,7 @@ mod tests {
 
     #[test]
     fn matches_the_unfused_loss_and_its_gradients() {
-        // 300 rows cross two chunk boundaries.
+        // 300 rows cross two chunk boundaries (the tests' chunks are 128 rows).
         let (rows, hidden, vocab) = (300, 8, 50);
         let values = |count: usize, salt: usize| {
             (0..count)
@@ -616,7 +630,8 @@ mod tests {
         let picked = logits
             .gather(&target_tensor.unsqueeze(1).unwrap(), 1)
             .unwrap();
-        let reference = (lse - picked).unwrap().mean_all().unwrap();
+        let per_row = (lse - picked).unwrap();
+        let reference = per_row.mean_all().unwrap();
         let reference_grads = reference.backward().unwrap();
         let reference = reference.to_scalar::<f64>().unwrap();
         // Gradients in the forward pass (uniform upstream), recomputed in the backward pass
@@ -629,6 +644,15 @@ mod tests {
             &Device::Cpu,
         )
         .unwrap();
+        let weighted_grads = per_row
+            .squeeze(1)
+            .unwrap()
+            .mul(&weights)
+            .unwrap()
+            .mean_all()
+            .unwrap()
+            .backward()
+            .unwrap();
         for (op, weighted) in [
             (LinearCrossEntropy::training(), false),
             (LinearCrossEntropy::default(), false),
@@ -671,14 +695,54 @@ mod tests {
                 worst < 1e-12,
                 "x gradient differs by {worst} (weighted {weighted})"
             );
-            if !weighted {
-                let worst = max_diff(
-                    fused_grads.get(&weight).unwrap(),
-                    reference_grads.get(&weight).unwrap(),
-                );
-                assert!(worst < 1e-12, "weight gradient differs by {worst}");
-            }
+            let want_weight = if weighted {
+                &weighted_grads
+            } else {
+                &reference_grads
+            };
+            let worst = max_diff(
+                fused_grads.get(&weight).unwrap(),
+                want_weight.get(&weight).unwrap(),
+            );
+            assert!(
+                worst < 1e-12,
+                "weight gradient differs by {worst} (weighted {weighted})"
+            );
         }
+    }
+
+    #[test]
+    fn no_rows_give_a_zero_weight_gradient() {
+        // The scratch buffers are reused and not cleared: fill them with something else first.
+        let (hidden, vocab) = (8, 50);
+        let weight: Vec<f64> = (0..hidden * vocab).map(|i| i as f64 * 0.01).collect();
+        let leave_ones = || {
+            crate::kernels::with_scratches((hidden * vocab, hidden * vocab), |a, b| {
+                a.fill(1.0);
+                b.fill(1.0);
+            })
+        };
+        leave_ones();
+        let (_, grads) = forward(
+            &[],
+            &weight,
+            &[],
+            (0, hidden, vocab),
+            None,
+            &mut Vec::new(),
+            true,
+        );
+        let (_, grad_weight) = grads.expect("gradients asked for");
+        assert!(
+            grad_weight.iter().all(|g| *g == 0.0),
+            "forward: {grad_weight:?}"
+        );
+        leave_ones();
+        let (_, grad_weight) = backward(&[], &weight, &[], (0, hidden, vocab), None, &[], &[]);
+        assert!(
+            grad_weight.iter().all(|g| *g == 0.0),
+            "backward: {grad_weight:?}"
+        );
     }
 
     #[test]
