@@ -20,7 +20,8 @@ fn at_256_nodes_of_8_ranks_every_step_is_memory_committed_exactly_once_on_every_
     assert_eq!(
         figures.commit_faults(),
         Vec::new(),
-        "steps some node did not receive exactly once"
+        "steps some node did not receive exactly once\n{}",
+        figures.leader_logs
     );
     assert_eq!(figures.commit_ms.samples, 256 * 20);
     // The node silenced at the end was declared lost, after the heartbeat timeout.
