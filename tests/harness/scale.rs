@@ -454,33 +454,40 @@ async fn node(shared: Arc<Shared>, index: usize) -> Result<()> {
                         if changed.is_err() {
                             return Ok(true);
                         }
-                        let step = *steps.borrow_and_update();
-                        if step == u64::MAX {
+                        let latest = *steps.borrow_and_update();
+                        if latest == u64::MAX {
                             return Ok(true);
                         }
-                        let mut frames = Vec::new();
-                        for rank in &ranks {
-                            frames.extend(send(Message::Replicated {
-                                node: name.clone(),
-                                run: shared.run.clone(),
-                                rank: *rank,
-                                world_size: load.world_size(),
-                                step,
-                                durable_requested: false,
-                                // These nodes upload nothing: they say nothing of uploads.
-                                upload: None,
-                            }));
+                        // Every step since the last one reported, in order, as a daemon reports
+                        // its ranks' snapshots. A watch keeps only the newest step: a node that
+                        // fell behind the generator (a loaded machine) would otherwise skip a
+                        // step, which the leader must then give up, and the test counts it
+                        // missing at every node.
+                        for step in reported + 1..=latest {
+                            let mut frames = Vec::new();
+                            for rank in &ranks {
+                                frames.extend(send(Message::Replicated {
+                                    node: name.clone(),
+                                    run: shared.run.clone(),
+                                    rank: *rank,
+                                    world_size: load.world_size(),
+                                    step,
+                                    durable_requested: false,
+                                    // These nodes upload nothing: they say nothing of uploads.
+                                    upload: None,
+                                }));
+                            }
+                            match shared.send(index, &mut writer, &frames).await {
+                                Err(_) => return Ok(false),
+                                Ok(false) => break,
+                                Ok(true) => {}
+                            }
+                            let now = Instant::now();
+                            if let Some(sent) = shared.sent.lock().expect("not poisoned").get_mut(&step) {
+                                sent[index] = Some(now);
+                            }
+                            reported = step;
                         }
-                        match shared.send(index, &mut writer, &frames).await {
-                            Err(_) => return Ok(false),
-                            Ok(false) => continue,
-                            Ok(true) => {}
-                        }
-                        let now = Instant::now();
-                        if let Some(sent) = shared.sent.lock().expect("not poisoned").get_mut(&step) {
-                            sent[index] = Some(now);
-                        }
-                        reported = step;
                     }
                     _ = heartbeat.tick() => {
                         let beat = send(Message::NodeHeartbeat {
