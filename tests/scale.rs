@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use lazarus_tests::deadline::test_dir;
+use lazarus_tests::deadline::{logs_under, test_dir};
 use lazarus_tests::scale::{self, Load};
 
 #[test]
@@ -21,7 +21,7 @@ fn at_256_nodes_of_8_ranks_every_step_is_memory_committed_exactly_once_on_every_
         figures.commit_faults(),
         Vec::new(),
         "steps some node did not receive exactly once\n{}",
-        figures.leader_logs
+        logs_under(dir.path())
     );
     assert_eq!(figures.commit_ms.samples, 256 * 20);
     // The node silenced at the end was declared lost, after the heartbeat timeout.

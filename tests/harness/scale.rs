@@ -97,9 +97,6 @@ pub struct Figures {
     /// its `adopted` event (every rank registered with it again), in seconds.
     pub elected_s: Option<f64>,
     pub takeover_s: Option<f64>,
-    /// The last lines of each leader's log (the first leader's and its successor's), for a
-    /// failed assertion on these figures.
-    pub leader_logs: String,
 }
 
 /// Memory commits of one step, over the nodes.
@@ -896,25 +893,5 @@ async fn run_async(dir: &Path, load: &Load) -> Result<Figures> {
         lost_after_ms,
         elected_s,
         takeover_s,
-        leader_logs: leader_logs(dir),
     })
-}
-
-/// Lines kept of each leader's log in [`Figures::leader_logs`].
-const LOG_TAIL_LINES: usize = 40;
-
-/// The last lines of the logs of the leaders [`LeaderProcess::start`] started in `dir`.
-fn leader_logs(dir: &Path) -> String {
-    ["leader", "candidate"]
-        .iter()
-        .filter_map(|name| {
-            let text = std::fs::read_to_string(dir.join(format!("{name}.log"))).ok()?;
-            let lines: Vec<&str> = text.lines().collect();
-            let tail = lines[lines.len().saturating_sub(LOG_TAIL_LINES)..].join("\n");
-            Some(format!(
-                "--- {name}.log, last {LOG_TAIL_LINES} lines:\n{tail}"
-            ))
-        })
-        .collect::<Vec<_>>()
-        .join("\n")
 }
