@@ -289,6 +289,27 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
     let deferrals = cluster.metric(0, "lazarus_ckptd_durable_deferrals_total");
     assert_durable_every_fifth(&durable, 30, deferrals);
     ctl.expect(0, &["verify", "e2e", "--all", "--read-data"]);
+    // Each daemon stored the last durable step's chunks, or some of them, as deltas against
+    // its base file (the step before), which `verify --read-data` decoded.
+    let shown = ctl.json(&["show", "e2e", "30"]);
+    for manifest in shown["manifests"].as_array().unwrap() {
+        let deltas = manifest["tensors"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|tensor| tensor["chunks"].as_array().unwrap())
+            .filter(|chunk| {
+                chunk["bases"]
+                    .as_array()
+                    .is_some_and(|bases| !bases.is_empty())
+            })
+            .count();
+        assert!(
+            deltas > 0,
+            "rank {}: no delta chunk at step 30",
+            manifest["rank"]
+        );
+    }
     assert_eq!(
         cluster.metric(0, "lazarus_ckptd_memory_committed_step"),
         30.0

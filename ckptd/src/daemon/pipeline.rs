@@ -403,8 +403,7 @@ fn open_base(
     };
     let bases = match old {
         Some(old) if sized && old.chunks.len() == tensors.len() => {
-            let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(path)?);
-            DeltaBases::of_regions(tensors, &source, old.chunks).map(|bases| {
+            DeltaBases::of_regions(tensors, &copy.source(), old.chunks).map(|bases| {
                 if old.checked {
                     bases.already_checked()
                 } else {

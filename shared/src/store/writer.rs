@@ -283,11 +283,12 @@ pub struct SourcedShard {
 /// hashes to the manifest's chunks with no second read or hash of the source. `ckptd` keeps
 /// its delta base so.
 ///
-/// A chunk is copied after its own delta base was read, and a chunk's base is the chunk at
-/// its position in the step before: so where the bases are read from a file laid out as the
-/// source (a copy of the source's previous contents), the copy may be written over that very
-/// file. Chunks are copied concurrently, in no order, from blocking threads. A copy that fails
-/// does not fail the write: the implementation notes it.
+/// A chunk is copied after its own delta base was read and released (no `Bytes` the writer
+/// read of it is left), and a chunk's base is the chunk at its position in the step before:
+/// so where the bases are read from a file laid out as the source (a copy of the source's
+/// previous contents), the copy may be written over that very file, or over a map of it that
+/// the bases' `Bytes` point into. Chunks are copied concurrently, in no order, from blocking
+/// threads. A copy that fails does not fail the write: the implementation notes it.
 pub trait RawCopy: Send + Sync + std::fmt::Debug {
     /// `bytes` were read at `offset` of their source.
     fn copy(&self, offset: u64, bytes: &[u8]);
@@ -654,8 +655,10 @@ impl RunStore {
                 raw,
             });
             let encoded = codec::encode_best(&raw, hash, delta, policy);
+            // The base's bytes are released before the copy, which may go over them.
+            let base = base.map(|(_, chunk)| chunk);
             copied.copy_raw(&raw);
-            (encoded, base.map(|(_, chunk)| chunk))
+            (encoded, base)
         })
         .await
         .expect("encoding does not panic");
