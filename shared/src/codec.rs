@@ -613,32 +613,51 @@ fn estimated_planes_bytes(raw: &[u8], base: Option<&[u8]>) -> f64 {
         .sum()
 }
 
+/// The bytes [`entropy_bits_of`] counts at most, and in how many runs.
+const ENTROPY_SAMPLE_BYTES: usize = 16 << 10;
+const ENTROPY_SAMPLE_BLOCKS: usize = 16;
+
 /// Order-0 entropy of `bytes` in bits per byte ([`entropy_bits_of`]).
 fn entropy_bits(bytes: &[u8]) -> f64 {
     entropy_bits_of(bytes.len(), |i| bytes[i])
 }
 
-/// Order-0 entropy in bits per byte of the `len` bytes `byte(0)`, `byte(1)`, ..., from every
-/// 8th of a large input (the estimate is within a few thousandths of a bit of the whole's; a
-/// sample is deterministic).
+/// Order-0 entropy in bits per byte of the `len` bytes `byte(0)`, `byte(1)`, ..., from at most
+/// [`ENTROPY_SAMPLE_BYTES`] of them: all of a short input, else [`ENTROPY_SAMPLE_BLOCKS`] runs
+/// of consecutive bytes spread evenly over it (a sample is deterministic). Runs rather than
+/// every nth byte: a tensor's rows are a power of two long, and a stride would count the same
+/// columns over and over. The estimate's bias on uniform bytes is about 0.01 bits, far from
+/// what it is compared against ([`PLANE_ENTROPY_BITS_MAX`]); counting every 8th byte of a
+/// 1 MiB plane instead took 9% of a daemon's CPU in an upload.
 ///
 /// The bytes are counted into four tables in turn, summed at the end: a plane of mostly one
 /// value (the high bytes of a delta) would otherwise add to the same count at every byte, each
 /// addition waiting for the one before (half the time of the encoding's own loops).
 fn entropy_bits_of(len: usize, byte: impl Fn(usize) -> u8) -> f64 {
-    const SAMPLE_FROM_BYTES: usize = 64 << 10;
-    let step = if len >= SAMPLE_FROM_BYTES { 8 } else { 1 };
+    let (blocks, block_len) = if len <= ENTROPY_SAMPLE_BYTES {
+        (1, len)
+    } else {
+        (
+            ENTROPY_SAMPLE_BLOCKS,
+            ENTROPY_SAMPLE_BYTES / ENTROPY_SAMPLE_BLOCKS,
+        )
+    };
+    let spacing = len / blocks;
     let mut tables = [[0u32; 256]; 4];
-    let mut at = 0;
-    while at + 3 * step < len {
-        for (lane, table) in tables.iter_mut().enumerate() {
-            table[usize::from(byte(at + lane * step))] += 1;
+    for block in 0..blocks {
+        let start = block * spacing;
+        let end = start + block_len;
+        let mut at = start;
+        while at + 3 < end {
+            for (lane, table) in tables.iter_mut().enumerate() {
+                table[usize::from(byte(at + lane))] += 1;
+            }
+            at += 4;
         }
-        at += 4 * step;
-    }
-    while at < len {
-        tables[0][usize::from(byte(at))] += 1;
-        at += step;
+        while at < end {
+            tables[0][usize::from(byte(at))] += 1;
+            at += 1;
+        }
     }
     let counts: [u64; 256] =
         std::array::from_fn(|value| tables.iter().map(|table| u64::from(table[value])).sum());
@@ -940,8 +959,39 @@ mod tests {
         }
     }
 
+    /// A sampled estimate is close to the whole input's entropy, on bytes of noise (stored raw)
+    /// and on rows whose first byte is always the same, which a sample of every nth byte would
+    /// count far too often.
+    #[test]
+    fn a_sampled_entropy_is_close_to_the_whole() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let noise: Vec<u8> = (0..1 << 20).map(|_| rng.random()).collect();
+        let rows: Vec<u8> = noise
+            .iter()
+            .enumerate()
+            .map(|(i, &b)| if i % 64 == 0 { 0 } else { b % 16 })
+            .collect();
+        let whole = |bytes: &[u8]| {
+            let mut counts = [0f64; 256];
+            for &b in bytes {
+                counts[usize::from(b)] += 1.0;
+            }
+            counts
+                .iter()
+                .filter(|&&c| c > 0.0)
+                .map(|&c| -(c / bytes.len() as f64) * (c / bytes.len() as f64).log2())
+                .sum::<f64>()
+        };
+        assert!(entropy_bits(&noise) > PLANE_ENTROPY_BITS_MAX + 0.15);
+        for bytes in [&noise, &rows] {
+            let (sampled, exact) = (entropy_bits(bytes), whole(bytes));
+            assert!((sampled - exact).abs() < 0.03, "{sampled} against {exact}");
+        }
+    }
+
     /// The estimate counts each plane's bytes where they lie in the chunk: it must count what
-    /// the transpose would put in the plane, at both sample rates (planes under and over 64 KiB).
+    /// the transpose would put in the plane, whole and sampled (planes under and over 16 KiB).
     #[test]
     fn the_estimate_counts_the_planes_the_transpose_makes() {
         for len in [0usize, 3, 4101, 300_001] {
