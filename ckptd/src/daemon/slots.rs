@@ -49,7 +49,7 @@ pub fn reserve(file: &std::fs::File, len: u64, path: &Path) -> Result<()> {
 /// The name of a rank's delta-base file in its directory.
 pub const BASE_FILE: &str = "base";
 
-/// A rank's delta-base file, mapped, as an upload reads its delta bases from it
+/// A rank's delta-base file as an upload reads its delta bases from it
 /// ([`BaseCopy::source`]) and writes the new base over it ([`RawCopy`]): every tensor chunk
 /// the store writer hashed lands at its slot offset, in place over the base chunk it was just
 /// encoded against (pages reused, where a fresh file would allocate and zero each and the file
@@ -57,21 +57,25 @@ pub const BASE_FILE: &str = "base";
 /// written: the file then holds, in every tensor region, the very bytes the stored chunks were
 /// hashed from.
 ///
-/// Through the map, a base is encoded against where it lies and a copy is one `memcpy`: read
-/// and written through the file instead, each cost the kernel a copy, and the two were a fifth
-/// of a daemon's CPU in an upload on 2 cores. Every page of the file is reserved before it is
-/// mapped, so no write through the map needs a page the file system may not have.
+/// Both go through a map of the one chunk's range: a base is encoded against where it lies
+/// and a copy is one `memcpy`. Read and written through the file instead, each cost the kernel
+/// a copy, and the two were a fifth of a daemon's CPU in an upload on 2 cores. A map of one
+/// chunk at a time keeps the daemon's resident memory bounded by the chunks in flight, as it
+/// was; one of the whole file would count all of it. Every page of the file is reserved when
+/// it is opened, so no write through a map needs a page the file system may not have.
 #[derive(Debug)]
 pub struct BaseCopy {
-    map: Arc<memmap2::MmapRaw>,
+    file: Arc<std::fs::File>,
+    /// The file's size, which it keeps while open.
+    len: u64,
     path: PathBuf,
     failed: AtomicBool,
 }
 
 impl BaseCopy {
-    /// Opens and maps the base file at `path` (made if missing), sized to `len`, every page
-    /// reserved. Also says whether it had that size already: only then does its old content
-    /// line up with the slot's regions.
+    /// Opens the base file at `path` (made if missing), sized to `len`, every page reserved.
+    /// Also says whether it had that size already: only then does its old content line up
+    /// with the slot's regions.
     pub fn open(path: &Path, len: u64) -> Result<(Self, bool)> {
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -85,14 +89,9 @@ impl BaseCopy {
             file.set_len(len)?;
         }
         reserve(&file, len, path)?;
-        // Populated: the upload touches every page, and one call maps them all where a
-        // fault per 4 KiB page would.
-        let map = memmap2::MmapOptions::new()
-            .populate()
-            .map_raw(&file)
-            .with_context(|| format!("mapping {}", path.display()))?;
         let copy = Self {
-            map: Arc::new(map),
+            file: Arc::new(file),
+            len,
             path: path.to_path_buf(),
             failed: AtomicBool::new(false),
         };
@@ -107,23 +106,14 @@ impl BaseCopy {
     /// concurrent chunks, with the ranks training on the same 2 cores) against 0.6 s over
     /// written pages. A base of that size is kept as it is: `state.json` may name it.
     pub fn make(path: &Path, len: u64) -> Result<()> {
-        let file = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(path)
-            .with_context(|| format!("creating {}", path.display()))?;
-        let sized = file.metadata()?.len() == len;
-        if !sized {
-            file.set_len(len)?;
-        }
-        reserve(&file, len, path)?;
+        let (base, sized) = Self::open(path, len)?;
         if !sized {
             let zeros = vec![0u8; SLOT_CHUNK_BYTES as usize];
             let mut offset = 0;
             while offset < len {
                 let n = SLOT_CHUNK_BYTES.min(len - offset);
-                file.write_all_at(&zeros[..n as usize], offset)
+                base.file
+                    .write_all_at(&zeros[..n as usize], offset)
                     .with_context(|| format!("writing {}", path.display()))?;
                 offset += n;
             }
@@ -131,12 +121,13 @@ impl BaseCopy {
         Ok(())
     }
 
-    /// The base's bytes as the store writer reads its delta bases: slices of the map, no copy.
-    /// A range must not be read while it is copied over, which the writer keeps to
-    /// ([`RawCopy`]: a chunk is copied once its base is released).
+    /// The base's bytes as the store writer reads its delta bases: each read is a map of its
+    /// range, no copy. A range must not be read while it is copied over, which the writer
+    /// keeps to ([`RawCopy`]: a chunk is copied once its base is released).
     pub fn source(&self) -> Arc<dyn ByteSource> {
         Arc::new(MappedBase {
-            map: self.map.clone(),
+            file: self.file.clone(),
+            len: self.len,
             path: self.path.clone(),
         })
     }
@@ -145,76 +136,77 @@ impl BaseCopy {
     pub fn complete(&self) -> bool {
         !self.failed.load(Ordering::SeqCst)
     }
+
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let end = offset.checked_add(bytes.len() as u64);
+        if end.is_none_or(|end| end > self.len) {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "a copy past the end of the file",
+            ));
+        }
+        // SAFETY: the range lies inside the file (checked above), whose pages are all
+        // reserved; nothing else maps or writes it while this map lives: the writer copies a
+        // chunk only after releasing its base (the one map of this range), and the chunks'
+        // ranges are disjoint.
+        #[allow(unsafe_code)]
+        let mut map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(offset)
+                .len(bytes.len())
+                .populate()
+                .map_mut(&*self.file)?
+        };
+        map.copy_from_slice(bytes);
+        Ok(())
+    }
 }
 
 impl RawCopy for BaseCopy {
     fn copy(&self, offset: u64, bytes: &[u8]) {
         super::crash::point("base");
-        let fits = usize::try_from(offset)
-            .ok()
-            .and_then(|at| at.checked_add(bytes.len()))
-            .is_some_and(|end| end <= self.map.len());
-        if !fits {
+        if let Err(error) = self.write_at(offset, bytes) {
             if !self.failed.swap(true, Ordering::SeqCst) {
-                tracing::error!(path = %self.path.display(), offset, len = bytes.len(), "a delta-base copy past the end of the file; the next upload stores whole chunks");
+                tracing::warn!(path = %self.path.display(), %error, "cannot write the delta base; the next upload stores whole chunks");
             }
-            return;
-        }
-        // SAFETY: the range lies inside the map (checked above), whose pages are all
-        // reserved; no `Bytes` of it is alive, since the writer copies a chunk only after
-        // releasing its base, and the chunks' ranges are disjoint; `bytes` is the writer's
-        // own buffer, not the map.
-        #[allow(unsafe_code)]
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                bytes.as_ptr(),
-                self.map.as_mut_ptr().add(offset as usize),
-                bytes.len(),
-            );
         }
     }
 }
 
-/// [`BaseCopy::source`]: the mapped base file as a byte source.
+/// [`BaseCopy::source`]: the base file, read through a map of each range.
 struct MappedBase {
-    map: Arc<memmap2::MmapRaw>,
+    file: Arc<std::fs::File>,
+    len: u64,
     path: PathBuf,
-}
-
-/// A range of a mapped base, owned by the `Bytes` read of it.
-struct MappedRange {
-    map: Arc<memmap2::MmapRaw>,
-    offset: usize,
-    len: usize,
-}
-
-impl AsRef<[u8]> for MappedRange {
-    fn as_ref(&self) -> &[u8] {
-        // SAFETY: the range lies inside the map (checked when it was read), which lives as
-        // long as `self`; nothing writes it while this `Bytes` is alive (`BaseCopy::source`).
-        #[allow(unsafe_code)]
-        unsafe {
-            std::slice::from_raw_parts(self.map.as_ptr().add(self.offset), self.len)
-        }
-    }
 }
 
 impl ByteSource for MappedBase {
     fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
-        let end = usize::try_from(offset)
-            .ok()
-            .and_then(|at| at.checked_add(len));
-        if end.is_none_or(|end| end > self.map.len()) {
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        let end = offset.checked_add(len as u64);
+        if end.is_none_or(|end| end > self.len) {
             return Err(std::io::Error::new(
                 std::io::ErrorKind::UnexpectedEof,
                 format!("read past the end of {}", self.path.display()),
             ));
         }
-        Ok(Bytes::from_owner(MappedRange {
-            map: self.map.clone(),
-            offset: offset as usize,
-            len,
-        }))
+        // SAFETY: nothing writes the range while the map lives: the daemon alone writes its
+        // base file, through `BaseCopy`, and the writer copies over a chunk's range only once
+        // it released that chunk's base (this map).
+        #[allow(unsafe_code)]
+        let map = unsafe {
+            memmap2::MmapOptions::new()
+                .offset(offset)
+                .len(len)
+                .populate()
+                .map(&*self.file)?
+        };
+        Ok(Bytes::from_owner(map))
     }
 
     fn describe(&self) -> String {
