@@ -192,6 +192,7 @@ impl FakeNode {
             step,
             durable_requested: false,
             upload: None,
+            rollback: Default::default(),
         });
     }
 

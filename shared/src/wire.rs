@@ -410,6 +410,10 @@ pub enum Message {
         /// a node's hello brings to a new leader).
         #[serde(default)]
         upload: Option<UploadReport>,
+        /// The supervisor's last rollback the daemon had applied when the rank handed the
+        /// snapshot over: a leader that rolled the run back since ignores the report.
+        #[serde(default)]
+        rollback: RollbackMark,
     },
     /// A rank's shard manifest of `step` is stored.
     Stored {
@@ -527,6 +531,9 @@ pub enum Message {
         run: RunId,
         to: Option<u64>,
         epoch: u64,
+        /// The leader's count of its rollbacks, this one included.
+        #[serde(default)]
+        seq: u64,
     },
     /// Supervision of `run` is over (completed, or `preempted` and made durable): a daemon
     /// that exits when the run is done exits; no other takes over.
@@ -716,6 +723,16 @@ pub struct T0Entry {
     pub rank: Rank,
     pub world_size: u32,
     pub step: u64,
+}
+
+/// Which of the supervisor's rollbacks a daemon had applied: the leader's epoch and that
+/// leader's count of its rollbacks ([`Message::RolledBack`]), ordered by epoch, then count.
+/// A snapshot handed over before a rollback, and reported after it, carries the mark from
+/// before it: the leader that rolled back tells it from its new world's snapshots by this.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct RollbackMark {
+    pub epoch: u64,
+    pub seq: u64,
 }
 
 /// A decoded frame.
@@ -961,6 +978,7 @@ mod tests {
                 running: true,
                 t0: Some(16),
             }),
+            rollback: RollbackMark { epoch: 2, seq: 1 },
         }
     }
 

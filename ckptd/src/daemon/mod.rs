@@ -80,6 +80,9 @@ pub struct Daemon {
     pub exit_watched: std::sync::Mutex<std::collections::HashSet<u32>>,
     /// Sends a heartbeat to the leader now (a rank's restored and first steps).
     pub heartbeat_now: tokio::sync::Notify,
+    /// The supervisor's last rollback applied here; changed under `ranks`, as snapshots are
+    /// handed over.
+    pub rollback: std::sync::Mutex<lazarus_shared::wire::RollbackMark>,
 }
 
 impl Daemon {
@@ -236,6 +239,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         metrics,
         exit_watched: Default::default(),
         heartbeat_now: tokio::sync::Notify::new(),
+        rollback: Default::default(),
     });
     if daemon.cfg.buddy.is_none() {
         tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use bytes::Bytes;
 use lazarus_shared::store::{ByteSource, DeltaBases, Progress, RawCopy, SourcedShard};
-use lazarus_shared::wire::{self, Message, SlotTensor};
+use lazarus_shared::wire::{self, Message, RollbackMark, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{Base, HandOver, RankState, Snap, Upload};
@@ -57,6 +57,7 @@ pub async fn snapshot(
         tensors: state.tensors.clone(),
         blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
         durable,
+        rollback: *daemon.rollback.lock().expect("not poisoned"),
     };
     drop(ranks);
     super::crash::point("snapshot");
@@ -74,6 +75,8 @@ struct Job {
     tensors: Vec<SlotTensor>,
     blobs: Vec<(String, Vec<u8>)>,
     durable: bool,
+    /// The last rollback applied when the snapshot was handed over.
+    rollback: RollbackMark,
 }
 
 /// Hashes and replicates one snapshot, then reports it to the leader.
@@ -84,6 +87,18 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
     let Some(state) = ranks.get_mut(&job.rank) else {
         return;
     };
+    if job.rollback != *daemon.rollback.lock().expect("not poisoned") {
+        // The run was rolled back while this was replicated: it is the abandoned trajectory's
+        // (the rank that handed it over was stopped before the rollback), and must be neither
+        // committed nor restored.
+        state.replicated(None);
+        tracing::info!(
+            rank = job.rank,
+            step = job.step,
+            "dropped a snapshot handed over before the run was rolled back"
+        );
+        return;
+    }
     match result {
         Ok(hashes) => {
             daemon
@@ -105,6 +120,7 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
                 step: job.step,
                 durable_requested: job.durable,
                 upload: Some(state.upload_report()),
+                rollback: job.rollback,
             });
         }
         Err(error) => {

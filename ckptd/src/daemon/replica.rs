@@ -230,8 +230,16 @@ pub async fn forget_after(daemon: &Daemon, to: Option<u64>) -> Result<()> {
                     .and_then(|n| n.strip_prefix("step-"))
                     .and_then(|n| n.parse::<u64>().ok());
                 if step.is_some_and(|step| to.is_none_or(|to| step > to)) {
-                    std::fs::remove_dir_all(step_dir.path())
-                        .with_context(|| format!("removing {}", step_dir.path().display()))?;
+                    // A replica being received meanwhile may remove it first, keeping its
+                    // rank's two newest: that error would leave the later ones here.
+                    match std::fs::remove_dir_all(step_dir.path()) {
+                        Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
+                            return Err(error).with_context(|| {
+                                format!("removing {}", step_dir.path().display())
+                            });
+                        }
+                        _ => {}
+                    }
                 }
             }
         }

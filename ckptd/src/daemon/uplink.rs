@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Result};
-use lazarus_shared::wire::{self, Message, T0Entry};
+use lazarus_shared::wire::{self, Message, RollbackMark, T0Entry};
 use lazarus_shared::{Rank, StepKey};
 use tokio::sync::mpsc;
 
@@ -221,16 +221,29 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
         } if r == *run => {
             tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
         }
-        Message::RolledBack { run: r, to, .. } if r == *run => {
+        Message::RolledBack {
+            run: r,
+            to,
+            epoch,
+            seq,
+        } if r == *run => {
             tracing::warn!(
                 ?to,
                 "the supervisor rolled the run back; forgetting later snapshots"
             );
-            for state in daemon.ranks.lock().await.values_mut() {
+            let mut ranks = daemon.ranks.lock().await;
+            for state in ranks.values_mut() {
                 if let Err(error) = state.forget_after(to) {
                     tracing::error!(rank = state.rank, error = %format!("{error:#}"), "cannot forget a rolled-back snapshot");
                 }
             }
+            // Under `ranks`, as snapshots are handed over: one handed over before this, still
+            // being replicated, is dropped when that ends (`pipeline::process`).
+            {
+                let mut mark = daemon.rollback.lock().expect("not poisoned");
+                *mark = (*mark).max(RollbackMark { epoch, seq });
+            }
+            drop(ranks);
             if let Err(error) = super::replica::forget_after(daemon, to).await {
                 tracing::error!(error = %format!("{error:#}"), "cannot forget rolled-back replicas");
             }
@@ -346,6 +359,8 @@ async fn hello(daemon: &Arc<Daemon>) -> (Message, Vec<Message>) {
                 step: pending.step,
                 durable_requested: pending.durable_requested,
                 upload: Some(state.upload_report()),
+                // A pending snapshot of a step rolled back from was forgotten with it.
+                rollback: *daemon.rollback.lock().expect("not poisoned"),
             });
         }
     }
@@ -459,6 +474,7 @@ mod tests {
             metrics: Arc::new(Metrics::new()),
             exit_watched: Default::default(),
             heartbeat_now: tokio::sync::Notify::new(),
+            rollback: Default::default(),
             cfg,
         });
         (daemon, ended)
