@@ -293,7 +293,9 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
     // Each daemon stored the last durable step's chunks, or some of them, as deltas against
     // its base file (the step before), which `verify --read-data` decoded.
     let shown = ctl.json(&["show", "e2e", "30"]);
-    for manifest in shown["manifests"].as_array().unwrap() {
+    let manifests = shown["manifests"].as_array().unwrap();
+    assert_eq!(manifests.len(), 2);
+    for manifest in manifests {
         let deltas = manifest["tensors"]
             .as_array()
             .unwrap()

@@ -13,6 +13,7 @@ use std::time::Duration;
 
 use anyhow::{anyhow, bail, Context, Result};
 use lazarus_shared::busy_word::{self, BusyWord};
+use lazarus_shared::store::RegionKind;
 use lazarus_shared::wire::{self, Message, SlotTensor, WireError};
 use lazarus_shared::Rank;
 use tokio::net::{UnixListener, UnixStream};
@@ -358,6 +359,26 @@ fn check_layout(slot_bytes: u64, tensors: &[SlotTensor]) -> Result<()> {
             );
         }
     }
+    // An upload copies each stored region's chunks over the delta base through a map of their
+    // range while other chunks are encoded against theirs: the ranges must not overlap.
+    let mut stored: Vec<&SlotTensor> = tensors
+        .iter()
+        .filter(|t| t.kind == RegionKind::Stored && t.bytes > 0)
+        .collect();
+    stored.sort_by_key(|t| t.offset);
+    for pair in stored.windows(2) {
+        if pair[0].offset + pair[0].bytes > pair[1].offset {
+            bail!(
+                "tensors {} and {} overlap in the slot ({} bytes at {}, {} bytes at {})",
+                pair[0].name,
+                pair[1].name,
+                pair[0].bytes,
+                pair[0].offset,
+                pair[1].bytes,
+                pair[1].offset
+            );
+        }
+    }
     Ok(())
 }
 
@@ -483,4 +504,40 @@ fn make_slots(
     }
     let path = dir.join(busy_word::FILE_NAME);
     BusyWord::create(&path, mode).with_context(|| format!("creating {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lazarus_shared::format::{DType, DimRange};
+
+    fn tensor(name: &str, offset: u64, elements: u64, kind: RegionKind) -> SlotTensor {
+        SlotTensor {
+            name: name.into(),
+            dtype: DType::F32,
+            global_shape: vec![elements],
+            slice: vec![DimRange {
+                start: 0,
+                len: elements,
+            }],
+            offset,
+            bytes: elements * 4,
+            kind,
+        }
+    }
+
+    /// A layout whose stored tensors overlap in the slot is refused: an upload maps each
+    /// chunk's range of the delta base to copy over it while others are encoded from theirs.
+    /// Tensors end to end, or a region only read, are fine.
+    #[test]
+    fn stored_tensors_that_overlap_are_refused() {
+        let a = tensor("a", 0, 100, RegionKind::Stored);
+        let b = tensor("b", 400, 100, RegionKind::Stored);
+        check_layout(800, &[b.clone(), a.clone()]).unwrap();
+        let read = tensor("r", 200, 100, RegionKind::Read);
+        check_layout(800, &[a.clone(), read, b]).unwrap();
+        let overlapping = tensor("c", 396, 10, RegionKind::Stored);
+        let error = check_layout(800, &[a, overlapping]).unwrap_err();
+        assert!(error.to_string().contains("overlap"), "{error}");
+    }
 }

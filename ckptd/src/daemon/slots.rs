@@ -1,8 +1,9 @@
 //! Slot files: the shm files that hold a rank's optimizer state (T0 and the snapshots in
 //! flight) and the buddy's replicas of other ranks' (T1). Reading one chunk at a time
 //! (through `store::FileSource`) on a blocking thread, re-hashing against the hashes taken at
-//! hand-over, reserving every page when a file is made, and writing a rank's delta base as an
-//! upload hashes its chunks. The rank state, the snapshot pipeline, restores and replicas use
+//! hand-over, reserving every page when a file is made, and a rank's delta base, which an
+//! upload reads its bases from and writes as it hashes its chunks, through a map of one chunk
+//! at a time. The rank state, the snapshot pipeline, restores and replicas use
 //! these; this module knows nothing of them.
 
 use std::os::unix::fs::FileExt;
@@ -32,9 +33,6 @@ pub fn chunk_count(slot_bytes: u64) -> u64 {
 /// Allocates `len` bytes of `file` (shm pages or disk blocks), so later writes cannot fail
 /// for lack of space.
 pub fn reserve(file: &std::fs::File, len: u64, path: &Path) -> Result<()> {
-    if len == 0 {
-        return Ok(());
-    }
     rustix::fs::fallocate(file, rustix::fs::FallocateFlags::empty(), 0, len).map_err(|error| {
         let free = rustix::fs::fstatvfs(file)
             .map(|s| s.f_bavail * s.f_frsize)
@@ -84,9 +82,14 @@ impl BaseCopy {
             .truncate(false)
             .open(path)
             .with_context(|| format!("opening {}", path.display()))?;
-        let sized = file.metadata()?.len() == len;
+        let sized = file
+            .metadata()
+            .with_context(|| format!("reading {}", path.display()))?
+            .len()
+            == len;
         if !sized {
-            file.set_len(len)?;
+            file.set_len(len)
+                .with_context(|| format!("sizing {}", path.display()))?;
         }
         reserve(&file, len, path)?;
         let copy = Self {
@@ -309,12 +312,14 @@ mod tests {
         assert!(sized);
         let source = copy.source();
         assert_eq!(source.read_at(100, 5000).unwrap(), bytes[100..5100]);
-        copy.copy(4096, &[9u8; 10]);
-        assert_eq!(source.read_at(4090, 20).unwrap()[6..16], [9u8; 10]);
-        assert_eq!(std::fs::read(&path).unwrap()[4096..4106], [9u8; 10]);
+        // Across a page boundary, at offsets no page starts at, as tensors' chunks lie.
+        copy.copy(4090, &[9u8; 10]);
+        assert_eq!(source.read_at(4085, 20).unwrap()[5..15], [9u8; 10]);
+        let mut expected = bytes.clone();
+        expected[4090..4100].fill(9);
+        assert_eq!(std::fs::read(&path).unwrap(), expected);
         assert!(source.read_at(9_999, 2).is_err());
         assert!(source.read_at(u64::MAX, 1).is_err());
-        let (empty, _) = BaseCopy::open(&dir.path().join("empty"), 0).unwrap();
-        assert!(empty.source().read_at(0, 0).unwrap().is_empty());
+        assert!(source.read_at(0, 0).unwrap().is_empty());
     }
 }

@@ -283,8 +283,8 @@ pub struct SourcedShard {
 /// hashes to the manifest's chunks with no second read or hash of the source. `ckptd` keeps
 /// its delta base so.
 ///
-/// A chunk is copied after its own delta base was read and released (no `Bytes` the writer
-/// read of it is left), and a chunk's base is the chunk at its position in the step before:
+/// A chunk is copied only while its own delta base is not held (read and released, with no
+/// `Bytes` the writer read of it left, or never read), and a chunk's base is the chunk at its position in the step before:
 /// so where the bases are read from a file laid out as the source (a copy of the source's
 /// previous contents), the copy may be written over that very file, or over a map of it that
 /// the bases' `Bytes` point into. Chunks are copied concurrently, in no order, from blocking
@@ -359,7 +359,7 @@ struct ChunkJob {
     base: Option<(SourceRange, ChunkRef)>,
     /// The base's bytes are known to hash to its reference ([`DeltaBases::already_checked`]).
     base_checked: bool,
-    /// Where the raw bytes are copied once hashed (and the base read).
+    /// Where the raw bytes are copied once hashed (and the base, if read, released).
     copy: Option<Arc<dyn RawCopy>>,
 }
 
