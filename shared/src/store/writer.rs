@@ -1252,25 +1252,59 @@ mod tests {
     }
 
     /// Memory laid out as a rank's flat state, read as a source and written as a copy: a
-    /// delta-base file in miniature.
+    /// delta-base file in miniature. It keeps the ranges of the reads still held, and a copy
+    /// over one of them fails the test: `ckptd` reads its base file through maps, which a
+    /// copy into a held range would change under the reader.
     #[derive(Debug)]
-    struct Memory(std::sync::Mutex<Vec<u8>>);
+    struct Memory {
+        bytes: std::sync::Mutex<Vec<u8>>,
+        held: Arc<std::sync::Mutex<Vec<std::ops::Range<usize>>>>,
+    }
+
+    /// A read of [`Memory`], which holds its range until dropped.
+    struct Held {
+        bytes: Vec<u8>,
+        range: std::ops::Range<usize>,
+        held: Arc<std::sync::Mutex<Vec<std::ops::Range<usize>>>>,
+    }
+
+    impl AsRef<[u8]> for Held {
+        fn as_ref(&self) -> &[u8] {
+            &self.bytes
+        }
+    }
+
+    impl Drop for Held {
+        fn drop(&mut self) {
+            let mut held = self.held.lock().unwrap();
+            let at = held.iter().position(|r| *r == self.range).unwrap();
+            held.swap_remove(at);
+        }
+    }
 
     impl Memory {
         fn new(bytes: Vec<u8>) -> Arc<Self> {
-            Arc::new(Self(std::sync::Mutex::new(bytes)))
+            Arc::new(Self {
+                bytes: std::sync::Mutex::new(bytes),
+                held: Arc::default(),
+            })
         }
 
         fn bytes(&self) -> Vec<u8> {
-            self.0.lock().unwrap().clone()
+            self.bytes.lock().unwrap().clone()
         }
     }
 
     impl super::ByteSource for Memory {
         fn read_at(&self, offset: u64, len: usize) -> std::io::Result<bytes::Bytes> {
-            let bytes = self.0.lock().unwrap();
-            let at = offset as usize;
-            Ok(bytes::Bytes::copy_from_slice(&bytes[at..at + len]))
+            let bytes = self.bytes.lock().unwrap();
+            let range = offset as usize..offset as usize + len;
+            self.held.lock().unwrap().push(range.clone());
+            Ok(bytes::Bytes::from_owner(Held {
+                bytes: bytes[range.clone()].to_vec(),
+                range,
+                held: self.held.clone(),
+            }))
         }
 
         fn describe(&self) -> String {
@@ -1281,13 +1315,22 @@ mod tests {
     impl super::RawCopy for Memory {
         fn copy(&self, offset: u64, bytes: &[u8]) {
             let at = offset as usize;
-            self.0.lock().unwrap()[at..at + bytes.len()].copy_from_slice(bytes);
+            let held = self.held.lock().unwrap();
+            assert!(
+                !held
+                    .iter()
+                    .any(|r| r.start < at + bytes.len() && at < r.end),
+                "a copy over {at}..{} while a read of {held:?} is held",
+                at + bytes.len()
+            );
+            self.bytes.lock().unwrap()[at..at + bytes.len()].copy_from_slice(bytes);
         }
     }
 
     /// A shard write copies every tensor chunk as it hashed it, at its source offset, and
-    /// only once that chunk's base was read: so the copy can go over the very memory the bases
-    /// are read from (a daemon's base file), and the next write trusts it as checked bases.
+    /// only once that chunk's base was read and released (`Memory` fails a copy over a read
+    /// still held): so the copy can go over the very memory the bases are read from (a
+    /// daemon's base file, mapped), and the next write trusts it as checked bases.
     /// Chunks found stored are copied too; blobs are not.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_raw_copy_written_over_the_bases_is_the_next_writes_base() {
