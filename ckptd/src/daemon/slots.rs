@@ -108,7 +108,16 @@ impl BaseCopy {
     /// 326 MB base that made the first durable upload's copies take 6.7 s (the sum over its
     /// concurrent chunks, with the ranks training on the same 2 cores) against 0.6 s over
     /// written pages. A base of that size is kept as it is: `state.json` may name it.
+    ///
+    /// A file of another size is replaced by a new one rather than resized: an upload of the
+    /// old layout still running maps it, and a map past a shrunk file's end faults.
+    ///
+    /// A file of another size is replaced by a new one rather than resized: an upload of the
+    /// old layout still running maps it, and a map past a shrunk file's end faults.
     pub fn make(path: &Path, len: u64) -> Result<()> {
+        if std::fs::metadata(path).is_ok_and(|m| m.len() != len) {
+            std::fs::remove_file(path).with_context(|| format!("replacing {}", path.display()))?;
+        }
         let (base, sized) = Self::open(path, len)?;
         if !sized {
             let zeros = vec![0u8; SLOT_CHUNK_BYTES as usize];
@@ -283,8 +292,13 @@ mod tests {
         std::fs::write(&path, vec![5u8; len as usize]).unwrap();
         BaseCopy::make(&path, len).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), vec![5u8; len as usize]);
+        let (old, _) = BaseCopy::open(&path, len).unwrap();
+        let old_source = old.source();
         BaseCopy::make(&path, len - 7).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), vec![0u8; len as usize - 7]);
+        // An upload of the old layout still reads its whole file: replaced, not shrunk (a
+        // map past a shrunk file's end would kill this test with SIGBUS).
+        assert_eq!(old_source.read_at(len - 8, 8).unwrap()[..], [5u8; 8]);
     }
 
     /// A copy that cannot be written (past the file's end) leaves the base incomplete (it
