@@ -63,11 +63,17 @@ pub const BASE_FILE: &str = "base";
 /// it is opened, so no write through a map needs a page the file system may not have.
 #[derive(Debug)]
 pub struct BaseCopy {
-    file: Arc<std::fs::File>,
+    file: Arc<BaseFile>,
+    failed: AtomicBool,
+}
+
+/// The open base file, which the copy writes and its [`BaseCopy::source`] reads.
+#[derive(Debug)]
+struct BaseFile {
+    file: std::fs::File,
     /// The file's size, which it keeps while open.
     len: u64,
     path: PathBuf,
-    failed: AtomicBool,
 }
 
 impl BaseCopy {
@@ -93,9 +99,11 @@ impl BaseCopy {
         }
         reserve(&file, len, path)?;
         let copy = Self {
-            file: Arc::new(file),
-            len,
-            path: path.to_path_buf(),
+            file: Arc::new(BaseFile {
+                file,
+                len,
+                path: path.to_path_buf(),
+            }),
             failed: AtomicBool::new(false),
         };
         Ok((copy, sized))
@@ -111,9 +119,6 @@ impl BaseCopy {
     ///
     /// A file of another size is replaced by a new one rather than resized: an upload of the
     /// old layout still running maps it, and a map past a shrunk file's end faults.
-    ///
-    /// A file of another size is replaced by a new one rather than resized: an upload of the
-    /// old layout still running maps it, and a map past a shrunk file's end faults.
     pub fn make(path: &Path, len: u64) -> Result<()> {
         if std::fs::metadata(path).is_ok_and(|m| m.len() != len) {
             std::fs::remove_file(path).with_context(|| format!("replacing {}", path.display()))?;
@@ -125,6 +130,7 @@ impl BaseCopy {
             while offset < len {
                 let n = SLOT_CHUNK_BYTES.min(len - offset);
                 base.file
+                    .file
                     .write_all_at(&zeros[..n as usize], offset)
                     .with_context(|| format!("writing {}", path.display()))?;
                 offset += n;
@@ -137,87 +143,75 @@ impl BaseCopy {
     /// range, no copy. A range must not be read while it is copied over, which the writer
     /// keeps to ([`RawCopy`]: a chunk is copied once its base is released).
     pub fn source(&self) -> Arc<dyn ByteSource> {
-        Arc::new(MappedBase {
-            file: self.file.clone(),
-            len: self.len,
-            path: self.path.clone(),
-        })
+        self.file.clone()
     }
 
     /// Every chunk handed over so far was written.
     pub fn complete(&self) -> bool {
         !self.failed.load(Ordering::SeqCst)
     }
-
-    fn write_at(&self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
-        if bytes.is_empty() {
-            return Ok(());
-        }
-        let end = offset.checked_add(bytes.len() as u64);
-        if end.is_none_or(|end| end > self.len) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "a copy past the end of the file",
-            ));
-        }
-        // SAFETY: the range lies inside the file (checked above), whose pages are all
-        // reserved; nothing else maps or writes it while this map lives: the writer copies a
-        // chunk only after releasing its base (the one map of this range), and the chunks'
-        // ranges are disjoint.
-        #[allow(unsafe_code)]
-        let mut map = unsafe {
-            memmap2::MmapOptions::new()
-                .offset(offset)
-                .len(bytes.len())
-                .populate()
-                .map_mut(&*self.file)?
-        };
-        map.copy_from_slice(bytes);
-        Ok(())
-    }
 }
 
 impl RawCopy for BaseCopy {
     fn copy(&self, offset: u64, bytes: &[u8]) {
         super::crash::point("base");
-        if let Err(error) = self.write_at(offset, bytes) {
+        if let Err(error) = self.file.write_at(offset, bytes) {
             if !self.failed.swap(true, Ordering::SeqCst) {
-                tracing::warn!(path = %self.path.display(), %error, "cannot write the delta base; the next upload stores whole chunks");
+                tracing::warn!(path = %self.file.path.display(), %error, "cannot write the delta base; the next upload stores whole chunks");
             }
         }
     }
 }
 
-/// [`BaseCopy::source`]: the base file, read through a map of each range.
-struct MappedBase {
-    file: Arc<std::fs::File>,
-    len: u64,
-    path: PathBuf,
+impl BaseFile {
+    /// A map of `len` bytes at `offset`, which must lie inside the file (their pages are all
+    /// reserved) and not be empty.
+    fn map_options(&self, offset: u64, len: usize) -> std::io::Result<memmap2::MmapOptions> {
+        if offset
+            .checked_add(len as u64)
+            .is_none_or(|end| end > self.len)
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                format!(
+                    "{len} bytes at {offset} run past the end of {}",
+                    self.path.display()
+                ),
+            ));
+        }
+        let mut options = memmap2::MmapOptions::new();
+        options.offset(offset).len(len).populate();
+        Ok(options)
+    }
+
+    /// Writes `bytes` at `offset` through a map of their range.
+    fn write_at(&self, offset: u64, bytes: &[u8]) -> std::io::Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        let options = self.map_options(offset, bytes.len())?;
+        // SAFETY: nothing else maps or writes the range while this map lives: the writer
+        // copies a chunk only while its base (the one map of this range) is not held, and the
+        // chunks' ranges are disjoint (`local::check_layout`).
+        #[allow(unsafe_code)]
+        let mut map = unsafe { options.map_mut(&self.file)? };
+        map.copy_from_slice(bytes);
+        Ok(())
+    }
 }
 
-impl ByteSource for MappedBase {
+/// [`BaseCopy::source`]: the base file, read through a map of each range.
+impl ByteSource for BaseFile {
     fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
         if len == 0 {
             return Ok(Bytes::new());
         }
-        let end = offset.checked_add(len as u64);
-        if end.is_none_or(|end| end > self.len) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                format!("read past the end of {}", self.path.display()),
-            ));
-        }
+        let options = self.map_options(offset, len)?;
         // SAFETY: nothing writes the range while the map lives: the daemon alone writes its
         // base file, through `BaseCopy`, and the writer copies over a chunk's range only once
         // it released that chunk's base (this map).
         #[allow(unsafe_code)]
-        let map = unsafe {
-            memmap2::MmapOptions::new()
-                .offset(offset)
-                .len(len)
-                .populate()
-                .map(&*self.file)?
-        };
+        let map = unsafe { options.map(&self.file)? };
         Ok(Bytes::from_owner(map))
     }
 
