@@ -192,7 +192,6 @@ impl FakeNode {
             step,
             durable_requested: false,
             upload: None,
-            rollback: Default::default(),
         });
     }
 

@@ -410,10 +410,6 @@ pub enum Message {
         /// a node's hello brings to a new leader).
         #[serde(default)]
         upload: Option<UploadReport>,
-        /// The supervisor's last rollback the daemon had applied when the rank handed the
-        /// snapshot over: a leader that rolled the run back since ignores the report.
-        #[serde(default)]
-        rollback: RollbackMark,
     },
     /// A rank's shard manifest of `step` is stored.
     Stored {
@@ -727,8 +723,8 @@ pub struct T0Entry {
 
 /// Which of the supervisor's rollbacks a daemon had applied: the leader's epoch and that
 /// leader's count of its rollbacks ([`Message::RolledBack`]), ordered by epoch, then count.
-/// A snapshot handed over before a rollback, and reported after it, carries the mark from
-/// before it: the leader that rolled back tells it from its new world's snapshots by this.
+/// A daemon drops a snapshot whose mark changed while it replicated it: one handed over
+/// before a rollback.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RollbackMark {
     pub epoch: u64,
@@ -978,7 +974,6 @@ mod tests {
                 running: true,
                 t0: Some(16),
             }),
-            rollback: RollbackMark { epoch: 2, seq: 1 },
         }
     }
 

@@ -472,7 +472,6 @@ async fn node(shared: Arc<Shared>, index: usize) -> Result<()> {
                                     durable_requested: false,
                                     // These nodes upload nothing: they say nothing of uploads.
                                     upload: None,
-                                    rollback: Default::default(),
                                 }));
                             }
                             match shared.send(index, &mut writer, &frames).await {

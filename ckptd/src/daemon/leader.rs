@@ -182,7 +182,7 @@ struct State {
     /// a later step that ends before the new world memory-commits that step again is the
     /// abandoned trajectory's, and is not committed.
     rolled_back_to: Option<u64>,
-    /// How many times this leader rolled the run back ([`wire::RollbackMark`]).
+    /// How many times this leader rolled the run back (`RolledBack::seq`).
     rollbacks: u64,
     /// The data a world that restores the step rolled back to skips after it.
     skip: Option<wire::DataSkip>,
@@ -1214,22 +1214,10 @@ impl Leader {
                 step,
                 durable_requested,
                 upload,
-                rollback,
                 ..
             } => {
                 self.check_run(&run)?;
                 if world_size != state.world_size {
-                    return Ok(());
-                }
-                let current = wire::RollbackMark {
-                    epoch: self.epoch,
-                    seq: state.rollbacks,
-                };
-                if state.rollbacks > 0 && rollback < current {
-                    // Handed over before this leader's last rollback, by a rank of the world
-                    // stopped for it, and reported after: the abandoned trajectory's.
-                    self.metrics.rejected("rolled_back_step");
-                    tracing::warn!(rank, step, %node, "ignored a snapshot handed over before the run was rolled back");
                     return Ok(());
                 }
                 if self
@@ -1588,17 +1576,6 @@ pub(crate) mod tests {
 
     /// `rank`'s daemon on `node` reports its snapshot of `step`, as a node session does.
     async fn report(leader: &Leader, node: &str, rank: Rank, step: u64) {
-        report_marked(leader, node, rank, step, wire::RollbackMark::default()).await
-    }
-
-    /// [`report`] of a snapshot handed over after the rollback `rollback`.
-    async fn report_marked(
-        leader: &Leader,
-        node: &str,
-        rank: Rank,
-        step: u64,
-        rollback: wire::RollbackMark,
-    ) {
         let message = Message::Replicated {
             node: node.into(),
             run: leader.cfg.run.clone(),
@@ -1610,7 +1587,6 @@ pub(crate) mod tests {
                 running: false,
                 t0: None,
             }),
-            rollback,
         };
         leader.handle(node, message).await.expect("handled");
     }
@@ -1694,40 +1670,6 @@ pub(crate) mod tests {
         assert_eq!(received(&mut n1), ["committed 52"]);
         assert_eq!(received(&mut n2), ["committed 52"]);
         assert_eq!(leader.metrics.commits_given_up.get(), 4);
-    }
-
-    /// A rank's snapshot handed over before a rollback and reported after it (its daemon
-    /// was still replicating it when the world was stopped) is the abandoned trajectory's:
-    /// the leader ignores it, and commits the new world's, handed over after the rollback.
-    /// Regression: both ranks' last snapshots before a loss spike, reported after the
-    /// rollback, were memory-committed, and the relaunched world restored them.
-    #[tokio::test]
-    async fn a_snapshot_handed_over_before_a_rollback_is_not_committed_after_it() {
-        let (leader, mut n1) = leader().await;
-        let mut n2 = add_node(&leader, "n2").await;
-        report(&leader, "n1", 0, 78).await;
-        report(&leader, "n2", 1, 78).await;
-        assert_eq!(received(&mut n1), ["committed 78"]);
-        assert_eq!(received(&mut n2), ["committed 78"]);
-        assert_eq!(leader.roll_back(80, "a loss spike").await.unwrap(), None);
-        let rolled_back = received(&mut n1);
-        assert!(
-            matches!(&rolled_back[..], [m] if m.starts_with("RolledBack") && m.contains("seq: 1")),
-            "{rolled_back:?}"
-        );
-        received(&mut n2);
-        report(&leader, "n1", 0, 79).await;
-        report(&leader, "n2", 1, 79).await;
-        assert!(received(&mut n1).is_empty());
-        assert_eq!(leader.state.lock().await.memory_step, None);
-        let after = wire::RollbackMark {
-            epoch: leader.epoch,
-            seq: 1,
-        };
-        report_marked(&leader, "n1", 0, 1, after).await;
-        report_marked(&leader, "n2", 1, 1, after).await;
-        assert_eq!(received(&mut n1), ["committed 1"]);
-        assert_eq!(received(&mut n2), ["committed 1"]);
     }
 
     /// Regression: daemons each skip, on their own, a durable step that comes while their

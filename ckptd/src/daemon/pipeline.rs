@@ -120,7 +120,6 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
                 step: job.step,
                 durable_requested: job.durable,
                 upload: Some(state.upload_report()),
-                rollback: job.rollback,
             });
         }
         Err(error) => {

@@ -359,8 +359,6 @@ async fn hello(daemon: &Arc<Daemon>) -> (Message, Vec<Message>) {
                 step: pending.step,
                 durable_requested: pending.durable_requested,
                 upload: Some(state.upload_report()),
-                // A pending snapshot of a step rolled back from was forgotten with it.
-                rollback: *daemon.rollback.lock().expect("not poisoned"),
             });
         }
     }
