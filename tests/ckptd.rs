@@ -164,6 +164,8 @@ impl FakeNode {
             epoch: 0,
             candidate: false,
             replicas: Vec::new(),
+            instance: 1,
+            rollback: Default::default(),
         });
         for rank in 0..2 {
             node.send(Message::RankUp {
@@ -192,6 +194,7 @@ impl FakeNode {
             step,
             durable_requested: false,
             upload: None,
+            rollback: Default::default(),
         });
     }
 

@@ -366,6 +366,13 @@ pub enum Message {
         /// The complete replicas (T1) this node holds for other nodes' ranks.
         #[serde(default)]
         replicas: Vec<ReplicaEntry>,
+        /// This daemon process, drawn at random when it starts (0: not said): a leader tells
+        /// a daemon that lived through its rollbacks from one started after them.
+        #[serde(default)]
+        instance: u64,
+        /// The supervisor's last rollback this daemon applied.
+        #[serde(default)]
+        rollback: RollbackMark,
     },
     /// A registered rank's connection ended: the process exited or died.
     RankDown {
@@ -410,6 +417,11 @@ pub enum Message {
         /// a node's hello brings to a new leader).
         #[serde(default)]
         upload: Option<UploadReport>,
+        /// The supervisor's last rollback the daemon had applied when the rank handed the
+        /// snapshot over: a leader that rolled the run back since ignores the report, unless
+        /// the daemon started after that rollback (it never held the abandoned snapshots).
+        #[serde(default)]
+        rollback: RollbackMark,
     },
     /// A rank's shard manifest of `step` is stored.
     Stored {
@@ -723,8 +735,10 @@ pub struct T0Entry {
 
 /// Which of the supervisor's rollbacks a daemon had applied: the leader's epoch and that
 /// leader's count of its rollbacks ([`Message::RolledBack`]), ordered by epoch, then count.
-/// A daemon drops a snapshot whose mark changed while it replicated it: one handed over
-/// before a rollback.
+/// A daemon drops a snapshot whose mark changed while it replicated it, and a report sent
+/// before its daemon heard of a rollback carries the mark from before it: the leader that
+/// rolled back tells it from its new world's snapshots by this, together with what it knew
+/// of the daemon (`NodeHello::instance`) at the rollback.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct RollbackMark {
     pub epoch: u64,
@@ -974,6 +988,7 @@ mod tests {
                 running: true,
                 t0: Some(16),
             }),
+            rollback: RollbackMark { epoch: 2, seq: 1 },
         }
     }
 

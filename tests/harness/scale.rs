@@ -379,6 +379,8 @@ async fn node(shared: Arc<Shared>, index: usize) -> Result<()> {
             epoch,
             candidate: false,
             replicas: Vec::new(),
+            instance: index as u64 + 1,
+            rollback: Default::default(),
         });
         for rank in &ranks {
             hello.extend(send(Message::RankUp {
@@ -472,6 +474,7 @@ async fn node(shared: Arc<Shared>, index: usize) -> Result<()> {
                                     durable_requested: false,
                                     // These nodes upload nothing: they say nothing of uploads.
                                     upload: None,
+                                    rollback: Default::default(),
                                 }));
                             }
                             match shared.send(index, &mut writer, &frames).await {

@@ -62,6 +62,11 @@ struct NodeInfo {
     /// Which of the node's connections this is: an older one that ends later must not mark
     /// the node disconnected.
     session: u64,
+    /// The node's daemon process (`NodeHello::instance`).
+    instance: u64,
+    /// This leader's count of its rollbacks when it first heard from that process: one
+    /// started after a rollback never held the snapshots it abandoned.
+    rollbacks_before: u64,
     t0: Vec<T0Entry>,
     sender: mpsc::UnboundedSender<Message>,
 }
@@ -182,8 +187,10 @@ struct State {
     /// a later step that ends before the new world memory-commits that step again is the
     /// abandoned trajectory's, and is not committed.
     rolled_back_to: Option<u64>,
-    /// How many times this leader rolled the run back (`RolledBack::seq`).
+    /// How many times this leader rolled the run back ([`wire::RollbackMark`]).
     rollbacks: u64,
+    /// What the nodes were told of the last rollback, told again to a daemon that missed it.
+    last_rollback: Option<Message>,
     /// The data a world that restores the step rolled back to skips after it.
     skip: Option<wire::DataSkip>,
     /// The run's loss at each recent step, from the ranks' heartbeats: the step after a
@@ -283,6 +290,7 @@ impl Leader {
                 stragglers_checked: None,
                 rolled_back_to: None,
                 rollbacks: 0,
+                last_rollback: None,
                 skip: None,
                 losses: BTreeMap::new(),
             }),
@@ -397,6 +405,39 @@ impl Leader {
     /// Whether another daemon could take over (the order of succession names one).
     pub async fn has_successors(&self) -> bool {
         !self.state.lock().await.succession.is_empty()
+    }
+
+    /// How many of this leader's rollbacks a daemon has dealt with: those its mark names,
+    /// and all those before this leader first heard from its process (`rollbacks_before`),
+    /// since a daemon started after a rollback holds nothing it abandoned and has no mark.
+    fn applied_rollbacks(&self, rollbacks_before: u64, mark: wire::RollbackMark) -> u64 {
+        let applied = if mark.epoch == self.epoch {
+            mark.seq
+        } else {
+            0
+        };
+        applied.max(rollbacks_before)
+    }
+
+    /// What a node's hello tells of the rollbacks its daemon dealt with: its
+    /// `rollbacks_before`, and the last rollback to tell it again when it lived through that
+    /// one cut off from this leader. It forgets the abandoned snapshots then; its reports sent
+    /// before carry the mark from before the rollback, and are ignored.
+    fn rollbacks_at_hello(
+        &self,
+        state: &State,
+        node: &str,
+        instance: u64,
+        mark: wire::RollbackMark,
+    ) -> (u64, Option<Message>) {
+        let rollbacks_before = match state.nodes.get(node) {
+            Some(known) if instance != 0 && known.instance == instance => known.rollbacks_before,
+            _ => state.rollbacks,
+        };
+        let missed = (self.applied_rollbacks(rollbacks_before, mark) < state.rollbacks)
+            .then(|| state.last_rollback.clone())
+            .flatten();
+        (rollbacks_before, missed)
     }
 
     fn leading(&self, state: &State) -> Message {
@@ -769,7 +810,7 @@ impl Leader {
                 .await
                 .with_context(|| format!("rolling the run back to step {to}"))?;
         }
-        let seq = {
+        let rolled_back = {
             let mut state = self.state.lock().await;
             state.memory_step = None;
             state.replicated.clear();
@@ -780,18 +821,19 @@ impl Leader {
             state.last_durable_step = to.map(|k| k.step);
             state.rolled_back_to = Some(to.map_or(0, |k| k.step));
             state.rollbacks += 1;
-            state.rollbacks
+            let rolled_back = Message::RolledBack {
+                run: self.cfg.run.clone(),
+                to: to.map(|k| k.step),
+                epoch: self.epoch,
+                seq: state.rollbacks,
+            };
+            state.last_rollback = Some(rolled_back.clone());
+            rolled_back
         };
         *self.durable.lock().unwrap_or_else(|e| e.into_inner()) = to;
         self.metrics.memory_step.set(0);
         self.metrics.rollbacks.inc();
-        self.push_all(Message::RolledBack {
-            run: self.cfg.run.clone(),
-            to: to.map(|k| k.step),
-            epoch: self.epoch,
-            seq,
-        })
-        .await;
+        self.push_all(rolled_back).await;
         Ok(to)
     }
 
@@ -849,6 +891,8 @@ impl Leader {
             epoch,
             candidate,
             replicas,
+            instance,
+            rollback,
         } = hello
         else {
             bail!("expected a hello");
@@ -877,10 +921,18 @@ impl Leader {
             }
             state.sessions += 1;
             let session = state.sessions;
+            let (rollbacks_before, missed) =
+                self.rollbacks_at_hello(&state, &node, instance, rollback);
+            if let Some(rolled_back) = missed {
+                tracing::warn!(%node, "telling a node of the rollback it missed");
+                let _ = sender.send(rolled_back);
+            }
             state.nodes.insert(
                 node.clone(),
                 NodeInfo {
                     session,
+                    instance,
+                    rollbacks_before,
                     address: address.clone(),
                     buddy,
                     socket,
@@ -1214,10 +1266,23 @@ impl Leader {
                 step,
                 durable_requested,
                 upload,
+                rollback,
                 ..
             } => {
                 self.check_run(&run)?;
                 if world_size != state.world_size {
+                    return Ok(());
+                }
+                let before = state
+                    .nodes
+                    .get(node)
+                    .map_or(state.rollbacks, |n| n.rollbacks_before);
+                if self.applied_rollbacks(before, rollback) < state.rollbacks {
+                    // Handed over before this leader's last rollback, by a rank of the world
+                    // stopped for it, and reported after (sent before its daemon heard of
+                    // the rollback): the abandoned trajectory's.
+                    self.metrics.rejected("rolled_back_step");
+                    tracing::warn!(rank, step, %node, "ignored a snapshot handed over before the run was rolled back");
                     return Ok(());
                 }
                 if self
@@ -1536,7 +1601,23 @@ pub(crate) mod tests {
 
     /// Adds node `name` to the leader's nodes; what it receives.
     pub(crate) async fn add_node(leader: &Leader, name: &str) -> mpsc::UnboundedReceiver<Message> {
+        connect(leader, name, 0, wire::RollbackMark::default()).await
+    }
+
+    /// Node `name`'s daemon process `instance`, having applied the rollback `mark`,
+    /// (re)connects to the leader, as its hello does; what it receives.
+    async fn connect(
+        leader: &Leader,
+        name: &str,
+        instance: u64,
+        mark: wire::RollbackMark,
+    ) -> mpsc::UnboundedReceiver<Message> {
         let (sender, receiver) = mpsc::unbounded_channel();
+        let mut state = leader.state.lock().await;
+        let (rollbacks_before, missed) = leader.rollbacks_at_hello(&state, name, instance, mark);
+        if let Some(missed) = missed {
+            sender.send(missed).expect("receiver alive");
+        }
         let info = NodeInfo {
             address: format!("{name}:7001"),
             buddy: None,
@@ -1545,10 +1626,12 @@ pub(crate) mod tests {
             connected: true,
             candidate: true,
             session: 1,
+            instance,
+            rollbacks_before,
             t0: Vec::new(),
             sender,
         };
-        leader.state.lock().await.nodes.insert(name.into(), info);
+        state.nodes.insert(name.into(), info);
         receiver
     }
 
@@ -1576,6 +1659,17 @@ pub(crate) mod tests {
 
     /// `rank`'s daemon on `node` reports its snapshot of `step`, as a node session does.
     async fn report(leader: &Leader, node: &str, rank: Rank, step: u64) {
+        report_marked(leader, node, rank, step, wire::RollbackMark::default()).await
+    }
+
+    /// [`report`] of a snapshot handed over after the rollback `rollback`.
+    async fn report_marked(
+        leader: &Leader,
+        node: &str,
+        rank: Rank,
+        step: u64,
+        rollback: wire::RollbackMark,
+    ) {
         let message = Message::Replicated {
             node: node.into(),
             run: leader.cfg.run.clone(),
@@ -1587,6 +1681,7 @@ pub(crate) mod tests {
                 running: false,
                 t0: None,
             }),
+            rollback,
         };
         leader.handle(node, message).await.expect("handled");
     }
@@ -1670,6 +1765,92 @@ pub(crate) mod tests {
         assert_eq!(received(&mut n1), ["committed 52"]);
         assert_eq!(received(&mut n2), ["committed 52"]);
         assert_eq!(leader.metrics.commits_given_up.get(), 4);
+    }
+
+    /// A rank's snapshot handed over before a rollback and reported after it (its daemon
+    /// sent the report before it heard of the rollback) is the abandoned trajectory's: the
+    /// leader ignores it, and commits the new world's, handed over after the rollback.
+    /// Regression: both ranks' last snapshots before a loss spike, reported after the
+    /// rollback, were memory-committed, and the relaunched world restored them.
+    #[tokio::test]
+    async fn a_snapshot_handed_over_before_a_rollback_is_not_committed_after_it() {
+        let (leader, mut n1) = leader().await;
+        let mut n2 = add_node(&leader, "n2").await;
+        report(&leader, "n1", 0, 78).await;
+        report(&leader, "n2", 1, 78).await;
+        assert_eq!(received(&mut n1), ["committed 78"]);
+        assert_eq!(received(&mut n2), ["committed 78"]);
+        assert_eq!(leader.roll_back(80, "a loss spike").await.unwrap(), None);
+        let rolled_back = received(&mut n1);
+        assert!(
+            matches!(&rolled_back[..], [m] if m.starts_with("RolledBack") && m.contains("seq: 1")),
+            "{rolled_back:?}"
+        );
+        received(&mut n2);
+        report(&leader, "n1", 0, 79).await;
+        report(&leader, "n2", 1, 79).await;
+        assert!(received(&mut n1).is_empty());
+        assert_eq!(leader.state.lock().await.memory_step, None);
+        let after = wire::RollbackMark {
+            epoch: leader.epoch,
+            seq: 1,
+        };
+        report_marked(&leader, "n1", 0, 1, after).await;
+        report_marked(&leader, "n2", 1, 1, after).await;
+        assert_eq!(received(&mut n1), ["committed 1"]);
+        assert_eq!(received(&mut n2), ["committed 1"]);
+    }
+
+    /// A daemon restarted after a rollback has no mark of it, and never held what it
+    /// abandoned: its reports count. Regression: the leader refused them all, and the world
+    /// after the rollback and a lost node's return never committed its last step.
+    #[tokio::test]
+    async fn a_daemon_started_after_a_rollback_is_heard() {
+        let (leader, mut n1) = leader().await;
+        let _n2 = connect(&leader, "n2", 7, wire::RollbackMark::default()).await;
+        leader.roll_back(80, "a loss spike").await.unwrap();
+        received(&mut n1);
+        let after = wire::RollbackMark {
+            epoch: leader.epoch,
+            seq: 1,
+        };
+        let mut n2 = connect(&leader, "n2", 8, wire::RollbackMark::default()).await;
+        assert!(received(&mut n2).is_empty(), "nothing missed");
+        report_marked(&leader, "n1", 0, 3, after).await;
+        report(&leader, "n2", 1, 3).await;
+        assert_eq!(received(&mut n1), ["committed 3"]);
+        assert_eq!(received(&mut n2), ["committed 3"]);
+    }
+
+    /// A daemon cut off from the leader while it rolled back lives on with the abandoned
+    /// snapshots: when it connects again it is told of the rollback, and what it reports
+    /// before it applies it (its hello's pending snapshot) is ignored.
+    #[tokio::test]
+    async fn a_daemon_that_missed_a_rollback_is_told_of_it_and_its_old_snapshots_are_ignored() {
+        let (leader, mut n1) = leader().await;
+        let before = wire::RollbackMark::default();
+        let n2 = connect(&leader, "n2", 7, before).await;
+        drop(n2);
+        leader.roll_back(80, "a loss spike").await.unwrap();
+        received(&mut n1);
+        let mut n2 = connect(&leader, "n2", 7, before).await;
+        let told = received(&mut n2);
+        assert!(
+            matches!(&told[..], [m] if m.starts_with("RolledBack") && m.contains("seq: 1")),
+            "{told:?}"
+        );
+        let after = wire::RollbackMark {
+            epoch: leader.epoch,
+            seq: 1,
+        };
+        report_marked(&leader, "n1", 0, 79, after).await;
+        report_marked(&leader, "n2", 1, 79, before).await;
+        assert!(received(&mut n1).is_empty());
+        report_marked(&leader, "n2", 1, 79, after).await;
+        assert_eq!(received(&mut n1), ["committed 79"]);
+        // Once it applied it, it is not told again.
+        let mut n2 = connect(&leader, "n2", 7, after).await;
+        assert!(received(&mut n2).is_empty());
     }
 
     /// Regression: daemons each skip, on their own, a durable step that comes while their

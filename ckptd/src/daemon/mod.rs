@@ -59,7 +59,7 @@ pub struct Daemon {
     pub key: JobKey,
     pub run: RunStore,
     pub ranks: Mutex<HashMap<Rank, RankState>>,
-    /// Serialises writes of buddy replicas.
+    /// Serialises writes of buddy replicas, and their removal after a rollback.
     pub replicas: Mutex<()>,
     pub to_leader: mpsc::UnboundedSender<Message>,
     /// The leadership this daemon follows (or holds): the newest epoch it knows of.
@@ -83,6 +83,8 @@ pub struct Daemon {
     /// The supervisor's last rollback applied here; changed under `ranks`, as snapshots are
     /// handed over.
     pub rollback: std::sync::Mutex<lazarus_shared::wire::RollbackMark>,
+    /// This process, drawn at random when it starts (`NodeHello::instance`).
+    pub instance: u64,
 }
 
 impl Daemon {
@@ -240,6 +242,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         exit_watched: Default::default(),
         heartbeat_now: tokio::sync::Notify::new(),
         rollback: Default::default(),
+        instance: rand::random::<u64>().max(1),
     });
     if daemon.cfg.buddy.is_none() {
         tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");

@@ -120,6 +120,7 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
                 step: job.step,
                 durable_requested: job.durable,
                 upload: Some(state.upload_report()),
+                rollback: job.rollback,
             });
         }
         Err(error) => {
@@ -486,4 +487,80 @@ async fn upload_replica_inner(
     daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);
     tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), seconds = started.elapsed().as_secs_f64(), "replica stored as the rank's shard");
     Ok((key, meta.world_size))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use lazarus_shared::wire::Message;
+
+    use super::snapshot;
+    use crate::daemon::rank::RankState;
+    use crate::daemon::{testing, uplink, SLOTS_PER_RANK};
+
+    /// A snapshot handed over before a rollback and still being replicated when its daemon
+    /// applies the rollback is the abandoned trajectory's: when the replication ends it is
+    /// neither reported nor kept, and the rank may hand over the next. The next one, handed
+    /// over after the rollback, is reported. Regression: both ranks' last snapshots before a
+    /// loss spike were reported after the rollback, committed, and restored.
+    #[tokio::test]
+    async fn a_snapshot_replicated_across_a_rollback_is_dropped() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, mut to_leader, _) = testing::follower(dir.path(), &[]).await;
+        let slot_bytes = 64 << 10;
+        let mut state = RankState::new(0, 2, slot_bytes, Vec::new(), dir.path().join("rank-0"));
+        std::fs::create_dir_all(&state.dir).unwrap();
+        for slot in 0..SLOTS_PER_RANK {
+            std::fs::write(state.slot_path(slot), vec![7; slot_bytes as usize]).unwrap();
+        }
+        state.registered(100).unwrap();
+        daemon.ranks.lock().await.insert(0, state);
+        let replication_ended = || async {
+            for _ in 0..500 {
+                let state = &daemon.ranks.lock().await[&0];
+                if !state.busy() || state.pending.is_some() {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            let state = &daemon.ranks.lock().await[&0];
+            panic!(
+                "the replication did not end: pending {:?}",
+                state.pending.as_ref().map(|p| p.step)
+            );
+        };
+
+        // On this single-threaded runtime, the replication starts after the rollback.
+        snapshot(&daemon, 0, 79, 0, false, Vec::new())
+            .await
+            .unwrap();
+        let rolled_back = Message::RolledBack {
+            run: daemon.cfg.run.clone(),
+            to: Some(50),
+            epoch: 3,
+            seq: 1,
+        };
+        assert!(uplink::pushed(&daemon, rolled_back).await);
+        replication_ended().await;
+        assert!(daemon.ranks.lock().await[&0].pending.is_none());
+        assert!(to_leader.try_recv().is_err(), "nothing reported");
+
+        snapshot(&daemon, 0, 51, 1, false, Vec::new())
+            .await
+            .unwrap();
+        replication_ended().await;
+        let pending = daemon.ranks.lock().await[&0]
+            .pending
+            .as_ref()
+            .map(|p| p.step);
+        assert_eq!(pending, Some(51));
+        match to_leader.try_recv() {
+            Ok(Message::Replicated { step, rollback, .. }) => {
+                assert_eq!(step, 51);
+                assert_eq!((rollback.epoch, rollback.seq), (3, 1));
+            }
+            other => panic!("expected the report of step 51, got {other:?}"),
+        }
+    }
 }

@@ -218,9 +218,11 @@ async fn write_chunk(
 }
 
 /// Removes the replicas held here of steps after `to` (`None`: all of them): the run was
-/// rolled back, and they belong to the abandoned trajectory.
+/// rolled back, and they belong to the abandoned trajectory. A replica being received waits
+/// for it, or is swapped in first and removed with the others.
 pub async fn forget_after(daemon: &Daemon, to: Option<u64>) -> Result<()> {
     let root = replicas_root(daemon);
+    let _guard = daemon.replicas.lock().await;
     tokio::task::spawn_blocking(move || {
         for rank_dir in std::fs::read_dir(&root).into_iter().flatten().flatten() {
             for step_dir in std::fs::read_dir(rank_dir.path())?.flatten() {
@@ -230,8 +232,8 @@ pub async fn forget_after(daemon: &Daemon, to: Option<u64>) -> Result<()> {
                     .and_then(|n| n.strip_prefix("step-"))
                     .and_then(|n| n.parse::<u64>().ok());
                 if step.is_some_and(|step| to.is_none_or(|to| step > to)) {
-                    // A replica being received meanwhile may remove it first, keeping its
-                    // rank's two newest: that error would leave the later ones here.
+                    // Gone already (an operator's cleanup) is as good as removed: that
+                    // error must not leave the later ones here.
                     match std::fs::remove_dir_all(step_dir.path()) {
                         Err(error) if error.kind() != std::io::ErrorKind::NotFound => {
                             return Err(error).with_context(|| {

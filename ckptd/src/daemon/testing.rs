@@ -1,11 +1,17 @@
-//! What the daemon's unit tests build on: a validated config and an empty store.
+//! What the daemon's unit tests build on: a validated config, an empty store and a daemon.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use clap::Parser;
 use lazarus_shared::store::{OpenMode, Store, StoreOptions};
+use lazarus_shared::wire::{JobKey, Message};
+use tokio::sync::mpsc;
 
-use super::{Cli, Config};
+use super::election::Leadership;
+use super::metrics::Metrics;
+use super::supervisor::Ending;
+use super::{Cli, Config, Daemon};
 
 /// A validated config of node `node` in run `r1`, listening on `listen` and led from
 /// 127.0.0.1:7001, with its shm directory and socket under `dir` and `flags` added. Its store
@@ -44,4 +50,45 @@ pub async fn memory_store() -> Store {
     )
     .await
     .expect("a memory store opens")
+}
+
+/// Daemon `n2` under `dir`, with `flags`, following leadership epoch 3 with nothing running
+/// and no buddy; what it sends the leader, and what it sends when it is done.
+pub async fn follower(
+    dir: &Path,
+    flags: &[&str],
+) -> (
+    Arc<Daemon>,
+    mpsc::UnboundedReceiver<Message>,
+    mpsc::Receiver<Ending>,
+) {
+    let cfg = config(dir, "n2", "127.0.0.1:7002", flags);
+    let store = memory_store().await;
+    let (to_leader, from_daemon) = mpsc::unbounded_channel();
+    let (done, ended) = mpsc::channel(1);
+    let daemon = Arc::new(Daemon {
+        key: JobKey::derive(b"test"),
+        run: store.run(&cfg.run),
+        ranks: Default::default(),
+        replicas: Default::default(),
+        to_leader,
+        leadership: tokio::sync::watch::Sender::new(Leadership {
+            epoch: 3,
+            node: "n1".into(),
+            address: cfg.leader,
+            succession: Vec::new(),
+        }),
+        last_from_leader: std::sync::Mutex::new(std::time::Instant::now()),
+        done,
+        run_ended: Default::default(),
+        buddy: std::sync::Mutex::new(None),
+        leader: std::sync::RwLock::new(None),
+        metrics: Arc::new(Metrics::new()),
+        exit_watched: Default::default(),
+        heartbeat_now: tokio::sync::Notify::new(),
+        rollback: Default::default(),
+        instance: 1,
+        cfg,
+    });
+    (daemon, from_daemon, ended)
 }

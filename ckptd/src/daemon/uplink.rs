@@ -158,7 +158,7 @@ fn current(daemon: &Daemon, epoch: u64) -> bool {
 
 /// Applies one push from the leader; false ends the link (a deposed leader's, or a protocol
 /// break).
-async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
+pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
     let run = &daemon.cfg.run;
     if let Some(epoch) = message.leader_epoch() {
         if !current(daemon, epoch) {
@@ -244,9 +244,13 @@ async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                 *mark = (*mark).max(RollbackMark { epoch, seq });
             }
             drop(ranks);
-            if let Err(error) = super::replica::forget_after(daemon, to).await {
-                tracing::error!(error = %format!("{error:#}"), "cannot forget rolled-back replicas");
-            }
+            // Off the link: a replica being received (from a buddy that may stall) ends first.
+            let daemon = daemon.clone();
+            tokio::spawn(async move {
+                if let Err(error) = super::replica::forget_after(&daemon, to).await {
+                    tracing::error!(error = %format!("{error:#}"), "cannot forget rolled-back replicas");
+                }
+            });
         }
         Message::RunEnded {
             run: r,
@@ -359,6 +363,8 @@ async fn hello(daemon: &Arc<Daemon>) -> (Message, Vec<Message>) {
                 step: pending.step,
                 durable_requested: pending.durable_requested,
                 upload: Some(state.upload_report()),
+                // A pending snapshot of a step rolled back from was forgotten with it.
+                rollback: *daemon.rollback.lock().expect("not poisoned"),
             });
         }
     }
@@ -376,6 +382,8 @@ async fn hello(daemon: &Arc<Daemon>) -> (Message, Vec<Message>) {
             epoch: daemon.leadership.borrow().epoch,
             candidate: daemon.cfg.candidate,
             replicas,
+            instance: daemon.instance,
+            rollback: *daemon.rollback.lock().expect("not poisoned"),
         },
         resend,
     )
@@ -434,11 +442,10 @@ pub async fn request(daemon: &Daemon, to: SocketAddr, message: &Message) -> Resu
 mod tests {
     use std::sync::Arc;
 
-    use lazarus_shared::wire::{JobKey, Message};
+    use lazarus_shared::wire::Message;
 
     use super::pushed;
-    use crate::daemon::election::Leadership;
-    use crate::daemon::metrics::{Cause, Metrics};
+    use crate::daemon::metrics::Cause;
     use crate::daemon::supervisor::Ending;
     use crate::daemon::{testing, Daemon};
 
@@ -448,33 +455,7 @@ mod tests {
         dir: &std::path::Path,
         flags: &[&str],
     ) -> (Arc<Daemon>, tokio::sync::mpsc::Receiver<Ending>) {
-        let cfg = testing::config(dir, "n2", "127.0.0.1:7002", flags);
-        let store = testing::memory_store().await;
-        let (to_leader, _) = tokio::sync::mpsc::unbounded_channel();
-        let (done, ended) = tokio::sync::mpsc::channel(1);
-        let daemon = Arc::new(Daemon {
-            key: JobKey::derive(b"test"),
-            run: store.run(&cfg.run),
-            ranks: Default::default(),
-            replicas: Default::default(),
-            to_leader,
-            leadership: tokio::sync::watch::Sender::new(Leadership {
-                epoch: 3,
-                node: "n1".into(),
-                address: cfg.leader,
-                succession: Vec::new(),
-            }),
-            last_from_leader: std::sync::Mutex::new(std::time::Instant::now()),
-            done,
-            run_ended: Default::default(),
-            buddy: std::sync::Mutex::new(None),
-            leader: std::sync::RwLock::new(None),
-            metrics: Arc::new(Metrics::new()),
-            exit_watched: Default::default(),
-            heartbeat_now: tokio::sync::Notify::new(),
-            rollback: Default::default(),
-            cfg,
-        });
+        let (daemon, _, ended) = testing::follower(dir, flags).await;
         (daemon, ended)
     }
 
