@@ -325,6 +325,10 @@ pub enum Message {
         chunk_bytes: u64,
         tensors: Vec<SlotTensor>,
         blobs: Vec<BlobSpec>,
+        /// The supervisor's last rollback the sender had applied when its rank handed the
+        /// snapshot over: a buddy that applied a later one of the same leader refuses it.
+        #[serde(default)]
+        rollback: RollbackMark,
     },
     /// Payload = chunk `index` of the slot, which hashes to `hash`.
     ReplicaData {
@@ -453,6 +457,10 @@ pub enum Message {
         epoch: u64,
         node: String,
         succession: Vec<Successor>,
+        /// This leader's rollbacks (its epoch and their count), which the node takes as its
+        /// mark. None on the first frame to a node that missed one: `RolledBack` follows.
+        #[serde(default)]
+        rollback: Option<RollbackMark>,
     },
     /// The leader's heartbeat on a node's link (every 500 ms).
     LeaderBeat {

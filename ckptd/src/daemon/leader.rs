@@ -419,17 +419,18 @@ impl Leader {
         applied.max(rollbacks_before)
     }
 
-    /// What a node's hello tells of the rollbacks its daemon dealt with: its
-    /// `rollbacks_before`, and the last rollback to tell it again when it lived through that
-    /// one cut off from this leader. It forgets the abandoned snapshots then; its reports sent
-    /// before carry the mark from before the rollback, and are ignored.
-    fn rollbacks_at_hello(
+    /// What a node's hello tells of the rollbacks its daemon dealt with (its
+    /// `rollbacks_before`), the first frame to send it (`Leading`), and the last rollback to
+    /// tell it again after that when it lived through that one cut off from this leader. It
+    /// forgets the abandoned snapshots then, and takes this leader's mark from it, not from
+    /// the first frame; its reports sent before carry the mark from before, and are ignored.
+    fn greeting(
         &self,
         state: &State,
         node: &str,
         instance: u64,
         mark: wire::RollbackMark,
-    ) -> (u64, Option<Message>) {
+    ) -> (u64, Message, Option<Message>) {
         let rollbacks_before = match state.nodes.get(node) {
             Some(known) if instance != 0 && known.instance == instance => known.rollbacks_before,
             _ => state.rollbacks,
@@ -437,7 +438,11 @@ impl Leader {
         let missed = (self.applied_rollbacks(rollbacks_before, mark) < state.rollbacks)
             .then(|| state.last_rollback.clone())
             .flatten();
-        (rollbacks_before, missed)
+        let mut first = self.leading(state);
+        if let (Some(_), Message::Leading { rollback, .. }) = (&missed, &mut first) {
+            *rollback = None;
+        }
+        (rollbacks_before, first, missed)
     }
 
     fn leading(&self, state: &State) -> Message {
@@ -445,6 +450,10 @@ impl Leader {
             epoch: self.epoch,
             node: self.cfg.node.clone(),
             succession: state.succession.clone(),
+            rollback: Some(wire::RollbackMark {
+                epoch: self.epoch,
+                seq: state.rollbacks,
+            }),
         }
     }
 
@@ -921,8 +930,8 @@ impl Leader {
             }
             state.sessions += 1;
             let session = state.sessions;
-            let (rollbacks_before, missed) =
-                self.rollbacks_at_hello(&state, &node, instance, rollback);
+            let (rollbacks_before, mut first, missed) =
+                self.greeting(&state, &node, instance, rollback);
             if let Some(rolled_back) = missed {
                 tracing::warn!(%node, "telling a node of the rollback it missed");
                 let _ = sender.send(rolled_back);
@@ -945,7 +954,11 @@ impl Leader {
             );
             self.learn_from_hello(&mut state, &address, &t0, &replicas);
             self.order_succession(&mut state);
-            (self.leading(&state), session)
+            if let Message::Leading { succession, .. } = &mut first {
+                // As it stands with this node in it.
+                succession.clone_from(&state.succession);
+            }
+            (first, session)
         };
         let (first, session) = first;
         tracing::info!(%node, %from, "node connected");
@@ -1601,20 +1614,26 @@ pub(crate) mod tests {
 
     /// Adds node `name` to the leader's nodes; what it receives.
     pub(crate) async fn add_node(leader: &Leader, name: &str) -> mpsc::UnboundedReceiver<Message> {
-        connect(leader, name, 0, wire::RollbackMark::default()).await
+        connect(leader, name, 0, wire::RollbackMark::default())
+            .await
+            .0
     }
 
     /// Node `name`'s daemon process `instance`, having applied the rollback `mark`,
-    /// (re)connects to the leader, as its hello does; what it receives.
+    /// (re)connects to the leader, as its hello does; what it receives after the first frame,
+    /// and the first frame's rollback mark.
     async fn connect(
         leader: &Leader,
         name: &str,
         instance: u64,
         mark: wire::RollbackMark,
-    ) -> mpsc::UnboundedReceiver<Message> {
+    ) -> (mpsc::UnboundedReceiver<Message>, Option<wire::RollbackMark>) {
         let (sender, receiver) = mpsc::unbounded_channel();
         let mut state = leader.state.lock().await;
-        let (rollbacks_before, missed) = leader.rollbacks_at_hello(&state, name, instance, mark);
+        let (rollbacks_before, first, missed) = leader.greeting(&state, name, instance, mark);
+        let Message::Leading { rollback, .. } = first else {
+            panic!("the first frame is {first:?}");
+        };
         if let Some(missed) = missed {
             sender.send(missed).expect("receiver alive");
         }
@@ -1632,7 +1651,7 @@ pub(crate) mod tests {
             sender,
         };
         state.nodes.insert(name.into(), info);
-        receiver
+        (receiver, rollback)
     }
 
     /// Both ranks report `step` with these uploads (`requested`: rank 0 asks for a durable
@@ -1814,8 +1833,9 @@ pub(crate) mod tests {
             epoch: leader.epoch,
             seq: 1,
         };
-        let mut n2 = connect(&leader, "n2", 8, wire::RollbackMark::default()).await;
+        let (mut n2, first) = connect(&leader, "n2", 8, wire::RollbackMark::default()).await;
         assert!(received(&mut n2).is_empty(), "nothing missed");
+        assert_eq!(first, Some(after), "the node takes the leader's mark");
         report_marked(&leader, "n1", 0, 3, after).await;
         report(&leader, "n2", 1, 3).await;
         assert_eq!(received(&mut n1), ["committed 3"]);
@@ -1828,12 +1848,17 @@ pub(crate) mod tests {
     #[tokio::test]
     async fn a_daemon_that_missed_a_rollback_is_told_of_it_and_its_old_snapshots_are_ignored() {
         let (leader, mut n1) = leader().await;
-        let before = wire::RollbackMark::default();
-        let n2 = connect(&leader, "n2", 7, before).await;
+        let before = wire::RollbackMark {
+            epoch: leader.epoch,
+            seq: 0,
+        };
+        let (n2, first) = connect(&leader, "n2", 7, before).await;
+        assert_eq!(first, Some(before));
         drop(n2);
         leader.roll_back(80, "a loss spike").await.unwrap();
         received(&mut n1);
-        let mut n2 = connect(&leader, "n2", 7, before).await;
+        let (mut n2, first) = connect(&leader, "n2", 7, before).await;
+        assert_eq!(first, None, "the mark comes with the rollback");
         let told = received(&mut n2);
         assert!(
             matches!(&told[..], [m] if m.starts_with("RolledBack") && m.contains("seq: 1")),
@@ -1849,8 +1874,9 @@ pub(crate) mod tests {
         report_marked(&leader, "n2", 1, 79, after).await;
         assert_eq!(received(&mut n1), ["committed 79"]);
         // Once it applied it, it is not told again.
-        let mut n2 = connect(&leader, "n2", 7, after).await;
+        let (mut n2, first) = connect(&leader, "n2", 7, after).await;
         assert!(received(&mut n2).is_empty());
+        assert_eq!(first, Some(after));
     }
 
     /// Regression: daemons each skip, on their own, a durable step that comes while their

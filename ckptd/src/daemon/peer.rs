@@ -58,20 +58,30 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             chunk_bytes,
             tensors,
             blobs,
+            rollback,
         } => {
             let blobs = wire::unpack_blobs(&blobs, &first.payload)?;
-            let meta = ReplicaMeta {
-                from_node,
-                run,
-                rank,
-                world_size,
-                step,
-                slot_bytes,
-                tensors,
-                chunks: Vec::new(),
-                blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
+            let applied = *daemon.rollback.lock().expect("not poisoned");
+            let result = if rollback.epoch == applied.epoch && rollback.seq < applied.seq {
+                // The sender's rank handed it over before a rollback this node applied (the
+                // sender had not heard of it yet): the abandoned trajectory's.
+                Err(anyhow::anyhow!(
+                    "rank {rank}'s snapshot of step {step} was handed over before the run was rolled back"
+                ))
+            } else {
+                let meta = ReplicaMeta {
+                    from_node,
+                    run,
+                    rank,
+                    world_size,
+                    step,
+                    slot_bytes,
+                    tensors,
+                    chunks: Vec::new(),
+                    blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
+                };
+                replica::receive(daemon, &mut stream, meta, chunk_bytes).await
             };
-            let result = replica::receive(daemon, &mut stream, meta, chunk_bytes).await;
             let ack = match &result {
                 Ok(()) => Message::Ack {
                     ok: true,
@@ -177,5 +187,77 @@ fn not_leader(daemon: &Daemon) -> Message {
     Message::NotLeader {
         epoch: leadership.epoch,
         leader: Some(leadership.address.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use lazarus_shared::wire::{Message, RollbackMark};
+    use lazarus_shared::ChunkHash;
+    use tokio::net::TcpListener;
+
+    use super::serve;
+    use crate::daemon::metrics::Cause;
+    use crate::daemon::replica::{self, ReplicaSender};
+    use crate::daemon::{testing, SLOT_CHUNK_BYTES};
+
+    /// A buddy that applied a rollback refuses a replica whose sender's rank handed it over
+    /// before that rollback (the sender had not heard of it yet): it is the abandoned
+    /// trajectory's. One handed over after the rollback is held.
+    #[tokio::test]
+    async fn a_replica_handed_over_before_a_rollback_the_buddy_applied_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, _, _) = testing::follower(dir.path(), &[]).await;
+        *daemon.rollback.lock().unwrap() = RollbackMark { epoch: 3, seq: 1 };
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        tokio::spawn(serve(daemon.clone(), listener));
+        let data = vec![5u8; 4096];
+        let hash = ChunkHash::of(&data);
+        let send = |seq: u64| {
+            let (daemon, data) = (daemon.clone(), data.clone());
+            async move {
+                let begin = Message::ReplicaBegin {
+                    from_node: "n1".into(),
+                    run: daemon.cfg.run.clone(),
+                    rank: 0,
+                    world_size: 2,
+                    step: 79,
+                    slot_bytes: data.len() as u64,
+                    chunk_bytes: SLOT_CHUNK_BYTES,
+                    tensors: Vec::new(),
+                    blobs: Vec::new(),
+                    rollback: RollbackMark { epoch: 3, seq },
+                };
+                let mut sender = ReplicaSender::begin(&daemon, address, begin, &[]).await?;
+                sender.data(0, hash, &data).await?;
+                sender.end(vec![hash]).await
+            }
+        };
+        let refused = || {
+            daemon
+                .metrics
+                .peer_rejected
+                .get_or_create(&Cause {
+                    cause: "refused".into(),
+                })
+                .get()
+        };
+
+        assert!(send(0).await.is_err());
+        for _ in 0..200 {
+            if refused() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(refused(), 1);
+        assert!(replica::held(&daemon, 0, 79).unwrap().is_none());
+
+        send(1).await.unwrap();
+        let (_, meta) = replica::held(&daemon, 0, 79).unwrap().expect("held");
+        assert_eq!(meta.chunks, [hash]);
     }
 }

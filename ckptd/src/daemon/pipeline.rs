@@ -148,6 +148,7 @@ async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
                 chunk_bytes: SLOT_CHUNK_BYTES,
                 tensors: job.tensors.clone(),
                 blobs: specs,
+                rollback: job.rollback,
             };
             Some(replica::ReplicaSender::begin(daemon, buddy, begin, &payload).await?)
         }

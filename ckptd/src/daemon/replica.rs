@@ -289,6 +289,8 @@ pub async fn send(
         chunk_bytes: SLOT_CHUNK_BYTES,
         tensors: meta.tensors.clone(),
         blobs: specs,
+        // A replica fetched back restores what the leader chose: no mark is checked.
+        rollback: Default::default(),
     };
     framing::write(&daemon.key, stream, &begin, &payload).await?;
     let file = Arc::new(FileSource::open(&dir.join("data"))?);

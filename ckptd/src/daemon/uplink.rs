@@ -186,7 +186,14 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
             epoch,
             node,
             succession,
+            rollback,
         } => {
+            if let Some(leaders) = rollback {
+                // Every node of a leader holds its mark, so a buddy can tell a replica handed
+                // over before a rollback by the sender's (`peer`), whenever the sender started.
+                let mut mark = daemon.rollback.lock().expect("not poisoned");
+                *mark = (*mark).max(leaders);
+            }
             daemon.metrics.leader_epoch.set(epoch as i64);
             daemon.leadership.send_if_modified(|known| {
                 let changed =
@@ -492,15 +499,18 @@ mod tests {
             daemon.buddy.lock().unwrap().map(|b| b.to_string()),
             Some("127.0.0.1:7009".to_string())
         );
-        // A newer leader's first frame moves this node to its epoch; the old one's are
-        // refused from then on.
+        // A newer leader's first frame moves this node to its epoch, and to its rollback
+        // mark; the old one's are refused from then on.
+        let mark = lazarus_shared::wire::RollbackMark { epoch: 4, seq: 2 };
         let leading = Message::Leading {
             epoch: 4,
             node: "n3".into(),
             succession: Vec::new(),
+            rollback: Some(mark),
         };
         assert!(pushed(&daemon, leading).await);
         assert_eq!(daemon.leadership.borrow().epoch, 4);
+        assert_eq!(*daemon.rollback.lock().unwrap(), mark);
         assert!(!pushed(&daemon, set_buddy(3)).await);
         assert_eq!(refused(), 4);
     }
