@@ -189,8 +189,9 @@ struct State {
     rolled_back_to: Option<u64>,
     /// How many times this leader rolled the run back ([`wire::RollbackMark`]).
     rollbacks: u64,
-    /// What the nodes were told of the last rollback, told again to a daemon that missed it.
-    last_rollback: Option<Message>,
+    /// The step each of those rollbacks went back to (`None`: a fresh start), in order: a
+    /// daemon that missed some is told to forget everything after the earliest.
+    rolled_back_tos: Vec<Option<u64>>,
     /// The data a world that restores the step rolled back to skips after it.
     skip: Option<wire::DataSkip>,
     /// The run's loss at each recent step, from the ranks' heartbeats: the step after a
@@ -290,7 +291,7 @@ impl Leader {
                 stragglers_checked: None,
                 rolled_back_to: None,
                 rollbacks: 0,
-                last_rollback: None,
+                rolled_back_tos: Vec::new(),
                 skip: None,
                 losses: BTreeMap::new(),
             }),
@@ -435,9 +436,18 @@ impl Leader {
             Some(known) if instance != 0 && known.instance == instance => known.rollbacks_before,
             _ => state.rollbacks,
         };
-        let missed = (self.applied_rollbacks(rollbacks_before, mark) < state.rollbacks)
-            .then(|| state.last_rollback.clone())
-            .flatten();
+        let applied = self.applied_rollbacks(rollbacks_before, mark);
+        let missed = (applied < state.rollbacks).then(|| Message::RolledBack {
+            run: self.cfg.run.clone(),
+            // The earliest of the missed rollbacks' steps (a fresh start is the earliest).
+            to: state.rolled_back_tos[applied as usize..]
+                .iter()
+                .copied()
+                .min()
+                .flatten(),
+            epoch: self.epoch,
+            seq: state.rollbacks,
+        });
         let mut first = self.leading(state);
         if let (Some(_), Message::Leading { rollback, .. }) = (&missed, &mut first) {
             *rollback = None;
@@ -819,7 +829,7 @@ impl Leader {
                 .await
                 .with_context(|| format!("rolling the run back to step {to}"))?;
         }
-        let rolled_back = {
+        {
             let mut state = self.state.lock().await;
             state.memory_step = None;
             state.replicated.clear();
@@ -830,19 +840,24 @@ impl Leader {
             state.last_durable_step = to.map(|k| k.step);
             state.rolled_back_to = Some(to.map_or(0, |k| k.step));
             state.rollbacks += 1;
+            state.rolled_back_tos.push(to.map(|k| k.step));
             let rolled_back = Message::RolledBack {
                 run: self.cfg.run.clone(),
                 to: to.map(|k| k.step),
                 epoch: self.epoch,
                 seq: state.rollbacks,
             };
-            state.last_rollback = Some(rolled_back.clone());
-            rolled_back
-        };
+            // Under the state, as every `Leading` is queued: no node is told this leader's
+            // new mark before it is told to forget what the rollback abandoned.
+            if !self.deposed() {
+                for node in state.nodes.values().filter(|n| n.connected) {
+                    let _ = node.sender.send(rolled_back.clone());
+                }
+            }
+        }
         *self.durable.lock().unwrap_or_else(|e| e.into_inner()) = to;
         self.metrics.memory_step.set(0);
         self.metrics.rollbacks.inc();
-        self.push_all(rolled_back).await;
         Ok(to)
     }
 
@@ -1877,6 +1892,48 @@ pub(crate) mod tests {
         let (mut n2, first) = connect(&leader, "n2", 7, after).await;
         assert!(received(&mut n2).is_empty());
         assert_eq!(first, Some(after));
+    }
+
+    /// A daemon that missed several rollbacks forgets everything after the earliest step any
+    /// of them went back to: a later rollback may go back to a later step, and what the
+    /// earlier one abandoned would stay.
+    #[tokio::test]
+    async fn a_daemon_that_missed_rollbacks_forgets_after_the_earliest_step_they_went_back_to() {
+        let (leader, _n1) = leader().await;
+        let mark = |seq| wire::RollbackMark {
+            epoch: leader.epoch,
+            seq,
+        };
+        drop(connect(&leader, "n2", 7, mark(0)).await);
+        let told = |tos: Vec<Option<u64>>, applied: u64| {
+            let leader = &leader;
+            async move {
+                {
+                    let mut state = leader.state.lock().await;
+                    state.rollbacks = tos.len() as u64;
+                    state.rolled_back_tos = tos;
+                }
+                let (mut n2, _) = connect(leader, "n2", 7, mark(applied)).await;
+                received(&mut n2)
+            }
+        };
+        let rolled_back = |to: &str| format!("to: {to}, epoch: {}, seq: 2 }}", leader.epoch);
+        let got = told(vec![Some(50), Some(60)], 0).await;
+        assert!(
+            matches!(&got[..], [m] if m.ends_with(&rolled_back("Some(50)"))),
+            "{got:?}"
+        );
+        let got = told(vec![Some(50), Some(60)], 1).await;
+        assert!(
+            matches!(&got[..], [m] if m.ends_with(&rolled_back("Some(60)"))),
+            "{got:?}"
+        );
+        let got = told(vec![None, Some(60)], 0).await;
+        assert!(
+            matches!(&got[..], [m] if m.ends_with(&rolled_back("None"))),
+            "{got:?}"
+        );
+        assert!(told(vec![None, Some(60)], 2).await.is_empty());
     }
 
     /// Regression: daemons each skip, on their own, a durable step that comes while their

@@ -17,6 +17,7 @@ pub mod config;
 pub mod crash;
 pub mod election;
 pub mod framing;
+pub mod identity;
 pub mod leader;
 pub mod local;
 pub mod metrics;
@@ -80,11 +81,13 @@ pub struct Daemon {
     pub exit_watched: std::sync::Mutex<std::collections::HashSet<u32>>,
     /// Sends a heartbeat to the leader now (a rank's restored and first steps).
     pub heartbeat_now: tokio::sync::Notify,
-    /// The supervisor's last rollback applied here; changed under `ranks`, as snapshots are
-    /// handed over.
+    /// The supervisor's last rollback applied here, or the newer mark of the leader it
+    /// follows (`Leading`); read under `ranks` as snapshots are handed over, and a snapshot
+    /// whose mark changed while it was replicated is dropped.
     pub rollback: std::sync::Mutex<lazarus_shared::wire::RollbackMark>,
-    /// This process, drawn at random when it starts (`NodeHello::instance`).
-    pub instance: u64,
+    /// This daemon's state in shm (`NodeHello::instance`), and the last rollback it forgot,
+    /// kept there as it changes.
+    pub identity: std::sync::Mutex<identity::Identity>,
 }
 
 impl Daemon {
@@ -225,6 +228,7 @@ pub async fn run(cfg: Config) -> Result<()> {
     };
     metrics.leader_epoch.set(following.epoch as i64);
     let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
+    let identity = identity::load_or_create(&identity::dir(&cfg))?;
     let daemon = Arc::new(Daemon {
         ranks: Mutex::new(local::load_ranks(&cfg)),
         replicas: Mutex::new(()),
@@ -241,8 +245,8 @@ pub async fn run(cfg: Config) -> Result<()> {
         metrics,
         exit_watched: Default::default(),
         heartbeat_now: tokio::sync::Notify::new(),
-        rollback: Default::default(),
-        instance: rand::random::<u64>().max(1),
+        rollback: std::sync::Mutex::new(identity.forgotten),
+        identity: std::sync::Mutex::new(identity),
     });
     if daemon.cfg.buddy.is_none() {
         tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");

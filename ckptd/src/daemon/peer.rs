@@ -61,14 +61,7 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             rollback,
         } => {
             let blobs = wire::unpack_blobs(&blobs, &first.payload)?;
-            let applied = *daemon.rollback.lock().expect("not poisoned");
-            let result = if rollback.epoch == applied.epoch && rollback.seq < applied.seq {
-                // The sender's rank handed it over before a rollback this node applied (the
-                // sender had not heard of it yet): the abandoned trajectory's.
-                Err(anyhow::anyhow!(
-                    "rank {rank}'s snapshot of step {step} was handed over before the run was rolled back"
-                ))
-            } else {
+            let result = {
                 let meta = ReplicaMeta {
                     from_node,
                     run,
@@ -80,7 +73,7 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
                     chunks: Vec::new(),
                     blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
                 };
-                replica::receive(daemon, &mut stream, meta, chunk_bytes).await
+                replica::receive(daemon, &mut stream, meta, chunk_bytes, rollback).await
             };
             let ack = match &result {
                 Ok(()) => Message::Ack {

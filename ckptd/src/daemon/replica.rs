@@ -49,11 +49,14 @@ fn replica_dir(daemon: &Daemon, rank: Rank) -> PathBuf {
     replicas_root(daemon).join(format!("rank-{rank}"))
 }
 
+/// Receives a replica from its sender's daemon and swaps it in. `handed_over`: the sender's
+/// mark when its rank handed the snapshot over (`ReplicaBegin::rollback`).
 pub async fn receive(
     daemon: &Arc<Daemon>,
     stream: &mut TcpStream,
     mut meta: ReplicaMeta,
     chunk_bytes: u64,
+    handed_over: wire::RollbackMark,
 ) -> Result<()> {
     if meta.run != daemon.cfg.run {
         bail!(
@@ -73,6 +76,18 @@ pub async fn receive(
         );
     }
     let _guard = daemon.replicas.lock().await;
+    // Under the lock: a rollback applied before this point is seen here, and one applied
+    // after removes this replica once it is swapped in (`forget_after` waits for the lock).
+    let applied = *daemon.rollback.lock().expect("not poisoned");
+    if handed_over.epoch == applied.epoch && handed_over.seq < applied.seq {
+        // The sender's rank handed it over before a rollback this node applied (the sender
+        // had not heard of it yet): the abandoned trajectory's.
+        bail!(
+            "rank {}'s snapshot of step {} was handed over before the run was rolled back",
+            meta.rank,
+            meta.step
+        );
+    }
     let dir = replica_dir(daemon, meta.rank);
     let incoming = dir.join("incoming");
     let file = {
@@ -218,8 +233,9 @@ async fn write_chunk(
 }
 
 /// Removes the replicas held here of steps after `to` (`None`: all of them): the run was
-/// rolled back, and they belong to the abandoned trajectory. A replica being received waits
-/// for it, or is swapped in first and removed with the others.
+/// rolled back, and they belong to the abandoned trajectory. Called after the rollback's mark
+/// is applied: a replica being received when this takes the lock was swapped in first and is
+/// removed with the others, and one that comes after sees the mark (`receive`).
 pub async fn forget_after(daemon: &Daemon, to: Option<u64>) -> Result<()> {
     let root = replicas_root(daemon);
     let _guard = daemon.replicas.lock().await;

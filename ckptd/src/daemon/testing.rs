@@ -87,7 +87,10 @@ pub async fn follower(
         exit_watched: Default::default(),
         heartbeat_now: tokio::sync::Notify::new(),
         rollback: Default::default(),
-        instance: 1,
+        identity: std::sync::Mutex::new(super::identity::Identity {
+            instance: 1,
+            forgotten: Default::default(),
+        }),
         cfg,
     });
     (daemon, from_daemon, ended)

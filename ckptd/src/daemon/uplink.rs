@@ -238,9 +238,12 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                 ?to,
                 "the supervisor rolled the run back; forgetting later snapshots"
             );
+            let applied = RollbackMark { epoch, seq };
             let mut ranks = daemon.ranks.lock().await;
+            let mut forgot = true;
             for state in ranks.values_mut() {
                 if let Err(error) = state.forget_after(to) {
+                    forgot = false;
                     tracing::error!(rank = state.rank, error = %format!("{error:#}"), "cannot forget a rolled-back snapshot");
                 }
             }
@@ -248,14 +251,26 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
             // being replicated, is dropped when that ends (`pipeline::process`).
             {
                 let mut mark = daemon.rollback.lock().expect("not poisoned");
-                *mark = (*mark).max(RollbackMark { epoch, seq });
+                *mark = (*mark).max(applied);
             }
             drop(ranks);
             // Off the link: a replica being received (from a buddy that may stall) ends first.
             let daemon = daemon.clone();
             tokio::spawn(async move {
                 if let Err(error) = super::replica::forget_after(&daemon, to).await {
+                    forgot = false;
                     tracing::error!(error = %format!("{error:#}"), "cannot forget rolled-back replicas");
+                }
+                // Only once all of it is gone: a daemon restarted before says the mark from
+                // before, and is told of the rollback again.
+                if forgot {
+                    let mut identity = daemon.identity.lock().expect("not poisoned");
+                    identity.forgotten = identity.forgotten.max(applied);
+                    if let Err(error) =
+                        super::identity::store(&super::identity::dir(&daemon.cfg), &identity)
+                    {
+                        tracing::error!(error = %format!("{error:#}"), "cannot record the rollback as forgotten");
+                    }
                 }
             });
         }
@@ -389,7 +404,7 @@ async fn hello(daemon: &Arc<Daemon>) -> (Message, Vec<Message>) {
             epoch: daemon.leadership.borrow().epoch,
             candidate: daemon.cfg.candidate,
             replicas,
-            instance: daemon.instance,
+            instance: daemon.identity.lock().expect("not poisoned").instance,
             rollback: *daemon.rollback.lock().expect("not poisoned"),
         },
         resend,
