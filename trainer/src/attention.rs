@@ -149,7 +149,7 @@ impl CausalAttention {
     /// `(width, head_dim)` for inputs of `len` elements, or an error.
     fn widths(&self, len: usize) -> Result<(usize, usize)> {
         let rows = self.batch * self.seq;
-        if rows == 0 || len % rows != 0 || (len / rows) % self.heads != 0 {
+        if rows == 0 || !len.is_multiple_of(rows) || !(len / rows).is_multiple_of(self.heads) {
             return Err(error(format!(
                 "{len} elements do not split into {rows} rows of {} heads",
                 self.heads
@@ -157,7 +157,7 @@ impl CausalAttention {
         }
         let width = len / rows;
         let head_dim = width / self.heads;
-        if head_dim % 2 != 0 || self.cos.len() != self.seq * head_dim {
+        if !head_dim.is_multiple_of(2) || self.cos.len() != self.seq * head_dim {
             return Err(error(format!(
                 "head_dim {head_dim} must be even and match the RoPE tables"
             )));

@@ -333,14 +333,14 @@ impl Config {
             ),
         );
         require(
-            m.d_model > 0 && m.heads > 0 && m.d_model % m.heads == 0,
+            m.d_model > 0 && m.heads > 0 && m.d_model.is_multiple_of(m.heads),
             format!(
                 "model.d_model {} must be a positive multiple of model.heads {}",
                 m.d_model, m.heads
             ),
         );
         require(
-            m.heads > 0 && (m.d_model / m.heads.max(1)) % 2 == 0,
+            m.heads > 0 && (m.d_model / m.heads.max(1)).is_multiple_of(2),
             format!(
                 "the head size d_model/heads = {} must be even for RoPE",
                 m.d_model / m.heads.max(1)

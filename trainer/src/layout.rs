@@ -96,42 +96,42 @@ impl Layout {
         };
         let dp = ranks / (tp * pp);
         require(
-            ranks % (tp * pp) == 0,
+            ranks.is_multiple_of(tp * pp),
             format!(
                 "parallel.tp x parallel.pp = {tp} x {pp} must divide the number of ranks {ranks}"
             ),
         );
         require(
-            dp % ep == 0,
+            dp.is_multiple_of(ep),
             format!("parallel.ep {ep} must divide the data-parallel size {dp} (ranks {ranks} / (tp {tp} x pp {pp}))"),
         );
         require(
-            model.heads % tp == 0,
+            model.heads.is_multiple_of(tp),
             format!("parallel.tp {tp} must divide model.heads {}", model.heads),
         );
         require(
-            model.vocab_size % tp == 0,
+            model.vocab_size.is_multiple_of(tp),
             format!(
                 "parallel.tp {tp} must divide model.vocab_size {} (the embedding and LM head are split by vocabulary)",
                 model.vocab_size
             ),
         );
         require(
-            model.experts % (ep * tp) == 0,
+            model.experts.is_multiple_of(ep * tp),
             format!(
                 "parallel.ep x parallel.tp = {ep} x {tp} must divide model.experts {} (each tensor-parallel rank holds whole experts)",
                 model.experts
             ),
         );
         require(
-            model.layers % (pp * virtual_stages) == 0,
+            model.layers.is_multiple_of(pp * virtual_stages),
             format!(
                 "parallel.pp x parallel.virtual_stages = {pp} x {virtual_stages} must divide model.layers {}",
                 model.layers
             ),
         );
         require(
-            micro_batch % micro_batches == 0,
+            micro_batch.is_multiple_of(micro_batches),
             format!("parallel.micro_batches {micro_batches} must divide train.micro_batch {micro_batch}"),
         );
         require(

@@ -134,7 +134,7 @@ impl StepLog {
         log: &mut dyn Write,
     ) -> Result<()> {
         self.window_tokens += self.tokens_per_step;
-        if step % self.log_every != 0 && val_loss.is_none() && step != self.last_step {
+        if !step.is_multiple_of(self.log_every) && val_loss.is_none() && step != self.last_step {
             return Ok(());
         }
         let seconds = self.window_start.elapsed().as_secs_f64();

@@ -1277,7 +1277,7 @@ pub fn train(
         // update: at the first step of a launch (the restored or initial state), and after
         // every sdc_check_every-th step.
         let every = config.health.sdc_check_every;
-        if every > 0 && world.size > 1 && (step == first_step || (step - 1) % every == 0) {
+        if every > 0 && world.size > 1 && (step == first_step || (step - 1).is_multiple_of(every)) {
             let timer = Instant::now();
             let checking = tracing::info_span!("sdc_check").entered();
             let mismatch = crate::sdc::check(&world, &session.model, &session.optim)?;
@@ -1325,7 +1325,7 @@ pub fn train(
         step_log.stepped();
         // A checkpoint is due: ask the saver whether it is free now, and agree on it across
         // ranks in the same sum as the loss.
-        let checkpoint_due = step % config.checkpoint.every == 0;
+        let checkpoint_due = step.is_multiple_of(config.checkpoint.every);
         let (busy_here, poll_time) = if checkpoint_due {
             session.busy(step)
         } else {
@@ -1389,7 +1389,7 @@ pub fn train(
         }
         crate::health::remember(&config.health, &mut session.state.recent_losses, loss);
         checks.health.push(timer.elapsed().as_secs_f64());
-        let val_loss = if step % config.train.val_every == 0 {
+        let val_loss = if step.is_multiple_of(config.train.val_every) {
             let _span = tracing::info_span!("validation").entered();
             session.validate(&dataset)?
         } else {
