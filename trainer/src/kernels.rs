@@ -289,7 +289,7 @@ pub fn transposed<T: Element>(src: &[T], src_rows: usize) -> Vec<T> {
         return Vec::new();
     }
     assert!(
-        src_rows > 0 && src.len() % src_rows == 0,
+        src_rows > 0 && src.len().is_multiple_of(src_rows),
         "a transpose of whole rows"
     );
     // The output's rows are `src`'s columns.
@@ -634,6 +634,120 @@ fn exp_sum_in_place_f32_avx2(row: &mut [f32], max: f32) -> f64 {
             *v as f64
         }),
     )
+}
+
+/// [`exp_f32`] on sixteen lanes: the operations of [`exp_f32x8`], so each lane is
+/// bit-identical to it.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp_f32x16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    const ROUND: f32 = 12_582_912.0;
+    let x = _mm512_min_ps(
+        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
+        _mm512_set1_ps(88.0),
+    );
+    let shifted = _mm512_add_ps(
+        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        _mm512_set1_ps(ROUND),
+    );
+    let n = _mm512_sub_ps(shifted, _mm512_set1_ps(ROUND));
+    let exponent = _mm512_sub_epi32(
+        _mm512_castps_si512(shifted),
+        _mm512_set1_epi32(ROUND.to_bits() as i32),
+    );
+    let r = _mm512_sub_ps(
+        _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693_359_4))),
+        _mm512_mul_ps(n, _mm512_set1_ps(-2.121_944_4e-4)),
+    );
+    let mut p = _mm512_set1_ps(1.987_569_1e-4);
+    for c in [
+        1.398_199_9e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ] {
+        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
+    }
+    let value = _mm512_add_ps(
+        _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
+        _mm512_set1_ps(1.0),
+    );
+    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
+        exponent,
+        _mm512_set1_epi32(127),
+    )));
+    _mm512_mul_ps(value, scale)
+}
+
+/// [`max_f32_body`] over four registers of sixteen lanes.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn max_f32_avx512(row: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let mut blocks = row.chunks_exact(64);
+    let mut maxes = [_mm512_set1_ps(f32::NEG_INFINITY); 4];
+    for block in &mut blocks {
+        for (k, max) in maxes.iter_mut().enumerate() {
+            // SAFETY: `block` holds 64 floats; this reads the 16 from 16k on.
+            let values = unsafe { _mm512_loadu_ps(block.as_ptr().add(16 * k)) };
+            *max = _mm512_max_ps(values, *max);
+        }
+    }
+    let max = _mm512_max_ps(
+        _mm512_max_ps(maxes[0], maxes[1]),
+        _mm512_max_ps(maxes[2], maxes[3]),
+    );
+    _mm512_reduce_max_ps(max).max(max_f32_body(blocks.remainder()))
+}
+
+/// [`exp_sum_in_place_f32_body`] in AVX-512 intrinsics, bit-identical to it: sixteen
+/// exponentials per step, lanes 0-7 and 8-15 of [`SUM_LANES`] in two registers of f64.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn exp_sum_in_place_f32_avx512(row: &mut [f32], max: f32) -> f64 {
+    use std::arch::x86_64::*;
+    let shift = _mm512_set1_ps(max);
+    let (mut low, mut high) = (_mm512_setzero_pd(), _mm512_setzero_pd());
+    let mut blocks = row.chunks_exact_mut(SUM_LANES);
+    for block in &mut blocks {
+        let at = block.as_mut_ptr();
+        // SAFETY: `block` holds 16 floats.
+        let exps = exp_f32x16(_mm512_sub_ps(unsafe { _mm512_loadu_ps(at) }, shift));
+        // SAFETY: the same 16 floats, written back.
+        unsafe { _mm512_storeu_ps(at, exps) };
+        let halves = _mm512_castps_pd(exps);
+        low = _mm512_add_pd(low, _mm512_cvtps_pd(_mm512_castps512_ps256(exps)));
+        high = _mm512_add_pd(
+            high,
+            _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(halves))),
+        );
+    }
+    let mut lanes = [0f64; SUM_LANES];
+    // SAFETY: `lanes` holds 16 doubles; these write the 8 from 0 and the 8 from 8.
+    unsafe {
+        _mm512_storeu_pd(lanes.as_mut_ptr(), low);
+        _mm512_storeu_pd(lanes.as_mut_ptr().add(8), high);
+    }
+    lanes_sum(
+        lanes,
+        blocks.into_remainder().iter_mut().map(|v| {
+            *v = exp_f32(*v - max);
+            *v as f64
+        }),
+    )
+}
+
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
 }
 
 /// `row[i] = scale * exp(row[i] - shift)`, in place.
@@ -1017,6 +1131,14 @@ impl SoftmaxRow for f32 {
 
     fn exp_in_place(row: &mut [f32]) -> (f64, f64) {
         #[cfg(target_arch = "x86_64")]
+        if has_avx512() {
+            // SAFETY: the CPU was just checked to support AVX-512F.
+            let max = unsafe { max_f32_avx512(row) };
+            // SAFETY: as above.
+            let sum = unsafe { exp_sum_in_place_f32_avx512(row, max) };
+            return (max as f64, max as f64 + sum.ln());
+        }
+        #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU was just checked to support AVX2.
             let max = unsafe { max_f32_avx2(row) };
@@ -1194,7 +1316,7 @@ mod tests {
 
     #[test]
     fn both_paths_agree_bit_for_bit() {
-        for len in [1, 15, 16, 17, 31, 32, 33, 1003] {
+        for len in [1, 15, 16, 17, 31, 32, 33, 63, 64, 65, 1003, 50304] {
             let row: Vec<f32> = (0..len)
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) * 0.3)
                 .collect();
@@ -1220,6 +1342,35 @@ mod tests {
             assert_eq!(sum.to_bits(), exp_sum_f32_body(&row, max).to_bits());
             assert_eq!(bits(&fast), bits(&plain), "length {len}");
             assert_eq!(fast[7 % len], exp_f32(row[7 % len] - max));
+            // Each vector path on its own, where this processor has it: the row's max, the
+            // sum and every exponential as the path without them.
+            #[cfg(target_arch = "x86_64")]
+            for (has, path) in [
+                (
+                    has_avx2(),
+                    // SAFETY: called only where the processor has AVX2.
+                    (|row: &mut [f32]| unsafe {
+                        let max = max_f32_avx2(row);
+                        (max, exp_sum_in_place_f32_avx2(row, max))
+                    }) as fn(&mut [f32]) -> (f32, f64),
+                ),
+                (
+                    has_avx512(),
+                    // SAFETY: called only where the processor has AVX-512F.
+                    |row: &mut [f32]| unsafe {
+                        let max = max_f32_avx512(row);
+                        (max, exp_sum_in_place_f32_avx512(row, max))
+                    },
+                ),
+            ] {
+                if has {
+                    let mut vector = row.clone();
+                    let (vector_max, vector_sum) = path(&mut vector);
+                    assert_eq!(vector_max.to_bits(), max.to_bits(), "length {len}");
+                    assert_eq!(vector_sum.to_bits(), sum.to_bits(), "length {len}");
+                    assert_eq!(bits(&vector), bits(&plain), "length {len}");
+                }
+            }
             let (mut x, mut y) = (row.clone(), row.clone());
             f32::scaled_exp(&mut x, a, 0.5);
             scaled_exp_f32_body(&mut y, a as f32, 0.5);
