@@ -486,50 +486,80 @@ fn lanes_sum(sums: [f64; SUM_LANES], rest: impl Iterator<Item = f64>) -> f64 {
     sum
 }
 
-/// [`exp_f32`] on eight lanes: the same operations in the same order, unfused, so each lane
-/// is bit-identical to it.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn exp_f32x8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
-    use std::arch::x86_64::*;
-    const ROUND: f32 = 12_582_912.0;
-    let x = _mm256_min_ps(
-        _mm256_max_ps(x, _mm256_set1_ps(-87.0)),
-        _mm256_set1_ps(88.0),
-    );
-    let shifted = _mm256_add_ps(
-        _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        _mm256_set1_ps(ROUND),
-    );
-    let n = _mm256_sub_ps(shifted, _mm256_set1_ps(ROUND));
-    let exponent = _mm256_sub_epi32(
-        _mm256_castps_si256(shifted),
-        _mm256_set1_epi32(ROUND.to_bits() as i32),
-    );
-    let r = _mm256_sub_ps(
-        _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693_359_4))),
-        _mm256_mul_ps(n, _mm256_set1_ps(-2.121_944_4e-4)),
-    );
-    let mut p = _mm256_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(c));
-    }
-    let value = _mm256_add_ps(
-        _mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r),
-        _mm256_set1_ps(1.0),
-    );
-    let scale = _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
-        exponent,
-        _mm256_set1_epi32(127),
-    )));
-    _mm256_mul_ps(value, scale)
+/// [`exp_f32`] on a register of lanes, one list of operations for AVX2 (eight lanes) and
+/// AVX-512 (sixteen): the same operations in the same order, unfused, so each lane is
+/// bit-identical to [`exp_f32`] on every path.
+macro_rules! exp_lanes {
+    (
+        $name:ident, $feature:literal, $v:ty, $min:ident, $max:ident, $set1:ident, $add:ident,
+        $mul:ident, $sub:ident, $to_int:ident, $sub_int:ident, $set1_int:ident,
+        $add_int:ident, $shift_left:ident, $to_float:ident
+    ) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feature)]
+        fn $name(x: $v) -> $v {
+            use std::arch::x86_64::*;
+            const ROUND: f32 = 12_582_912.0;
+            let x = $min($max(x, $set1(-87.0)), $set1(88.0));
+            let shifted = $add($mul(x, $set1(std::f32::consts::LOG2_E)), $set1(ROUND));
+            let n = $sub(shifted, $set1(ROUND));
+            let exponent = $sub_int($to_int(shifted), $set1_int(ROUND.to_bits() as i32));
+            let r = $sub(
+                $sub(x, $mul(n, $set1(0.693_359_4))),
+                $mul(n, $set1(-2.121_944_4e-4)),
+            );
+            let mut p = $set1(1.987_569_1e-4);
+            for c in [
+                1.398_199_9e-3,
+                8.333_452e-3,
+                4.166_579_6e-2,
+                1.666_666_5e-1,
+                0.5,
+            ] {
+                p = $add($mul(p, r), $set1(c));
+            }
+            let value = $add($add($mul(p, $mul(r, r)), r), $set1(1.0));
+            let scale = $to_float($shift_left::<23>($add_int(exponent, $set1_int(127))));
+            $mul(value, scale)
+        }
+    };
 }
+
+exp_lanes!(
+    exp_f32x8,
+    "avx2",
+    std::arch::x86_64::__m256,
+    _mm256_min_ps,
+    _mm256_max_ps,
+    _mm256_set1_ps,
+    _mm256_add_ps,
+    _mm256_mul_ps,
+    _mm256_sub_ps,
+    _mm256_castps_si256,
+    _mm256_sub_epi32,
+    _mm256_set1_epi32,
+    _mm256_add_epi32,
+    _mm256_slli_epi32,
+    _mm256_castsi256_ps
+);
+
+exp_lanes!(
+    exp_f32x16,
+    "avx512f",
+    std::arch::x86_64::__m512,
+    _mm512_min_ps,
+    _mm512_max_ps,
+    _mm512_set1_ps,
+    _mm512_add_ps,
+    _mm512_mul_ps,
+    _mm512_sub_ps,
+    _mm512_castps_si512,
+    _mm512_sub_epi32,
+    _mm512_set1_epi32,
+    _mm512_add_epi32,
+    _mm512_slli_epi32,
+    _mm512_castsi512_ps
+);
 
 /// [`max_f32_body`] over four registers of lanes. The compiler vectorises the plain loop
 /// into one register, whose every max waits on the one before.
@@ -634,51 +664,6 @@ fn exp_sum_in_place_f32_avx2(row: &mut [f32], max: f32) -> f64 {
             *v as f64
         }),
     )
-}
-
-/// [`exp_f32`] on sixteen lanes: the operations of [`exp_f32x8`], so each lane is
-/// bit-identical to it.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-fn exp_f32x16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-    use std::arch::x86_64::*;
-    const ROUND: f32 = 12_582_912.0;
-    let x = _mm512_min_ps(
-        _mm512_max_ps(x, _mm512_set1_ps(-87.0)),
-        _mm512_set1_ps(88.0),
-    );
-    let shifted = _mm512_add_ps(
-        _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        _mm512_set1_ps(ROUND),
-    );
-    let n = _mm512_sub_ps(shifted, _mm512_set1_ps(ROUND));
-    let exponent = _mm512_sub_epi32(
-        _mm512_castps_si512(shifted),
-        _mm512_set1_epi32(ROUND.to_bits() as i32),
-    );
-    let r = _mm512_sub_ps(
-        _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693_359_4))),
-        _mm512_mul_ps(n, _mm512_set1_ps(-2.121_944_4e-4)),
-    );
-    let mut p = _mm512_set1_ps(1.987_569_1e-4);
-    for c in [
-        1.398_199_9e-3,
-        8.333_452e-3,
-        4.166_579_6e-2,
-        1.666_666_5e-1,
-        0.5,
-    ] {
-        p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(c));
-    }
-    let value = _mm512_add_ps(
-        _mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r),
-        _mm512_set1_ps(1.0),
-    );
-    let scale = _mm512_castsi512_ps(_mm512_slli_epi32::<23>(_mm512_add_epi32(
-        exponent,
-        _mm512_set1_epi32(127),
-    )));
-    _mm512_mul_ps(value, scale)
 }
 
 /// [`max_f32_body`] over four registers of sixteen lanes.

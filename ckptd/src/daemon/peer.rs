@@ -61,20 +61,18 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             rollback,
         } => {
             let blobs = wire::unpack_blobs(&blobs, &first.payload)?;
-            let result = {
-                let meta = ReplicaMeta {
-                    from_node,
-                    run,
-                    rank,
-                    world_size,
-                    step,
-                    slot_bytes,
-                    tensors,
-                    chunks: Vec::new(),
-                    blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
-                };
-                replica::receive(daemon, &mut stream, meta, chunk_bytes, rollback).await
+            let meta = ReplicaMeta {
+                from_node,
+                run,
+                rank,
+                world_size,
+                step,
+                slot_bytes,
+                tensors,
+                chunks: Vec::new(),
+                blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
             };
+            let result = replica::receive(daemon, &mut stream, meta, chunk_bytes, rollback).await;
             let ack = match &result {
                 Ok(()) => Message::Ack {
                     ok: true,
