@@ -973,9 +973,9 @@ impl Leader {
                 // As it stands with this node in it.
                 succession.clone_from(&state.succession);
             }
-            (first, session)
+            (first, session, rollbacks_before)
         };
-        let (first, session) = first;
+        let (first, session, rollbacks_before) = first;
         tracing::info!(%node, %from, "node connected");
         let key = daemon.key.clone();
         let epoch = self.epoch;
@@ -1011,7 +1011,7 @@ impl Leader {
             if self.deposed() {
                 break Ok(());
             }
-            if let Err(error) = self.handle(&node, frame.message).await {
+            if let Err(error) = self.handle(&node, rollbacks_before, frame.message).await {
                 break Err(error);
             }
         };
@@ -1209,7 +1209,10 @@ impl Leader {
         }
     }
 
-    async fn handle(&self, node: &str, message: Message) -> Result<()> {
+    /// Acts on one frame of `node`'s link, whose hello gave it `rollbacks_before` (what this
+    /// link's daemon state is taken to have dealt with: a report left over from an older
+    /// link is judged by that link's, not by its successor's).
+    async fn handle(&self, node: &str, rollbacks_before: u64, message: Message) -> Result<()> {
         let mut state = self.state.lock().await;
         if let Some(info) = state.nodes.get_mut(node) {
             info.seen = Instant::now();
@@ -1301,11 +1304,7 @@ impl Leader {
                 if world_size != state.world_size {
                     return Ok(());
                 }
-                let before = state
-                    .nodes
-                    .get(node)
-                    .map_or(state.rollbacks, |n| n.rollbacks_before);
-                if self.applied_rollbacks(before, rollback) < state.rollbacks {
+                if self.applied_rollbacks(rollbacks_before, rollback) < state.rollbacks {
                     // Handed over before this leader's last rollback, by a rank of the world
                     // stopped for it, and reported after (sent before its daemon heard of
                     // the rollback): the abandoned trajectory's.
@@ -1704,6 +1703,18 @@ pub(crate) mod tests {
         step: u64,
         rollback: wire::RollbackMark,
     ) {
+        let before = leader.state.lock().await.nodes[node].rollbacks_before;
+        report_on_link(leader, (node, before), rank, step, rollback).await
+    }
+
+    /// [`report_marked`] read from a link of `node` whose hello gave it `rollbacks_before`.
+    async fn report_on_link(
+        leader: &Leader,
+        (node, rollbacks_before): (&str, u64),
+        rank: Rank,
+        step: u64,
+        rollback: wire::RollbackMark,
+    ) {
         let message = Message::Replicated {
             node: node.into(),
             run: leader.cfg.run.clone(),
@@ -1717,7 +1728,10 @@ pub(crate) mod tests {
             }),
             rollback,
         };
-        leader.handle(node, message).await.expect("handled");
+        leader
+            .handle(node, rollbacks_before, message)
+            .await
+            .expect("handled");
     }
 
     /// What a node received since last asked: `given up through` or `committed` steps.
@@ -1851,7 +1865,15 @@ pub(crate) mod tests {
         let (mut n2, first) = connect(&leader, "n2", 8, wire::RollbackMark::default()).await;
         assert!(received(&mut n2).is_empty(), "nothing missed");
         assert_eq!(first, Some(after), "the node takes the leader's mark");
+        // A report the old daemon sent before the rollback, read from its link after the new
+        // daemon's hello, is judged by its own link's hello, not by the new one's.
+        let before = wire::RollbackMark::default();
+        report_on_link(&leader, ("n2", 0), 1, 3, before).await;
         report_marked(&leader, "n1", 0, 3, after).await;
+        assert!(
+            received(&mut n1).is_empty(),
+            "the old link's report was ignored"
+        );
         report(&leader, "n2", 1, 3).await;
         assert_eq!(received(&mut n1), ["committed 3"]);
         assert_eq!(received(&mut n2), ["committed 3"]);
