@@ -370,11 +370,13 @@ pub enum Message {
         /// The complete replicas (T1) this node holds for other nodes' ranks.
         #[serde(default)]
         replicas: Vec<ReplicaEntry>,
-        /// This daemon process, drawn at random when it starts (0: not said): a leader tells
-        /// a daemon that lived through its rollbacks from one started after them.
+        /// The daemon's state in shm (its T0 and replicas, which outlive a restart), drawn at
+        /// random when the state begins (0: not said): a leader tells a state that lived
+        /// through its rollbacks from one that began after them.
         #[serde(default)]
         instance: u64,
-        /// The supervisor's last rollback this daemon applied.
+        /// The daemon's rollback mark: the last rollback it applied or its leader's mark
+        /// (`Leading`); at start, the last rollback its state forgot.
         #[serde(default)]
         rollback: RollbackMark,
     },

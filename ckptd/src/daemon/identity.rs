@@ -32,7 +32,9 @@ fn path(dir: &Path) -> PathBuf {
 }
 
 /// The identity in `dir`, or a new one written there when it has none. One that does not
-/// read is replaced (with a warning): the state it named is taken as new.
+/// read is replaced (with a warning): the state it named is taken as new. A new one that
+/// cannot be written (a full shm) is used all the same, with an error logged: a restart will
+/// take the state as new again.
 pub fn load_or_create(dir: &Path) -> Result<Identity> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = path(dir);
@@ -53,12 +55,15 @@ pub fn load_or_create(dir: &Path) -> Result<Identity> {
         instance: rand::random::<u64>().max(1),
         forgotten: RollbackMark::default(),
     };
-    store(dir, &identity)?;
+    if let Err(error) = store(dir, &identity) {
+        tracing::error!(error = %format!("{error:#}"), "cannot keep the daemon's identity in shm; a restart will take its state as new");
+    }
     Ok(identity)
 }
 
-/// Writes `identity` to `dir` (a new file renamed over the old).
+/// Writes `identity` to `dir` (a new file renamed over the old), making `dir` if it is gone.
 pub fn store(dir: &Path, identity: &Identity) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let path = path(dir);
     let tmp = dir.join(format!("{FILE_NAME}.tmp"));
     std::fs::write(&tmp, serde_json::to_vec(identity)?)

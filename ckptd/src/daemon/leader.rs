@@ -62,10 +62,10 @@ struct NodeInfo {
     /// Which of the node's connections this is: an older one that ends later must not mark
     /// the node disconnected.
     session: u64,
-    /// The node's daemon process (`NodeHello::instance`).
+    /// The node's daemon state (`NodeHello::instance`).
     instance: u64,
-    /// This leader's count of its rollbacks when it first heard from that process: one
-    /// started after a rollback never held the snapshots it abandoned.
+    /// This leader's count of its rollbacks when it first heard from that state: one that
+    /// began after a rollback never held the snapshots it abandoned.
     rollbacks_before: u64,
     t0: Vec<T0Entry>,
     sender: mpsc::UnboundedSender<Message>,
@@ -421,10 +421,12 @@ impl Leader {
     }
 
     /// What a node's hello tells of the rollbacks its daemon dealt with (its
-    /// `rollbacks_before`), the first frame to send it (`Leading`), and the last rollback to
-    /// tell it again after that when it lived through that one cut off from this leader. It
-    /// forgets the abandoned snapshots then, and takes this leader's mark from it, not from
-    /// the first frame; its reports sent before carry the mark from before, and are ignored.
+    /// `rollbacks_before`), the first frame to send it (`Leading`), and, when it missed some
+    /// of this leader's rollbacks (cut off, or restarted before it forgot), a `RolledBack` to
+    /// send after that: back to the earliest step any of them went to, with this leader's
+    /// count. It forgets the abandoned snapshots then, and takes this leader's mark from it,
+    /// not from the first frame; its reports sent before carry the mark from before, and are
+    /// ignored.
     fn greeting(
         &self,
         state: &State,
@@ -1849,9 +1851,9 @@ pub(crate) mod tests {
         assert_eq!(received(&mut n2), ["committed 1"]);
     }
 
-    /// A daemon restarted after a rollback has no mark of it, and never held what it
-    /// abandoned: its reports count. Regression: the leader refused them all, and the world
-    /// after the rollback and a lost node's return never committed its last step.
+    /// A daemon whose state began after a rollback (a new instance, no mark) never held what
+    /// it abandoned: its reports count. Regression: the leader refused them all, and the
+    /// world after the rollback and a lost node's return never committed its last step.
     #[tokio::test]
     async fn a_daemon_started_after_a_rollback_is_heard() {
         let (leader, mut n1) = leader().await;

@@ -88,6 +88,10 @@ pub struct Daemon {
     /// This daemon's state in shm (`NodeHello::instance`), and the last rollback it forgot,
     /// kept there as it changes.
     pub identity: std::sync::Mutex<identity::Identity>,
+    /// Held while a rollback's snapshots and replicas are forgotten and recorded, so that
+    /// rollbacks are recorded in order; true once one of them could not be forgotten, after
+    /// which none is recorded (a restarted daemon is told them all again).
+    pub forgetting: Arc<Mutex<bool>>,
 }
 
 impl Daemon {
@@ -192,6 +196,8 @@ pub async fn run(cfg: Config) -> Result<()> {
             cfg.shm_dir.display()
         ))
     })?;
+    // Before a leader claims its epoch: a daemon that cannot start must not hold one.
+    let identity = identity::load_or_create(&identity::dir(&cfg))?;
     let store = Store::open(
         &cfg.store,
         OpenMode::CreateIfMissing,
@@ -228,7 +234,6 @@ pub async fn run(cfg: Config) -> Result<()> {
     };
     metrics.leader_epoch.set(following.epoch as i64);
     let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
-    let identity = identity::load_or_create(&identity::dir(&cfg))?;
     let daemon = Arc::new(Daemon {
         ranks: Mutex::new(local::load_ranks(&cfg)),
         replicas: Mutex::new(()),
@@ -247,6 +252,7 @@ pub async fn run(cfg: Config) -> Result<()> {
         heartbeat_now: tokio::sync::Notify::new(),
         rollback: std::sync::Mutex::new(identity.forgotten),
         identity: std::sync::Mutex::new(identity),
+        forgetting: Default::default(),
     });
     if daemon.cfg.buddy.is_none() {
         tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");

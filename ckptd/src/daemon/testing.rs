@@ -91,6 +91,7 @@ pub async fn follower(
             instance: 1,
             forgotten: Default::default(),
         }),
+        forgetting: Default::default(),
         cfg,
     });
     (daemon, from_daemon, ended)

@@ -239,6 +239,9 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                 "the supervisor rolled the run back; forgetting later snapshots"
             );
             let applied = RollbackMark { epoch, seq };
+            // The rollbacks are forgotten and recorded one after the other, in order: a mark
+            // recorded says every rollback up to it was forgotten.
+            let mut turn = daemon.forgetting.clone().lock_owned().await;
             let mut ranks = daemon.ranks.lock().await;
             let mut forgot = true;
             for state in ranks.values_mut() {
@@ -261,15 +264,20 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                     forgot = false;
                     tracing::error!(error = %format!("{error:#}"), "cannot forget rolled-back replicas");
                 }
-                // Only once all of it is gone: a daemon restarted before says the mark from
-                // before, and is told of the rollback again.
-                if forgot {
+                // Only once all of it, and all of every rollback before it, is gone: a daemon
+                // restarted before says the mark from before, and is told again.
+                *turn |= !forgot;
+                if !*turn {
                     let mut identity = daemon.identity.lock().expect("not poisoned");
-                    identity.forgotten = identity.forgotten.max(applied);
-                    if let Err(error) =
-                        super::identity::store(&super::identity::dir(&daemon.cfg), &identity)
-                    {
-                        tracing::error!(error = %format!("{error:#}"), "cannot record the rollback as forgotten");
+                    let recorded = super::identity::Identity {
+                        forgotten: identity.forgotten.max(applied),
+                        ..*identity
+                    };
+                    match super::identity::store(&super::identity::dir(&daemon.cfg), &recorded) {
+                        Ok(()) => *identity = recorded,
+                        Err(error) => {
+                            tracing::error!(error = %format!("{error:#}"), "cannot record the rollback as forgotten")
+                        }
                     }
                 }
             });
@@ -469,7 +477,7 @@ mod tests {
     use super::pushed;
     use crate::daemon::metrics::Cause;
     use crate::daemon::supervisor::Ending;
-    use crate::daemon::{testing, Daemon};
+    use crate::daemon::{identity, testing, Daemon};
 
     /// A daemon that follows leadership epoch 3, with nothing running, and what it sends when
     /// it is done (with `flags` that make it exit when the run is over).
@@ -528,6 +536,34 @@ mod tests {
         assert_eq!(*daemon.rollback.lock().unwrap(), mark);
         assert!(!pushed(&daemon, set_buddy(3)).await);
         assert_eq!(refused(), 4);
+    }
+
+    /// The rollbacks a daemon applied are recorded in its state's identity once their
+    /// snapshots and replicas are forgotten, in order: a restarted daemon says the last one.
+    #[tokio::test]
+    async fn the_rollbacks_forgotten_are_recorded_for_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, _) = follower(dir.path(), &[]).await;
+        for seq in 1..=3 {
+            let rolled_back = Message::RolledBack {
+                run: daemon.cfg.run.clone(),
+                to: Some(10 * seq),
+                epoch: 3,
+                seq,
+            };
+            assert!(pushed(&daemon, rolled_back).await);
+        }
+        let last = lazarus_shared::wire::RollbackMark { epoch: 3, seq: 3 };
+        let kept = || crate::daemon::identity::load_or_create(&identity::dir(&daemon.cfg)).unwrap();
+        for _ in 0..200 {
+            if daemon.identity.lock().unwrap().forgotten == last {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        assert_eq!(kept().forgotten, last);
+        assert_eq!(kept().instance, daemon.identity.lock().unwrap().instance);
+        assert_eq!(*daemon.rollback.lock().unwrap(), last);
     }
 
     #[tokio::test]
