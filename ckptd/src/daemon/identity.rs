@@ -64,11 +64,7 @@ pub fn load_or_create(dir: &Path) -> Result<Identity> {
 /// Writes `identity` to `dir` (a new file renamed over the old), making `dir` if it is gone.
 pub fn store(dir: &Path, identity: &Identity) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let path = path(dir);
-    let tmp = dir.join(format!("{FILE_NAME}.tmp"));
-    std::fs::write(&tmp, serde_json::to_vec(identity)?)
-        .with_context(|| format!("writing {}", tmp.display()))?;
-    std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))
+    super::slots::replace_file(&path(dir), &serde_json::to_vec(identity)?)
 }
 
 #[cfg(test)]

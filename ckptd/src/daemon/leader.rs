@@ -183,14 +183,9 @@ struct State {
     /// When the ranks were last compared for stragglers (a pass over all of them, so not
     /// on every one of thousands of heartbeats a second).
     stragglers_checked: Option<Instant>,
-    /// The step the supervisor last rolled the run back to (0: a fresh start). An upload of
-    /// a later step that ends before the new world memory-commits that step again is the
-    /// abandoned trajectory's, and is not committed.
-    rolled_back_to: Option<u64>,
-    /// How many times this leader rolled the run back ([`wire::RollbackMark`]).
-    rollbacks: u64,
-    /// The step each of those rollbacks went back to (`None`: a fresh start), in order: a
-    /// daemon that missed some is told to forget everything after the earliest.
+    /// The step each of this leader's rollbacks went back to (`None`: a fresh start), in
+    /// order: their count is its `RolledBack::seq` ([`wire::RollbackMark`]), and a daemon
+    /// that missed some is told to forget everything after the earliest.
     rolled_back_tos: Vec<Option<u64>>,
     /// The data a world that restores the step rolled back to skips after it.
     skip: Option<wire::DataSkip>,
@@ -216,6 +211,18 @@ fn nodes_of(state: &State) -> Vec<NodeView> {
 }
 
 impl State {
+    /// How many times this leader rolled the run back.
+    fn rollbacks(&self) -> u64 {
+        self.rolled_back_tos.len() as u64
+    }
+
+    /// The step the supervisor last rolled the run back to (0: a fresh start). An upload of
+    /// a later step that ends before the new world memory-commits that step again is the
+    /// abandoned trajectory's, and is not committed.
+    fn rolled_back_to(&self) -> Option<u64> {
+        self.rolled_back_tos.last().map(|to| to.unwrap_or(0))
+    }
+
     /// Connected nodes neither active nor drained while supervising.
     fn spares(&self) -> Vec<&String> {
         let Some((_, active, drained)) = &self.supervision else {
@@ -289,8 +296,6 @@ impl Leader {
                 succession_told: true,
                 sessions: 0,
                 stragglers_checked: None,
-                rolled_back_to: None,
-                rollbacks: 0,
                 rolled_back_tos: Vec::new(),
                 skip: None,
                 losses: BTreeMap::new(),
@@ -436,10 +441,10 @@ impl Leader {
     ) -> (u64, Message, Option<Message>) {
         let rollbacks_before = match state.nodes.get(node) {
             Some(known) if instance != 0 && known.instance == instance => known.rollbacks_before,
-            _ => state.rollbacks,
+            _ => state.rollbacks(),
         };
         let applied = self.applied_rollbacks(rollbacks_before, mark);
-        let missed = (applied < state.rollbacks).then(|| Message::RolledBack {
+        let missed = (applied < state.rollbacks()).then(|| Message::RolledBack {
             run: self.cfg.run.clone(),
             // The earliest of the missed rollbacks' steps (a fresh start is the earliest).
             to: state.rolled_back_tos[applied as usize..]
@@ -448,7 +453,7 @@ impl Leader {
                 .min()
                 .flatten(),
             epoch: self.epoch,
-            seq: state.rollbacks,
+            seq: state.rollbacks(),
         });
         let mut first = self.leading(state);
         if let (Some(_), Message::Leading { rollback, .. }) = (&missed, &mut first) {
@@ -464,7 +469,7 @@ impl Leader {
             succession: state.succession.clone(),
             rollback: Some(wire::RollbackMark {
                 epoch: self.epoch,
-                seq: state.rollbacks,
+                seq: state.rollbacks(),
             }),
         }
     }
@@ -840,14 +845,12 @@ impl Leader {
             state.replica_holder.clear();
             state.replica_steps.clear();
             state.last_durable_step = to.map(|k| k.step);
-            state.rolled_back_to = Some(to.map_or(0, |k| k.step));
-            state.rollbacks += 1;
             state.rolled_back_tos.push(to.map(|k| k.step));
             let rolled_back = Message::RolledBack {
                 run: self.cfg.run.clone(),
                 to: to.map(|k| k.step),
                 epoch: self.epoch,
-                seq: state.rollbacks,
+                seq: state.rollbacks(),
             };
             // Under the state, as every `Leading` is queued: no node is told this leader's
             // new mark before it is told to forget what the rollback abandoned.
@@ -1306,7 +1309,7 @@ impl Leader {
                 if world_size != state.world_size {
                     return Ok(());
                 }
-                if self.applied_rollbacks(rollbacks_before, rollback) < state.rollbacks {
+                if self.applied_rollbacks(rollbacks_before, rollback) < state.rollbacks() {
                     // Handed over before this leader's last rollback, by a rank of the world
                     // stopped for it, and reported after (sent before its daemon heard of
                     // the rollback): the abandoned trajectory's.
@@ -1362,7 +1365,7 @@ impl Leader {
                 if world_size != state.world_size {
                     return Ok(());
                 }
-                let abandoned = state.rolled_back_to.is_some_and(|to| step.step > to)
+                let abandoned = state.rolled_back_to().is_some_and(|to| step.step > to)
                     && state.memory_step.is_none_or(|m| m < step.step);
                 if abandoned {
                     self.metrics.rejected("rolled_back_step");
@@ -1934,7 +1937,6 @@ pub(crate) mod tests {
             async move {
                 {
                     let mut state = leader.state.lock().await;
-                    state.rollbacks = tos.len() as u64;
                     state.rolled_back_tos = tos;
                 }
                 let (mut n2, _) = connect(leader, "n2", 7, mark(applied)).await;

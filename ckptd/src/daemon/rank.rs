@@ -564,12 +564,7 @@ impl RankState {
             t0: self.t0.clone(),
             base: self.base.clone(),
         };
-        let path = self.dir.join("state.json");
-        let tmp = self.dir.join("state.json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec(&state)?)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, &path).with_context(|| format!("renaming {}", tmp.display()))?;
-        Ok(())
+        super::slots::replace_file(&self.dir.join("state.json"), &serde_json::to_vec(&state)?)
     }
 }
 

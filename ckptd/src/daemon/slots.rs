@@ -30,6 +30,17 @@ pub fn chunk_count(slot_bytes: u64) -> u64 {
     slot_bytes.div_ceil(SLOT_CHUNK_BYTES)
 }
 
+/// Replaces the small file at `path` with `bytes` whole: written beside it as `<name>.tmp`,
+/// then renamed over it, so a reader (or a daemon restarted midway) finds the old or the
+/// new, never part of one.
+pub fn replace_file(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, bytes).with_context(|| format!("writing {}", tmp.display()))?;
+    std::fs::rename(&tmp, path).with_context(|| format!("renaming {}", tmp.display()))
+}
+
 /// Allocates `len` bytes of `file` (shm pages or disk blocks), so later writes cannot fail
 /// for lack of space.
 pub fn reserve(file: &std::fs::File, len: u64, path: &Path) -> Result<()> {
