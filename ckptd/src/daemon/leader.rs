@@ -798,10 +798,15 @@ impl Leader {
     }
 
     async fn push_all(&self, message: Message) {
+        let state = self.state.lock().await;
+        self.push_all_locked(&state, message);
+    }
+
+    /// [`Leader::push_all`] under the state the caller holds.
+    fn push_all_locked(&self, state: &State, message: Message) {
         if self.deposed() {
             return;
         }
-        let state = self.state.lock().await;
         for node in state.nodes.values().filter(|n| n.connected) {
             let _ = node.sender.send(message.clone());
         }
@@ -854,11 +859,7 @@ impl Leader {
             };
             // Under the state, as every `Leading` is queued: no node is told this leader's
             // new mark before it is told to forget what the rollback abandoned.
-            if !self.deposed() {
-                for node in state.nodes.values().filter(|n| n.connected) {
-                    let _ = node.sender.send(rolled_back.clone());
-                }
-            }
+            self.push_all_locked(&state, rolled_back);
         }
         *self.durable.lock().unwrap_or_else(|e| e.into_inner()) = to;
         self.metrics.memory_step.set(0);

@@ -287,8 +287,9 @@ pub struct SourcedShard {
 /// `Bytes` the writer read of it left, or never read), and a chunk's base is the chunk at its
 /// position in the step before: so where the bases are read from a file laid out as the
 /// source (a copy of the source's previous contents), the copy may be written over that very
-/// file, or over a map of it that the bases' `Bytes` point into. Chunks are copied concurrently, in no order, from blocking
-/// threads. A copy that fails does not fail the write: the implementation notes it.
+/// file, or over a map of it that the bases' `Bytes` point into. Chunks are copied
+/// concurrently, in no order, from blocking threads. A copy that fails does not fail the
+/// write: the implementation notes it.
 pub trait RawCopy: Send + Sync + std::fmt::Debug {
     /// `bytes` were read at `offset` of their source.
     fn copy(&self, offset: u64, bytes: &[u8]);
