@@ -79,6 +79,43 @@ impl candle_core::InplaceOp1 for CopyInto<'_> {
     }
 }
 
+/// Multiplies the elements of `tensor`, a contiguous f32 or f64 CPU tensor, by `factor` in its
+/// own storage, on the math pool's threads: the bits of candle's `affine(factor, 0.0)`
+/// without its new tensor, for a gradient no one else holds.
+pub(crate) fn scale_in_place(tensor: &candle_core::Tensor, factor: f64) -> Result<()> {
+    tensor.inplace_op1(&Scale(factor))
+}
+
+/// [`scale_in_place`]'s op.
+struct Scale(f64);
+
+impl candle_core::InplaceOp1 for Scale {
+    fn name(&self) -> &'static str {
+        "scale"
+    }
+
+    fn cpu_fwd(&self, storage: &mut CpuStorage, layout: &Layout) -> Result<()> {
+        use rayon::prelude::*;
+        fn scale<T: candle_core::WithDType>(values: &mut [T], factor: f64) {
+            // As candle's affine: `v * mul + add` in the tensor's own type.
+            let (mul, add) = (T::from_f64(factor), T::from_f64(0.0));
+            values
+                .par_chunks_mut(1 << 16)
+                .for_each(|chunk| chunk.iter_mut().for_each(|v| *v = *v * mul + add));
+        }
+        match (storage, layout.contiguous_offsets()) {
+            (CpuStorage::F32(values), Some((start, end))) => scale(&mut values[start..end], self.0),
+            (CpuStorage::F64(values), Some((start, end))) => scale(&mut values[start..end], self.0),
+            _ => {
+                return Err(candle_core::Error::Msg(
+                    "scale: the tensor must be a contiguous f32 or f64 CPU tensor".into(),
+                ))
+            }
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -99,5 +136,33 @@ mod tests {
         assert!(set_f32_values(&var, &[1.0]).is_err());
         let f64s = Tensor::zeros(2, candle_core::DType::F64, &Device::Cpu).unwrap();
         assert!(set_f32_values(&f64s, &[1.0, 2.0]).is_err());
+    }
+
+    #[test]
+    fn scaling_in_place_gives_the_bits_of_an_affine() {
+        for dtype in [candle_core::DType::F32, candle_core::DType::F64] {
+            let values = (Tensor::arange(-3f32, 3.0, &Device::Cpu).unwrap() * 0.7)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let want: Vec<f64> = values
+                .affine(1.0 / 3.0, 0.0)
+                .unwrap()
+                .to_dtype(candle_core::DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            scale_in_place(&values, 1.0 / 3.0).unwrap();
+            let got: Vec<f64> = values
+                .to_dtype(candle_core::DType::F64)
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{dtype:?}"
+            );
+        }
     }
 }

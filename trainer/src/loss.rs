@@ -23,7 +23,7 @@ use crate::dist::{Group, World};
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use rayon::prelude::*;
 
-use crate::custom_op::{contiguous, cpu};
+use crate::custom_op::{contiguous, cpu, scale_in_place};
 use crate::kernels::{matmul, transposed, with_scratches, MatRef, SoftmaxRow};
 
 /// Rows of logits alive at once: at most one logits-sized buffer (2048 rows of a 50304
@@ -559,11 +559,10 @@ impl CustomOp3 for LinearCrossEntropy {
             .take();
         if let (Some((grad_x, grad_weight)), Some(first)) = (unit, upstream.first()) {
             if upstream.iter().all(|u| u == first) {
-                return Ok((
-                    Some(grad_x.affine(*first, 0.0)?),
-                    Some(grad_weight.affine(*first, 0.0)?),
-                    None,
-                ));
+                // The unit gradients are this pass's own: scaled where they lie.
+                scale_in_place(&grad_x, *first)?;
+                scale_in_place(&grad_weight, *first)?;
+                return Ok((Some(grad_x), Some(grad_weight), None));
             }
         }
         let saved = self

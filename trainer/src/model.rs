@@ -15,6 +15,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Result, Tensor, Var, D};
 use rand::SeedableRng;
 use rand_distr::{Distribution, Normal};
@@ -22,8 +23,10 @@ use rand_distr::{Distribution, Normal};
 use crate::attention::CausalAttention;
 use crate::config::ModelConfig;
 use crate::dist::{Group, World};
+use crate::embedding::Lookup;
 use crate::expert_parallel::{DispatchSwiGlu, DownCombine, Route};
 use crate::experts::{GroupedMatmul, Groups, SwiGlu, WeightedRows};
+use crate::handed::HandedGradients;
 use crate::loss::LinearCrossEntropy;
 use crate::norm::RmsNorm;
 use crate::tensor_parallel::{Enter, Leave};
@@ -69,6 +72,9 @@ pub struct Model {
     /// The last stage's final norm and LM head.
     pub final_norm: Option<Var>,
     pub lm_head: Option<Var>,
+    /// Where the ops behind the LM head, the embedding and the experts leave their weights'
+    /// gradients ([`Model::backward`]).
+    pub handed: HandedGradients,
 }
 
 /// Which part of the model a rank holds: its place in the tensor-parallel group (`tp_rank`
@@ -364,6 +370,7 @@ impl Model {
             first_layer: stage.start,
             final_norm: last.then_some(final_norm),
             lm_head: last.then_some(lm_head),
+            handed: HandedGradients::default(),
         })
     }
 
@@ -409,6 +416,12 @@ impl Model {
     /// (see [`LinearCrossEntropy::training`]), so call `backward` on the returned loss.
     pub fn forward(&self, tokens: &[u32], batch: usize) -> Result<Forward> {
         self.stage_forward(tokens, batch, None, true)
+    }
+
+    /// The gradients of `objective`, a loss of this model's forward pass (or a part of one),
+    /// the custom ops' weights' included: call this, not `objective.backward()`.
+    pub fn backward(&self, objective: &Tensor) -> Result<GradStore> {
+        self.handed.backward(objective)
     }
 
     /// The loss alone, for validation: no gradient work.
@@ -531,7 +544,7 @@ impl Model {
         }
         let cross_entropy = self
             .enter(&x)?
-            .apply_op3(lm_head, &targets, head)?
+            .apply_op3(lm_head, &targets, self.handed.wrap(head))?
             .mean_all()?;
         if let Some(top) = segments.last_mut() {
             top.objective = (&cross_entropy + &top.objective)?;
@@ -655,7 +668,7 @@ impl Model {
             candle_core::bail!("only the first pipeline stage holds the embedding");
         };
         if self.tensor_group().is_none() {
-            return embed.index_select(&Tensor::new(inputs, &self.device)?, 0);
+            return embed.apply_op1(self.handed.wrap(Lookup::new(inputs)));
         }
         let share = embed.dim(0)?;
         let start = (self.place.tp_rank * share) as u32;
@@ -700,9 +713,9 @@ impl Model {
             .apply_op3(
                 &layer.expert_gate,
                 &layer.expert_up,
-                DispatchSwiGlu::new(route.clone()),
+                self.handed.wrap(DispatchSwiGlu::new(route.clone())),
             )?
-            .apply_op2(&layer.expert_down, DownCombine(route))
+            .apply_op2(&layer.expert_down, self.handed.wrap(DownCombine(route)))
     }
 
     /// The dropless MoE block on `x: [tokens, d_model]`.
@@ -758,9 +771,9 @@ impl Model {
                     .apply_op3(
                         &layer.expert_gate,
                         &layer.expert_up,
-                        SwiGlu::new(groups.clone()),
+                        self.handed.wrap(SwiGlu::new(groups.clone())),
                     )?
-                    .apply_op2(&layer.expert_down, GroupedMatmul(groups))?
+                    .apply_op2(&layer.expert_down, self.handed.wrap(GroupedMatmul(groups)))?
             }
         };
         drop(computing);
@@ -838,7 +851,7 @@ pub(crate) mod tests {
                 "{}",
                 out.cross_entropy
             );
-            let grads = out.loss.backward().unwrap();
+            let grads = model.backward(&out.loss).unwrap();
             for (name, var) in model.parameters() {
                 let grad = grads
                     .get(var)
@@ -863,10 +876,7 @@ pub(crate) mod tests {
         let model = Model::new(&config, 5, DType::F64).unwrap();
         let batch_tokens = tokens(2, config.seq_len, 40);
         let grads = model
-            .forward(&batch_tokens, 2)
-            .unwrap()
-            .loss
-            .backward()
+            .backward(&model.forward(&batch_tokens, 2).unwrap().loss)
             .unwrap();
         let loss_at = |model: &Model| {
             model

@@ -814,7 +814,9 @@ mod tests {
         let model = Model::new(&config.model, 1, candle_core::DType::F32).unwrap();
         let mut optim = AdamW::new(&model, &config.train, Arc::new(World::single())).unwrap();
         let tokens: Vec<u32> = (0..14).map(|i| i % 40).collect();
-        let grads = model.forward(&tokens, 2).unwrap().loss.backward().unwrap();
+        let grads = model
+            .backward(&model.forward(&tokens, 2).unwrap().loss)
+            .unwrap();
         let placement = optim
             .placements
             .iter()

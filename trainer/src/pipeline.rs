@@ -155,7 +155,7 @@ impl Step<'_> {
             (None, None) => forward.loss,
             _ => anyhow::bail!("a stage's output and the gradient it receives go together"),
         };
-        let grads = objective.backward()?;
+        let grads = self.model.backward(&objective)?;
         let accumulating = tracing::info_span!("accumulate_gradients").entered();
         self.optim.accumulate(self.model, &grads)?;
         drop(accumulating);
@@ -206,7 +206,7 @@ impl Step<'_> {
                     None if index == top => segment.objective.clone(),
                     None => candle_core::bail!("no gradient reached layer {}", segment.layer),
                 };
-                let grads = objective.backward()?;
+                let grads = model.backward(&objective)?;
                 // What flows into the segment below, or out of the stage.
                 let bottom = match &segment.input {
                     Some(var) => Some(var),
