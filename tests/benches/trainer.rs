@@ -57,7 +57,7 @@ fn time_training(config: &Config, dataset: &Dataset, warmup: usize, steps: usize
         let forward = model.forward(&tokens, batch).expect("forward");
         phases[0] += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
-        let grads = forward.loss.backward().expect("backward");
+        let grads = model.backward(&forward.loss).expect("backward");
         phases[1] += timer.elapsed().as_secs_f64();
         let timer = Instant::now();
         optim

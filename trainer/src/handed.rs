@@ -10,9 +10,13 @@
 //! [`HandedGradients::backward`] puts them into the store after candle's pass: the tensor
 //! the op made is the tensor the optimizer reads.
 //!
-//! A gradient handed over is the very tensor the op returned, so the sums are the same bits:
-//! where candle also has one for the same variable (a parameter used outside the op too), the
-//! handed one is added after it.
+//! A gradient handed over is the very tensor the op returned, so the sums are the same bits
+//! as through candle's store, but for the sign of a zero (candle's `0.0 + -0.0` is `0.0`),
+//! which AdamW's update does not see. Where candle also has a gradient for the same variable
+//! (a parameter used outside the op too), the handed one is added after it: the same bits
+//! where candle has one such gradient, another order of the same sum where it has more. No
+//! parameter of the model is used that way. The embedding's lookup is handed over without
+//! tensor parallelism only (`Model::embed_tokens`); the vocabulary-parallel one is candle's.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -26,10 +30,17 @@ use candle_core::{
 pub struct HandedGradients(Arc<Mutex<Vec<(TensorId, Tensor)>>>);
 
 impl HandedGradients {
-    /// `objective.backward()`, with the gradients handed over during it in the store. Anything
-    /// left from a backward pass that did not come through here is dropped first.
+    /// `objective.backward()`, with the gradients handed over during it in the store. A
+    /// gradient left from a backward pass that did not come through here is an error: that
+    /// pass's parameters went without it.
     pub fn backward(&self, objective: &Tensor) -> Result<GradStore> {
-        self.lock()?.clear();
+        let left = self.lock()?.len();
+        if left > 0 {
+            self.lock()?.clear();
+            return Err(candle_core::Error::Msg(format!(
+                "{left} parameter gradient(s) were handed over in a backward pass that did not go through Model::backward, so they were lost"
+            )));
+        }
         let mut grads = objective.backward()?;
         let handed = std::mem::take(&mut *self.lock()?);
         for (id, grad) in handed {
@@ -196,14 +207,16 @@ mod tests {
         .backward()
         .unwrap();
         let handed = HandedGradients::default();
-        // A leftover from a pass that did not come through `backward` is dropped.
-        handed
-            .hand_over(w.as_tensor(), Some(w.ones_like().unwrap()))
-            .unwrap();
-        let out = doubled
-            .apply_op2(w.as_tensor(), handed.wrap(GroupedMatmul(groups)))
-            .unwrap();
-        let grads = handed.backward(&objective(out)).unwrap();
+        let out = |handed: &HandedGradients| {
+            doubled
+                .apply_op2(w.as_tensor(), handed.wrap(GroupedMatmul(groups.clone())))
+                .unwrap()
+        };
+        // A backward pass past `backward` loses the handed gradients: the next one says so.
+        objective(out(&handed)).backward().unwrap();
+        let error = handed.backward(&objective(out(&handed))).unwrap_err();
+        assert!(error.to_string().contains("were lost"), "{error}");
+        let grads = handed.backward(&objective(out(&handed))).unwrap();
         for var in [&x, &w] {
             let want: Vec<f32> = plain
                 .get(var)
