@@ -139,30 +139,23 @@ mod tests {
                 .unwrap()
                 .to_dtype(dtype)
                 .unwrap();
-            let run = |looked_up: Tensor| {
-                let values: Vec<f64> = looked_up
-                    .to_dtype(DType::F64)
+            let f64s = |t: &Tensor| -> Vec<f64> {
+                t.to_dtype(DType::F64)
                     .unwrap()
                     .flatten_all()
                     .unwrap()
                     .to_vec1()
-                    .unwrap();
+                    .unwrap()
+            };
+            let run = |looked_up: Tensor| {
+                let values = f64s(&looked_up);
                 let grads = (looked_up * &upstream)
                     .unwrap()
                     .sum_all()
                     .unwrap()
                     .backward()
                     .unwrap();
-                let grad: Vec<f64> = grads
-                    .get(&table)
-                    .unwrap()
-                    .to_dtype(DType::F64)
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .to_vec1()
-                    .unwrap();
-                (values, grad)
+                (values, f64s(grads.get(&table).unwrap()))
             };
             let want = run(table
                 .index_select(&Tensor::new(&tokens[..], &device).unwrap(), 0)
