@@ -34,16 +34,14 @@ impl HandedGradients {
     /// gradient left from a backward pass that did not come through here is an error: that
     /// pass's parameters went without it.
     pub fn backward(&self, objective: &Tensor) -> Result<GradStore> {
-        let left = self.lock()?.len();
+        let left = self.take()?.len();
         if left > 0 {
-            self.lock()?.clear();
             return Err(candle_core::Error::Msg(format!(
                 "{left} parameter gradient(s) were handed over in a backward pass that did not go through Model::backward, so they were lost"
             )));
         }
         let mut grads = objective.backward()?;
-        let handed = std::mem::take(&mut *self.lock()?);
-        for (id, grad) in handed {
+        for (id, grad) in self.take()? {
             let sum = match grads.get_id(id) {
                 Some(sum) => sum.add(&grad)?,
                 None => grad,
@@ -70,6 +68,11 @@ impl HandedGradients {
             }
             grad => Ok(grad),
         }
+    }
+
+    /// The gradients handed over since the last call, leaving none.
+    fn take(&self) -> Result<Vec<(TensorId, Tensor)>> {
+        Ok(std::mem::take(&mut *self.lock()?))
     }
 
     fn lock(&self) -> Result<MutexGuard<'_, Vec<(TensorId, Tensor)>>> {
