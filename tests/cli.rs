@@ -209,6 +209,103 @@ fn export_is_byte_identical_and_restore_gives_a_verified_local_store() {
     );
 }
 
+/// A checkpoint written by ranks, not imported: export writes one `model.safetensors` of
+/// every global tensor, as the `safetensors` crate serializes them, a tensor that ranks hold
+/// in slices assembled and one held whole written chunk by chunk.
+#[test]
+fn export_of_a_written_checkpoint_holds_every_global_tensor() {
+    use bytes::Bytes;
+    use lazarus_shared::format::DType;
+    use lazarus_shared::store::{OpenMode, ShardInput, Store, StoreOptions, TensorData};
+    use lazarus_shared::StepKey;
+
+    let dir = test_dir();
+    let url = format!("file://{}", dir.path().join("store").display());
+    // 256 KB in 64 KiB chunks, and 96 KB split by rows over the two ranks.
+    let embedding = random_f32_bytes(64 * 1000, 1);
+    let expert = random_f32_bytes(8 * 3000, 2);
+    let scale: Vec<u8> = (0..16u8).collect();
+    let half: Vec<u8> = (100..106u8).collect();
+    let row_bytes = 3000 * 4;
+    tokio::runtime::Runtime::new().unwrap().block_on(async {
+        let options = StoreOptions {
+            chunk_bytes: 64 << 10,
+            ..StoreOptions::default()
+        };
+        let store = Store::open(&url, OpenMode::CreateIfMissing, options)
+            .await
+            .unwrap();
+        let run = store.run(&"r".parse().unwrap());
+        run.create(serde_json::json!({})).await.unwrap();
+        let step = StepKey::new(1, 0);
+        for rank in 0..2u32 {
+            let rows = u64::from(rank) * 4..u64::from(rank) * 4 + 4;
+            let mut tensors = vec![
+                TensorData::whole(
+                    "embedding",
+                    DType::F32,
+                    vec![64, 1000],
+                    Bytes::from(embedding.clone()),
+                ),
+                crate::conformance::sliced(
+                    "expert",
+                    &[8, 3000],
+                    rows.clone(),
+                    &expert[rows.start as usize * row_bytes..rows.end as usize * row_bytes],
+                ),
+            ];
+            if rank == 1 {
+                tensors.push(TensorData::whole(
+                    "scale",
+                    DType::F64,
+                    vec![2],
+                    Bytes::from(scale.clone()),
+                ));
+                tensors.push(TensorData::whole(
+                    "half",
+                    DType::BF16,
+                    vec![3],
+                    Bytes::from(half.clone()),
+                ));
+            }
+            let input = ShardInput {
+                step,
+                rank,
+                world_size: 2,
+                tensors,
+                blobs: Vec::new(),
+            };
+            run.write_shard(input, None, &()).await.unwrap();
+        }
+        run.commit(step, 2).await.unwrap();
+    });
+
+    let ctl = Ctl::new(url, &dir.path().join("index"));
+    let out = dir.path().join("export");
+    ctl.expect(0, &["export", "r", "1", "--out", out.to_str().unwrap()]);
+    use safetensors::tensor::TensorView;
+    use safetensors::Dtype;
+    let view = |dtype, shape, data| TensorView::new(dtype, shape, data).unwrap();
+    let expected = safetensors::serialize(
+        [
+            (
+                "embedding",
+                view(Dtype::F32, vec![64, 1000], &embedding[..]),
+            ),
+            ("expert", view(Dtype::F32, vec![8, 3000], &expert[..])),
+            ("scale", view(Dtype::F64, vec![2], &scale[..])),
+            ("half", view(Dtype::BF16, vec![3], &half[..])),
+        ],
+        None,
+    )
+    .unwrap();
+    assert!(
+        std::fs::read(out.join("model.safetensors")).unwrap() == expected,
+        "the exported file is not the serialized global tensors"
+    );
+    assert_eq!(files_under(&out), vec![out.join("model.safetensors")]);
+}
+
 #[test]
 fn rollback_hides_steps_and_list_shows_it() {
     let dir = test_dir();

@@ -27,7 +27,13 @@ fn run(name: &str) -> RunId {
     name.parse().unwrap()
 }
 
-fn sliced(name: &str, shape: &[u64], rows: std::ops::Range<u64>, data: &[u8]) -> TensorData {
+/// A tensor of f32 rows `rows` of a global tensor of `shape`, holding `data`.
+pub(crate) fn sliced(
+    name: &str,
+    shape: &[u64],
+    rows: std::ops::Range<u64>,
+    data: &[u8],
+) -> TensorData {
     let mut slice: Vec<DimRange> = shape
         .iter()
         .map(|len| DimRange {

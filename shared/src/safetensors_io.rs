@@ -6,7 +6,7 @@
 //! tensor's bytes in offset order.
 
 use bytes::Bytes;
-use safetensors::tensor::{Metadata, TensorView};
+use safetensors::tensor::{Metadata, TensorInfo, TensorView};
 
 use crate::format::DType;
 
@@ -199,6 +199,46 @@ pub fn length_prefix(header: &[u8]) -> [u8; 8] {
     (header.len() as u64).to_le_bytes()
 }
 
+/// The header of a new file of `tensors` (name, dtype, shape), as [`serialize`] writes it,
+/// and the tensors' names in the order their bytes follow it, so that a caller can write the
+/// bytes where they go without holding them all ([`serialize`]'s file is that header's
+/// [`length_prefix`], the header, then each tensor's bytes in that order).
+pub fn header(
+    tensors: &[(String, DType, Vec<u64>)],
+) -> Result<(Vec<u8>, Vec<String>), SafetensorsError> {
+    let malformed = |reason: String| malformed("model.safetensors", reason);
+    let mut order: Vec<(&String, safetensors::Dtype, &Vec<u64>, DType)> = tensors
+        .iter()
+        .map(|(name, dtype, shape)| (name, from_dtype(*dtype), shape, *dtype))
+        .collect();
+    // The crate's order: larger alignment first, then by name.
+    order.sort_by(|(a_name, a, ..), (b_name, b, ..)| b.cmp(a).then(a_name.cmp(b_name)));
+    let mut infos = Vec::with_capacity(order.len());
+    let mut offset = 0usize;
+    for (name, st_dtype, shape, dtype) in &order {
+        let shape: Vec<usize> = shape.iter().map(|d| *d as usize).collect();
+        let len = shape
+            .iter()
+            .try_fold(dtype.element_bytes(), |len, d| len.checked_mul(*d))
+            .ok_or_else(|| malformed(format!("tensor {name:?} has more bytes than fit usize")))?;
+        let end = offset
+            .checked_add(len)
+            .ok_or_else(|| malformed("more tensor bytes than fit usize".into()))?;
+        let info = TensorInfo {
+            dtype: *st_dtype,
+            shape,
+            data_offsets: (offset, end),
+        };
+        infos.push(((*name).clone(), info));
+        offset = end;
+    }
+    let metadata = Metadata::new(None, infos).map_err(|e| malformed(e.to_string()))?;
+    let mut header = serde_json::to_vec(&metadata).map_err(|e| malformed(e.to_string()))?;
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let names = order.into_iter().map(|(name, ..)| name.clone()).collect();
+    Ok((header, names))
+}
+
 /// A new file holding `tensors` (sorted by name), for checkpoints that were not imported.
 pub fn serialize(
     tensors: &[(String, DType, Vec<u64>, Vec<u8>)],
@@ -245,6 +285,32 @@ mod tests {
             rebuilt.extend_from_slice(&file[range]);
         }
         assert_eq!(rebuilt, file);
+    }
+
+    /// The header and order [`header`] gives, followed by the bytes in that order, are
+    /// [`serialize`]'s file byte for byte: dtypes of every alignment, names out of order.
+    #[test]
+    fn a_header_and_its_order_make_the_serialized_file() {
+        let tensors: Vec<(String, DType, Vec<u64>, Vec<u8>)> = vec![
+            ("b".into(), DType::U8, vec![6], vec![7; 6]),
+            ("a".into(), DType::F32, vec![2, 3], (0..24u8).collect()),
+            ("c".into(), DType::F32, vec![1], vec![1, 2, 3, 4]),
+            ("d".into(), DType::F64, vec![1], (10..18u8).collect()),
+            ("e".into(), DType::BF16, vec![3], (30..36u8).collect()),
+        ];
+        let described: Vec<(String, DType, Vec<u64>)> = tensors
+            .iter()
+            .map(|(name, dtype, shape, _)| (name.clone(), *dtype, shape.clone()))
+            .collect();
+        let (header, names) = header(&described).unwrap();
+        assert_eq!(names, ["d", "a", "c", "e", "b"]);
+        let mut file = length_prefix(&header).to_vec();
+        file.extend_from_slice(&header);
+        for name in &names {
+            let (.., data) = tensors.iter().find(|(n, ..)| n == name).unwrap();
+            file.extend_from_slice(data);
+        }
+        assert_eq!(file, serialize(&tensors).unwrap());
     }
 
     #[test]

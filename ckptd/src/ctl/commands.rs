@@ -1126,6 +1126,7 @@ impl PartialFile {
         Ok(Arc::new(file))
     }
 
+    /// Makes the file durable under its name: its bytes, then the directory's new entry.
     fn finish(mut self) -> Result<PathBuf> {
         self.file
             .sync_all()
@@ -1133,6 +1134,14 @@ impl PartialFile {
         std::fs::rename(&self.partial, &self.path)
             .with_context(|| format!("renaming {}", self.partial.display()))?;
         self.finished = true;
+        let dir = self
+            .path
+            .parent()
+            .filter(|dir| !dir.as_os_str().is_empty())
+            .unwrap_or(Path::new("."));
+        std::fs::File::open(dir)
+            .and_then(|dir| dir.sync_all())
+            .with_context(|| format!("syncing {}", dir.display()))?;
         Ok(self.path.clone())
     }
 }
@@ -1178,15 +1187,21 @@ async fn export(
         .unwrap_or_default();
     let mut written = Vec::new();
     if header_blobs.is_empty() {
-        // Not imported from files: one file with every global tensor.
-        let mut tensors = Vec::new();
-        for info in checkpoint.tensors() {
-            let data = checkpoint.read_tensor(&info.name, &bar).await?;
-            tensors.push((info.name, info.dtype, info.global_shape, data));
-        }
-        let bytes = safetensors_io::serialize(&tensors)?;
+        // Not imported from files: one file with every global tensor, written as they are
+        // read (a tensor that ranks hold in slices is assembled first), not gathered whole.
+        let described: Vec<_> = checkpoint
+            .tensors()
+            .into_iter()
+            .map(|info| (info.name, info.dtype, info.global_shape))
+            .collect();
+        let (header, names) = safetensors_io::header(&described)?;
         let mut file = PartialFile::create(out.join("model.safetensors"))?;
-        file.write(&bytes)?;
+        file.write(&safetensors_io::length_prefix(&header))?;
+        file.write(&header)?;
+        let data_start = 8 + header.len() as u64;
+        checkpoint
+            .write_tensors_at(&names, &file.positional()?, data_start, &bar)
+            .await?;
         written.push(file.finish()?);
     }
     for blob in header_blobs {

@@ -422,8 +422,9 @@ impl Checkpoint {
 
     /// Writes tensors `names`, whole and back to back in this order, into `file` from
     /// `offset` with positional writes. Chunks are fetched, verified and written
-    /// `download_concurrency` at a time, each at its own place in the file, so decoding and
-    /// the copy into the file run on every core (an exported file is written this way).
+    /// `download_concurrency` at a time, each at its own place in the file, so decoding runs
+    /// on every core (an exported file is written this way). Each written piece is already on
+    /// its way to the disk when this returns, not yet durable: the caller fsyncs the file.
     /// Returns the offset after the last tensor.
     pub async fn write_tensors_at(
         &self,
@@ -466,22 +467,35 @@ impl Checkpoint {
                 }
             }
         }
+        // Pieces are fetched and decoded concurrently but written one at a time: writers of one
+        // file queue for its inode's lock, where the kernel spins (4% of an export's samples).
+        // Each piece's write-out starts as soon as it is written, so that the caller's fsync
+        // of the whole file waits for little (`start_writeback`).
+        let writing = Arc::new(std::sync::Mutex::new(()));
         stream::iter(pieces)
-            .map(|(at, piece)| async move {
-                let bytes = match piece {
-                    Piece::Chunk(chunk, context) => {
-                        self.run.fetch_ref(chunk, &context, progress).await?
-                    }
-                    Piece::Assembled(name) => self.read_tensor(&name, progress).await?,
-                };
-                let file = file.clone();
-                tokio::task::spawn_blocking(move || file.write_all_at(&bytes, at))
+            .map(|(at, piece)| {
+                let writing = writing.clone();
+                async move {
+                    let bytes = match piece {
+                        Piece::Chunk(chunk, context) => {
+                            self.run.fetch_ref(chunk, &context, progress).await?
+                        }
+                        Piece::Assembled(name) => self.read_tensor(&name, progress).await?,
+                    };
+                    let file = file.clone();
+                    tokio::task::spawn_blocking(move || {
+                        let _one_writer = writing.lock().expect("never poisoned");
+                        file.write_all_at(&bytes, at)?;
+                        start_writeback(&file, at, bytes.len() as u64);
+                        Ok(())
+                    })
                     .await
                     .expect("writing does not panic")
                     .map_err(|cause| StoreError::Io {
                         path: format!("output at offset {at}"),
                         cause,
                     })
+                }
             })
             .buffer_unordered(self.run.store.options.download_concurrency.max(1))
             .try_collect::<()>()
@@ -598,6 +612,29 @@ fn for_each_row(region: &[DimRange], mut visit: impl FnMut(&[u64])) {
             index[dim] = region[dim].start;
         }
     }
+}
+
+/// Starts writing `len` bytes at `offset` of `file` out to its disk, and does not wait for
+/// them (Linux's `sync_file_range` with `SYNC_FILE_RANGE_WRITE`): a file that is fsynced once
+/// it is whole then has only its last pieces left to write, where it would otherwise write
+/// all of it after the last piece. The fsync alone makes the file durable, and reports any
+/// error; this only moves the disk's work earlier, so a failure here is ignored.
+fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let (Ok(offset), Ok(len)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return;
+        };
+        // SAFETY: a system call on an open descriptor that `file` keeps open for the call; it
+        // reads and writes no memory of this process.
+        #[allow(unsafe_code)]
+        let _ = unsafe {
+            libc::sync_file_range(file.as_raw_fd(), offset, len, libc::SYNC_FILE_RANGE_WRITE)
+        };
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (file, offset, len);
 }
 
 #[cfg(test)]
