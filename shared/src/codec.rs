@@ -401,9 +401,24 @@ fn compress(bytes: &[u8], level: i32) -> Vec<u8> {
     zstd::bulk::compress(bytes, level).expect("zstd compression of an in-memory buffer cannot fail")
 }
 
+/// Decompresses with this thread's context, made once: a fresh one per call (`zstd::bulk::
+/// decompress`) allocated and set up its tables for every plane of every chunk read.
 fn decompress(payload: &[u8], raw_len: u64) -> Result<Vec<u8>, CodecError> {
-    // The capacity bound stops a hostile payload from inflating past the header's length.
-    zstd::bulk::decompress(payload, raw_len as usize).map_err(CodecError::Decompress)
+    thread_local! {
+        static DECOMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Decompressor<'static>>> =
+            const { std::cell::RefCell::new(None) };
+    }
+    DECOMPRESSOR.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        let decompressor = match &mut *cell {
+            Some(decompressor) => decompressor,
+            empty => empty.insert(zstd::bulk::Decompressor::new().map_err(CodecError::Decompress)?),
+        };
+        // The capacity bound stops a hostile payload from inflating past the header's length.
+        decompressor
+            .decompress(payload, raw_len as usize)
+            .map_err(CodecError::Decompress)
+    })
 }
 
 /// Compresses one byte plane. A plane's bytes are alike in their distribution (the exponent
