@@ -140,6 +140,53 @@ impl ModelSpec {
     /// The HF tensors for one trainer parameter (little-endian f32 bytes of `shape`):
     /// transposed to `[out, in]`, experts split one tensor per expert.
     pub fn to_hf(&self, name: &str, shape: &[u64], data: &[u8]) -> Result<Vec<HfTensor>, HfError> {
+        let parts = self.hf_parts(name, shape)?;
+        let elements: u64 = shape.iter().product();
+        if data.len() as u64 != elements * 4 {
+            return Err(HfError::Size {
+                name: name.to_string(),
+                bytes: data.len(),
+                elements,
+            });
+        }
+        Ok(parts
+            .into_iter()
+            .map(|(hf, hf_shape, part)| {
+                let bytes = match part {
+                    Part::AsIs => data.to_vec(),
+                    Part::Transposed => transpose(data, shape[0] as usize, shape[1] as usize),
+                    Part::Expert(expert) => {
+                        let (rows, cols) = (shape[1] as usize, shape[2] as usize);
+                        let each = rows * cols * 4;
+                        transpose(&data[expert * each..(expert + 1) * each], rows, cols)
+                    }
+                };
+                (hf, hf_shape, bytes)
+            })
+            .collect())
+    }
+
+    /// The names and shapes of the HF tensors [`ModelSpec::to_hf`] makes of a parameter of
+    /// `shape`, in the same order, without its bytes (a file's header is written first).
+    pub fn hf_tensors(
+        &self,
+        name: &str,
+        shape: &[u64],
+    ) -> Result<Vec<(String, Vec<u64>)>, HfError> {
+        Ok(self
+            .hf_parts(name, shape)?
+            .into_iter()
+            .map(|(hf, hf_shape, _)| (hf, hf_shape))
+            .collect())
+    }
+
+    /// Each HF tensor of one trainer parameter of `shape`: its name, its shape and how its
+    /// bytes are made from the parameter's.
+    fn hf_parts(
+        &self,
+        name: &str,
+        shape: &[u64],
+    ) -> Result<Vec<(String, Vec<u64>, Part)>, HfError> {
         let expected = self
             .trainer_parameters()
             .into_iter()
@@ -154,19 +201,8 @@ impl ModelSpec {
                 });
             }
         }
-        let elements: u64 = shape.iter().product();
-        if data.len() as u64 != elements * 4 {
-            return Err(HfError::Size {
-                name: name.to_string(),
-                bytes: data.len(),
-                elements,
-            });
-        }
-        let as_is = |hf: String| vec![(hf, shape.to_vec(), data.to_vec())];
-        let transposed = |hf: String| {
-            let (rows, cols) = (shape[0] as usize, shape[1] as usize);
-            vec![(hf, vec![shape[1], shape[0]], transpose(data, rows, cols))]
-        };
+        let as_is = |hf: String| vec![(hf, shape.to_vec(), Part::AsIs)];
+        let transposed = |hf: String| vec![(hf, vec![shape[1], shape[0]], Part::Transposed)];
         let out = match name {
             "embed" => as_is("model.embed_tokens.weight".into()),
             "final_norm" => as_is("model.norm.weight".into()),
@@ -190,21 +226,14 @@ impl ModelSpec {
                     "router" => transposed(format!("{prefix}.mlp.gate.weight")),
                     "expert_gate" | "expert_up" | "expert_down" => {
                         let projection = &part["expert_".len()..];
-                        let (experts, rows, cols) =
-                            (shape[0] as usize, shape[1] as usize, shape[2] as usize);
-                        let each = rows * cols * 4;
-                        (0..experts)
+                        (0..shape[0] as usize)
                             .map(|expert| {
                                 (
                                     format!(
                                         "{prefix}.mlp.experts.{expert}.{projection}_proj.weight"
                                     ),
-                                    vec![cols as u64, rows as u64],
-                                    transpose(
-                                        &data[expert * each..(expert + 1) * each],
-                                        rows,
-                                        cols,
-                                    ),
+                                    vec![shape[2], shape[1]],
+                                    Part::Expert(expert),
                                 )
                             })
                             .collect()
@@ -215,6 +244,15 @@ impl ModelSpec {
         };
         Ok(out)
     }
+}
+
+/// How an HF tensor's bytes are made from its trainer parameter's.
+enum Part {
+    AsIs,
+    /// The `[rows, cols]` parameter transposed.
+    Transposed,
+    /// Expert `n` of an `[experts, rows, cols]` parameter, transposed.
+    Expert(usize),
 }
 
 /// Transposes a row-major `rows x cols` matrix of 4-byte elements.
@@ -300,6 +338,15 @@ mod tests {
             let bytes = vec![0u8; shape.iter().product::<u64>() as usize * 4];
             let out = spec.to_hf(&name, &shape, &bytes).unwrap();
             assert!(!out.is_empty(), "{name} has no HF tensor");
+            // What a header is written from, before the bytes: the same tensors, in order.
+            let described: Vec<(String, Vec<u64>)> = out
+                .iter()
+                .map(|(n, s, b)| {
+                    assert_eq!(b.len() as u64, s.iter().product::<u64>() * 4, "{n}");
+                    (n.clone(), s.clone())
+                })
+                .collect();
+            assert_eq!(spec.hf_tensors(&name, &shape).unwrap(), described);
             names.extend(out.into_iter().map(|(n, _, _)| n));
         }
         // 1 embed + per layer (2 norms, 4 projections, 2 qk norms, gate, 3 x 2 experts) + 2.

@@ -1,6 +1,6 @@
 //! One function per `ckptctl` command. Each prints a table, or JSON with `--json`.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -1266,7 +1266,10 @@ async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: b
             .map(|(_, shape)| shape.iter().product::<u64>() * 4)
             .sum(),
     );
-    let mut tensors = Vec::new();
+    // The header first, from the names and shapes alone; then each parameter is read,
+    // converted and written where its tensors go, so only one parameter is held at a time.
+    let mut stored = Vec::with_capacity(parameters.len());
+    let mut described = Vec::new();
     for (name, shape) in &parameters {
         let info = checkpoint.tensor_info(name).ok_or_else(|| {
             anyhow::anyhow!("tensor {name} of the model is missing from the checkpoint")
@@ -1280,18 +1283,48 @@ async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: b
                 info.global_shape
             );
         }
+        for (hf_name, hf_shape) in spec.hf_tensors(name, shape)? {
+            described.push((hf_name, DType::F32, hf_shape));
+        }
+        stored.push(info.global_shape);
+    }
+    let (header, order) = safetensors_io::header(&described)?;
+    let bytes_of: HashMap<&str, u64> = described
+        .iter()
+        .map(|(name, _, shape)| (name.as_str(), shape.iter().product::<u64>() * 4))
+        .collect();
+    let mut offsets = HashMap::new();
+    let mut at = 8 + header.len() as u64;
+    for name in order {
+        let len = bytes_of[name.as_str()];
+        offsets.insert(name, at);
+        at += len;
+    }
+    let offsets = Arc::new(offsets);
+    let mut file = PartialFile::create(out.join("model.safetensors"))?;
+    file.write(&safetensors_io::length_prefix(&header))?;
+    file.write(&header)?;
+    let positional = file.positional()?;
+    for ((name, shape), stored_shape) in parameters.iter().zip(&stored) {
         let data = spec.current_layout(
             name,
-            &info.global_shape,
+            stored_shape,
             checkpoint.read_tensor(name, &bar).await?,
         );
-        for (hf_name, hf_shape, hf_data) in spec.to_hf(name, shape, &data)? {
-            tensors.push((hf_name, DType::F32, hf_shape, hf_data));
-        }
+        let tensors = spec.to_hf(name, shape, &data)?;
+        drop(data);
+        let (positional, offsets) = (positional.clone(), offsets.clone());
+        tokio::task::spawn_blocking(move || -> Result<()> {
+            for (hf_name, _, bytes) in tensors {
+                let at = offsets[&hf_name];
+                std::os::unix::fs::FileExt::write_all_at(&*positional, &bytes, at)
+                    .with_context(|| format!("writing {hf_name}"))?;
+                lazarus_shared::store::start_writeback(&positional, at, bytes.len() as u64);
+            }
+            Ok(())
+        })
+        .await??;
     }
-    let bytes = safetensors_io::serialize(&tensors)?;
-    let mut file = PartialFile::create(out.join("model.safetensors"))?;
-    file.write(&bytes)?;
     let model_file = file.finish()?;
     let mut file = PartialFile::create(out.join("config.json"))?;
     file.write(&serde_json::to_vec_pretty(&spec.hf_config())?)?;

@@ -619,7 +619,7 @@ fn for_each_row(region: &[DimRange], mut visit: impl FnMut(&[u64])) {
 /// it is whole then has only its last pieces left to write, where it would otherwise write
 /// all of it after the last piece. The fsync alone makes the file durable, and reports any
 /// error; this only moves the disk's work earlier, so a failure here is ignored.
-fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
+pub fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
     #[cfg(target_os = "linux")]
     {
         use std::os::fd::AsRawFd;
