@@ -200,12 +200,12 @@ pub fn length_prefix(header: &[u8]) -> [u8; 8] {
 }
 
 /// The header of a new file of `tensors` (name, dtype, shape), as [`serialize`] writes it,
-/// and the tensors' names in the order their bytes follow it, so that a caller can write the
-/// bytes where they go without holding them all ([`serialize`]'s file is that header's
+/// and where each tensor's bytes lie in the file, in file order, so that a caller can write
+/// the bytes where they go without holding them all ([`serialize`]'s file is that header's
 /// [`length_prefix`], the header, then each tensor's bytes in that order).
 pub fn header(
     tensors: &[(String, DType, Vec<u64>)],
-) -> Result<(Vec<u8>, Vec<String>), SafetensorsError> {
+) -> Result<(Vec<u8>, Vec<TensorPlace>), SafetensorsError> {
     let malformed = |reason: String| malformed("model.safetensors", reason);
     let mut order: Vec<(&String, safetensors::Dtype, &Vec<u64>, DType)> = tensors
         .iter()
@@ -235,8 +235,8 @@ pub fn header(
     let metadata = Metadata::new(None, infos).map_err(|e| malformed(e.to_string()))?;
     let mut header = serde_json::to_vec(&metadata).map_err(|e| malformed(e.to_string()))?;
     header.resize(header.len().next_multiple_of(8), b' ');
-    let names = order.into_iter().map(|(name, ..)| name.clone()).collect();
-    Ok((header, names))
+    let (places, _) = tensor_places("model.safetensors", &header)?;
+    Ok((header, places))
 }
 
 /// A new file holding `tensors` (sorted by name), for checkpoints that were not imported.
@@ -302,7 +302,8 @@ mod tests {
             .iter()
             .map(|(name, dtype, shape, _)| (name.clone(), *dtype, shape.clone()))
             .collect();
-        let (header, names) = header(&described).unwrap();
+        let (header, places) = header(&described).unwrap();
+        let names: Vec<&str> = places.iter().map(|place| place.name.as_str()).collect();
         assert_eq!(names, ["d", "a", "c", "e", "b"]);
         let mut file = length_prefix(&header).to_vec();
         file.extend_from_slice(&header);

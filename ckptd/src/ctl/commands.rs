@@ -1117,6 +1117,15 @@ impl PartialFile {
         self.file.write_all(bytes)
     }
 
+    /// A `.safetensors` file at `path` begun with `header` (and its length): the tensors'
+    /// bytes follow, written in place ([`PartialFile::positional`]).
+    fn with_header(path: PathBuf, header: &[u8]) -> Result<Self> {
+        let mut file = Self::create(path)?;
+        file.write(&safetensors_io::length_prefix(header))?;
+        file.write(header)?;
+        Ok(file)
+    }
+
     /// A handle for positional writes (`write_all_at`) from other threads.
     fn positional(&self) -> Result<Arc<std::fs::File>> {
         let file = self
@@ -1194,10 +1203,9 @@ async fn export(
             .into_iter()
             .map(|info| (info.name, info.dtype, info.global_shape))
             .collect();
-        let (header, names) = safetensors_io::header(&described)?;
-        let mut file = PartialFile::create(out.join("model.safetensors"))?;
-        file.write(&safetensors_io::length_prefix(&header))?;
-        file.write(&header)?;
+        let (header, places) = safetensors_io::header(&described)?;
+        let file = PartialFile::with_header(out.join("model.safetensors"), &header)?;
+        let names: Vec<String> = places.into_iter().map(|place| place.name).collect();
         let data_start = 8 + header.len() as u64;
         checkpoint
             .write_tensors_at(&names, &file.positional()?, data_start, &bar)
@@ -1210,9 +1218,7 @@ async fn export(
         let header = checkpoint.read_blob(0, &blob).await?;
         let layout = safetensors_io::header_layout(file_name, &header)?;
         // Each chunk is verified before it is written; the file only takes its name at the end.
-        let mut file = PartialFile::create(out.join(file_name))?;
-        file.write(&safetensors_io::length_prefix(&header))?;
-        file.write(&header)?;
+        let file = PartialFile::with_header(out.join(file_name), &header)?;
         let mut names = Vec::new();
         for (name, dtype, shape) in layout {
             let info = checkpoint.tensor_info(&name).ok_or_else(|| {
@@ -1288,22 +1294,13 @@ async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: b
         }
         stored.push(info.global_shape);
     }
-    let (header, order) = safetensors_io::header(&described)?;
-    let bytes_of: HashMap<&str, u64> = described
-        .iter()
-        .map(|(name, _, shape)| (name.as_str(), shape.iter().product::<u64>() * 4))
+    let (header, places) = safetensors_io::header(&described)?;
+    let offsets: HashMap<String, u64> = places
+        .into_iter()
+        .map(|place| (place.name, place.offset))
         .collect();
-    let mut offsets = HashMap::new();
-    let mut at = 8 + header.len() as u64;
-    for name in order {
-        let len = bytes_of[name.as_str()];
-        offsets.insert(name, at);
-        at += len;
-    }
     let offsets = Arc::new(offsets);
-    let mut file = PartialFile::create(out.join("model.safetensors"))?;
-    file.write(&safetensors_io::length_prefix(&header))?;
-    file.write(&header)?;
+    let file = PartialFile::with_header(out.join("model.safetensors"), &header)?;
     let positional = file.positional()?;
     for ((name, shape), stored_shape) in parameters.iter().zip(&stored) {
         let data = spec.current_layout(
