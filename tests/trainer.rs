@@ -427,10 +427,12 @@ fn sigterm_checkpoints_the_current_step_and_a_rerun_resumes() {
 fn training_checkpoints_to_s3_and_resumes_from_it() {
     let (dir, _) = prepared();
     let data = dir.path().join("data");
+    let metrics = dir.path().join("metrics");
     let s3 = lazarus_tests::S3Server::start();
     let store = s3.url("ckpt");
-    let run = |steps: u64| {
-        let args = small(&dir.path().join("metrics"))
+    let run = |id: &str, steps: u64| {
+        let args = small(&metrics)
+            .run(id)
             .steps(steps)
             .set("checkpoint.every", 2)
             .store(&store)
@@ -446,12 +448,28 @@ fn training_checkpoints_to_s3_and_resumes_from_it() {
         assert!(output.status.success(), "{text}");
         text
     };
-    run(2);
-    let said = run(4);
+    run("tiny", 2);
+    // Saves at steps 4, 6 and 8 in one process: the one at 8 overwrites the copy of the state
+    // that the one at 4 wrote, once the save at 6 no longer needs it as its delta base.
+    let said = run("tiny", 8);
     assert!(said.contains("resumed from step 2"), "{said}");
+    let said = run("tiny", 10);
+    assert!(said.contains("resumed from step 8"), "{said}");
+    // Step 8's state is the state a run that never stopped had: the same losses after it.
+    run("straight", 10);
+    let after_8 = |run: &str| -> Vec<(u64, u64)> {
+        losses(&metrics, run)
+            .into_iter()
+            .filter(|(step, _)| *step > 8)
+            .collect()
+    };
+    assert_eq!(after_8("tiny").len(), 2);
+    assert_eq!(after_8("tiny"), after_8("straight"));
     let mut ctl = lazarus_tests::Ctl::new(store, &dir.path().join("index"));
     ctl.envs = s3.envs();
     ctl.expect(0, &["verify", "tiny", "--all", "--read-data"]);
     let listed = ctl.json(&["list", "tiny"]).to_string();
-    assert!(listed.contains("\"step\":4"), "{listed}");
+    for step in [4, 6, 8, 10] {
+        assert!(listed.contains(&format!("\"step\":{step}")), "{listed}");
+    }
 }
