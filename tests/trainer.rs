@@ -473,3 +473,46 @@ fn training_checkpoints_to_s3_and_resumes_from_it() {
         assert!(listed.contains(&format!("\"step\":{step}")), "{listed}");
     }
 }
+
+/// Saving in-process at every step keeps the trainer's threads bounded: tokio's default
+/// would start a blocking thread for each chunk in flight, up to 512 (184 of them in this run
+/// before the bound), each holding its own buffers, and the heap grew with every save.
+#[test]
+fn in_process_saves_keep_the_trainers_threads_bounded() {
+    let (dir, _) = prepared();
+    let log = dir.path().join("trainer.log");
+    let args = small(&dir.path().join("metrics"))
+        .steps(12)
+        .set("checkpoint.every", 1)
+        .store(&format!("file://{}", dir.path().join("store").display()))
+        .data(&dir.path().join("data"))
+        .build();
+    let mut child = Command::new(bin("trainer"))
+        .args(&args)
+        .stdout(std::fs::File::create(&log).unwrap())
+        .stderr(std::process::Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let tasks = format!("/proc/{}/task", child.id());
+    let mut most = 0;
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        if let Ok(entries) = std::fs::read_dir(&tasks) {
+            most = most.max(entries.count());
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(status.success(), "{said}");
+    assert!(said.contains("last checkpoint: step 12 "), "{said}");
+    // The store's blocking threads, and the main thread, the math pool's, tokio's two
+    // workers, the signal watcher and whatever the libraries start, with room to spare.
+    let bound = lazarus_shared::store::blocking_threads() + 16;
+    assert!(most > 1, "no thread count was read from {tasks}");
+    assert!(
+        most <= bound,
+        "the trainer ran {most} threads at once, more than {bound}"
+    );
+}

@@ -988,6 +988,7 @@ struct OpenedRun {
 fn open_run(config: &Config, world: &World, log: &mut dyn Write) -> Result<OpenedRun> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        .max_blocking_threads(lazarus_shared::store::blocking_threads())
         .enable_all()
         .build()?;
     let url = resolve_store_url(&config.checkpoint.store)?;

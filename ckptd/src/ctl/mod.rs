@@ -228,14 +228,8 @@ pub fn exit_code(error: &anyhow::Error) -> u8 {
 
 pub fn main(cli: Cli) -> ExitCode {
     crate::logging::init(cli.log_format, "warn");
-    // File IO, hashing and decoding run on the blocking threads. Twice as many as cores
-    // keep the cores busy while some wait on the disk; an unbounded pool starts a thread per
-    // chunk in flight, each with its own heap, so the chunk buffers one frees are not the
-    // ones the next allocates: fresh pages, faulted in and cleared (verify --read-data of
-    // 524 MB: 830-990 page faults of 2 MiB huge pages, 410-420 with 4 threads).
-    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let runtime = tokio::runtime::Builder::new_multi_thread()
-        .max_blocking_threads((2 * cores).max(4))
+        .max_blocking_threads(lazarus_shared::store::blocking_threads())
         .enable_all()
         .build()
         .expect("tokio runtime starts");
