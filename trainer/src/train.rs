@@ -1708,6 +1708,11 @@ mod tests {
         assert_eq!(second.as_ref(), &expected_second[..]);
         let shorter = StateCopy::of(&values[..2], second.into_spare()).unwrap();
         assert_eq!(shorter.as_ref(), &expected[..8]);
+        // A rank with no state of its own.
+        let empty = StateCopy::of(&[], shorter.into_spare()).unwrap();
+        assert!(empty.as_ref().is_empty());
+        assert!(empty.read_at(0, 0).unwrap().is_empty());
+        assert!(StateCopy::of(&[], empty.into_spare()).is_ok());
         let mut back = [0f32; 6];
         floats_from_bytes(&mut back, &expected);
         assert_eq!(back.map(f32::to_bits), values.map(f32::to_bits));
