@@ -95,6 +95,11 @@ impl StateCopy {
         Ok(Self(Arc::new(map)))
     }
 
+    /// The copy's bytes, read without a copy; the map is not spare while any of them live.
+    fn bytes(&self) -> Bytes {
+        Bytes::from_owner(self.clone())
+    }
+
     /// The map, to be overwritten by a later save, once nothing else reads it.
     fn into_spare(self) -> Option<memmap2::MmapMut> {
         let map = Arc::into_inner(self.0)?;
@@ -112,23 +117,6 @@ impl StateCopy {
 impl AsRef<[u8]> for StateCopy {
     fn as_ref(&self) -> &[u8] {
         &self.0[..]
-    }
-}
-
-impl ByteSource for StateCopy {
-    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
-        let start = offset as usize;
-        if start.checked_add(len).is_none_or(|end| end > self.0.len()) {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::UnexpectedEof,
-                "read past the end of the state copy",
-            ));
-        }
-        Ok(Bytes::from_owner(self.clone()).slice(start..start + len))
-    }
-
-    fn describe(&self) -> String {
-        "the optimizer state's copy".to_string()
     }
 }
 
@@ -193,16 +181,20 @@ fn slot_layout(optim: &AdamW, tp_rank: usize) -> (Vec<SlotTensor>, u64) {
 /// held slots, busy, save, finish) and never branches on which kind it has.
 enum Saver {
     /// This process writes its shard to the store; rank 0 commits once every shard is in.
-    Store {
-        /// The last checkpoint's data, for delta encoding.
-        bases: Option<DeltaBases>,
-        /// The copy of the state the bases read.
-        held: Option<StateCopy>,
-        /// A copy no longer read, for the next save to overwrite.
-        spare: Option<memmap2::MmapMut>,
-    },
+    Store(StoreSaver),
     /// The node's `ckptd` takes snapshots out of the shm slots it owns.
     Ckptd(Box<CkptdSaver>),
+}
+
+/// What this process keeps between its own saves to the store.
+#[derive(Default)]
+struct StoreSaver {
+    /// The last checkpoint's data, for delta encoding.
+    bases: Option<DeltaBases>,
+    /// The copy of the state the bases read.
+    held: Option<StateCopy>,
+    /// A copy no longer read, for the next save to overwrite.
+    spare: Option<memmap2::MmapMut>,
 }
 
 /// A rank's checkpointing through its node's `ckptd`.
@@ -264,7 +256,7 @@ impl Saver {
     /// The slots an optimizer update must not write.
     fn held(&self) -> &HeldSlots {
         match self {
-            Saver::Store { .. } => &NO_SLOTS_HELD,
+            Saver::Store(_) => &NO_SLOTS_HELD,
             Saver::Ckptd(saver) => saver.client.held(),
         }
     }
@@ -319,7 +311,7 @@ impl Session {
         }
         let last_wait = match &self.saver {
             Saver::Ckptd(saver) => saver.last_wait,
-            Saver::Store { .. } => 0.0,
+            Saver::Store(_) => 0.0,
         };
         let mut mine: Vec<f64> = self.stalls.iter().flat_map(Stall::figures).collect();
         mine.push(last_wait);
@@ -382,12 +374,11 @@ impl Session {
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
         let key = StepKey::new(self.state.step, timeline);
         let (layout, _) = slot_layout(&self.optim, self.world.coords().tp);
-        let spare = match &mut self.saver {
-            Saver::Store { spare, .. } => spare.take(),
-            Saver::Ckptd(_) => None,
+        let Saver::Store(saver) = &mut self.saver else {
+            unreachable!("a checkpoint through the store needs the store's saver");
         };
-        let copy = StateCopy::of(self.optim.memory.current(), spare)?;
-        let state: Arc<dyn ByteSource> = Arc::new(copy.clone());
+        let copy = StateCopy::of(self.optim.memory.current(), saver.spare.take())?;
+        let state: Arc<dyn ByteSource> = Arc::new(copy.bytes());
         let blobs = if self.world.rank == 0 {
             Session::blobs_of(&self.state, &self.config)?
         } else {
@@ -401,17 +392,11 @@ impl Session {
             &state,
             blobs,
         );
-        let Saver::Store {
-            bases: previous,
-            held,
-            spare,
-        } = &mut self.saver
-        else {
-            unreachable!("a checkpoint through the store needs the store's saver");
-        };
-        let manifest =
-            self.runtime
-                .block_on(self.run.write_shard_sourced(shard, previous.as_ref(), &()))?;
+        let manifest = self.runtime.block_on(self.run.write_shard_sourced(
+            shard,
+            saver.bases.as_ref(),
+            &(),
+        ))?;
         self.world.barrier();
         if self.world.rank == 0 {
             self.runtime
@@ -419,10 +404,9 @@ impl Session {
         }
         self.world.barrier();
         let chunks = manifest.tensors.into_iter().map(|t| t.chunks).collect();
-        let bases = DeltaBases::of_regions(&layout, &state, chunks);
-        *previous = bases;
+        saver.bases = DeltaBases::of_regions(&layout, &state, chunks);
         // The bases of the save before, which read the held copy, are gone.
-        *spare = held.replace(copy).and_then(StateCopy::into_spare);
+        saver.spare = saver.held.replace(copy).and_then(StateCopy::into_spare);
         Ok(self.state.step)
     }
 
@@ -457,11 +441,7 @@ impl Session {
         self.optim.step = state.optimizer_step;
         self.optim.write_to(&self.model)?;
         // Delta bases only where this rank wrote the same slices before.
-        self.saver = Saver::Store {
-            bases: None,
-            held: None,
-            spare: None,
-        };
+        self.saver = Saver::Store(StoreSaver::default());
         self.state = TrainerState {
             layout: self.state.layout.take(),
             ..state
@@ -753,7 +733,7 @@ impl Session {
         self.take_answers();
         let lacking = self.checkpointed != Some(step) && step > 0;
         let due = self.world.sum_u64(Group::World, &[u64::from(lacking)])[0] > 0;
-        if let Saver::Store { .. } = self.saver {
+        if let Saver::Store(_) = self.saver {
             if due {
                 self.checkpointed = Some(self.checkpoint()?);
             }
@@ -813,7 +793,7 @@ impl Session {
     /// What a checkpoint is, for the stall summary.
     fn saver_name(&self) -> &'static str {
         match self.saver {
-            Saver::Store { .. } => "in-process save",
+            Saver::Store(_) => "in-process save",
             Saver::Ckptd(_) => "ckptd snapshot",
         }
     }
@@ -1183,11 +1163,7 @@ pub fn train(
             skipped: Vec::new(),
             recent_losses: Vec::new(),
         },
-        saver: Saver::Store {
-            bases: None,
-            held: None,
-            spare: None,
-        },
+        saver: Saver::Store(StoreSaver::default()),
         stalls: Vec::new(),
         cpu_wait: crate::trace::CpuWait::of_this_thread(),
         pipeline_seconds: 0.0,
@@ -1695,9 +1671,9 @@ mod tests {
         let expected: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
         let first = StateCopy::of(&values, None).unwrap();
         assert_eq!(first.as_ref(), &expected[..]);
-        let read = first.read_at(4, 8).unwrap();
+        let read = first.bytes().read_at(4, 8).unwrap();
         assert_eq!(&read[..], &expected[4..12]);
-        assert!(first.read_at(20, 8).is_err());
+        assert!(first.bytes().read_at(20, 8).is_err());
         // Not spare while a read of it is alive.
         assert!(first.clone().into_spare().is_none());
         drop(read);
@@ -1711,7 +1687,7 @@ mod tests {
         // A rank with no state of its own.
         let empty = StateCopy::of(&[], shorter.into_spare()).unwrap();
         assert!(empty.as_ref().is_empty());
-        assert!(empty.read_at(0, 0).unwrap().is_empty());
+        assert!(empty.bytes().read_at(0, 0).unwrap().is_empty());
         assert!(StateCopy::of(&[], empty.into_spare()).is_ok());
         let mut back = [0f32; 6];
         floats_from_bytes(&mut back, &expected);

@@ -1313,10 +1313,8 @@ async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: b
         let (positional, offsets) = (positional.clone(), offsets.clone());
         tokio::task::spawn_blocking(move || -> Result<()> {
             for (hf_name, _, bytes) in tensors {
-                let at = offsets[&hf_name];
-                std::os::unix::fs::FileExt::write_all_at(&*positional, &bytes, at)
+                lazarus_shared::store::write_out_at(&positional, &bytes, offsets[&hf_name])
                     .with_context(|| format!("writing {hf_name}"))?;
-                lazarus_shared::store::start_writeback(&positional, at, bytes.len() as u64);
             }
             Ok(())
         })

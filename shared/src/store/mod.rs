@@ -46,7 +46,7 @@ pub use counted::{RequestCounts, DELETE_BATCH_OBJECTS, LIST_PAGE_OBJECTS};
 pub use gc::{GcPolicy, GcReport};
 pub use index::{ChunkIndex, ChunkInfo, IndexStats};
 pub use lock::LockGuard;
-pub use reader::{start_writeback, Checkpoint, TensorInfo};
+pub use reader::{write_out_at, Checkpoint, TensorInfo};
 pub use regions::{row_major_runs, Region, RegionKind, RestoreChoice};
 pub use verify::{Problem, VerifyOptions, VerifyReport};
 pub use writer::{

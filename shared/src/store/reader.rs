@@ -470,7 +470,7 @@ impl Checkpoint {
         // Pieces are fetched and decoded concurrently but written one at a time: writers of one
         // file queue for its inode's lock, where the kernel spins (4% of an export's samples).
         // Each piece's write-out starts as soon as it is written, so that the caller's fsync
-        // of the whole file waits for little (`start_writeback`).
+        // of the whole file waits for little (`write_out_at`).
         let writing = Arc::new(std::sync::Mutex::new(()));
         stream::iter(pieces)
             .map(|(at, piece)| {
@@ -485,9 +485,7 @@ impl Checkpoint {
                     let file = file.clone();
                     tokio::task::spawn_blocking(move || {
                         let _one_writer = writing.lock().expect("never poisoned");
-                        file.write_all_at(&bytes, at)?;
-                        start_writeback(&file, at, bytes.len() as u64);
-                        Ok(())
+                        write_out_at(&file, &bytes, at)
                     })
                     .await
                     .expect("writing does not panic")
@@ -614,12 +612,20 @@ fn for_each_row(region: &[DimRange], mut visit: impl FnMut(&[u64])) {
     }
 }
 
-/// Starts writing `len` bytes at `offset` of `file` out to its disk, and does not wait for
-/// them (Linux's `sync_file_range` with `SYNC_FILE_RANGE_WRITE`): a file that is fsynced once
-/// it is whole then has only its last pieces left to write, where it would otherwise write
-/// all of it after the last piece. The fsync alone makes the file durable, and reports any
-/// error; this only moves the disk's work earlier, so a failure here is ignored.
-pub fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
+/// Writes `bytes` at `offset` of `file` (a positional write) and starts writing them out to
+/// its disk, without waiting for them (Linux's `sync_file_range` with
+/// `SYNC_FILE_RANGE_WRITE`): a file that is fsynced once it is whole then has only its last
+/// pieces left to write, where it would otherwise write all of it after the last piece. The
+/// fsync alone makes the file durable, and reports any error; the write-out only moves the
+/// disk's work earlier, so its failure is ignored.
+pub fn write_out_at(file: &std::fs::File, bytes: &[u8], offset: u64) -> std::io::Result<()> {
+    file.write_all_at(bytes, offset)?;
+    start_writeback(file, offset, bytes.len() as u64);
+    Ok(())
+}
+
+/// [`write_out_at`]'s start of the write-out.
+fn start_writeback(file: &std::fs::File, offset: u64, len: u64) {
     #[cfg(target_os = "linux")]
     {
         use std::os::fd::AsRawFd;
