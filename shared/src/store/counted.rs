@@ -110,6 +110,11 @@ impl Counters {
             copy: read(&self.copy),
         }
     }
+
+    /// A put made without `object_store` ([`super::direct`]).
+    pub(crate) fn count_put(&self) {
+        bump(&self.put, 1);
+    }
 }
 
 fn bump(counter: &AtomicU64, by: u64) {

@@ -15,6 +15,7 @@
 mod backend;
 mod catalog;
 mod counted;
+mod direct;
 mod events;
 mod gc;
 mod index;
@@ -153,6 +154,10 @@ impl std::fmt::Debug for Store {
             .finish_non_exhaustive()
     }
 }
+
+/// A create-only put to a `file://` store of at least this many bytes (a chunk) is written
+/// around the page cache ([`direct`]); smaller ones go through `object_store`.
+const DIRECT_PUT_MIN_BYTES: usize = 64 << 10;
 
 /// The bytes a get returned. A local file's are read into memory that is not cleared first:
 /// `object_store` fills its buffer with zeros before reading over them, and that was 8% of a
@@ -347,6 +352,17 @@ impl Store {
         }
     }
 
+    /// The file that holds `path` in a `file://` store, where its name is plain (letters,
+    /// digits, `._-=/`: the store's own names), so that it is the one `object_store` names.
+    fn local_file(&self, path: &Path) -> Option<PathBuf> {
+        let plain = path
+            .as_ref()
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-=/".contains(&b));
+        let root = self.local_root.as_ref().filter(|_| plain)?;
+        Some(root.join(path.as_ref()))
+    }
+
     /// Puts `bytes` at `path`. With `create_only`, fails with `AlreadyExists` mapped to `Ok(false)`
     /// if something is there. Returns once the backend reports the object durable.
     pub(crate) async fn put(
@@ -355,6 +371,20 @@ impl Store {
         bytes: Bytes,
         create_only: bool,
     ) -> Result<bool, StoreError> {
+        if let Some(file) = self
+            .local_file(path)
+            .filter(|_| create_only && bytes.len() >= DIRECT_PUT_MIN_BYTES)
+        {
+            self.requests.count_put();
+            let written = file.clone();
+            return tokio::task::spawn_blocking(move || direct::put_new(&written, &bytes))
+                .await
+                .expect("writing does not panic")
+                .map_err(|cause| StoreError::Io {
+                    path: file.display().to_string(),
+                    cause,
+                });
+        }
         if !create_only && bytes.len() > self.options.multipart_threshold_bytes {
             let upload = self
                 .objects

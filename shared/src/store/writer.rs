@@ -477,14 +477,19 @@ impl RunStore {
         progress.set_total(total_bytes);
 
         let concurrency = self.store.options.upload_concurrency.max(1);
-        let done: Vec<ChunkDone> = stream::iter(
+        let mut done: Vec<(usize, ChunkDone)> = stream::iter(
             jobs.iter()
                 .cloned()
-                .map(|job| self.store_chunk(job, progress)),
+                .enumerate()
+                .map(|(at, job)| async move {
+                    Ok::<_, StoreError>((at, self.store_chunk(job, progress).await?))
+                }),
         )
-        .buffered(concurrency)
+        .buffer_unordered(concurrency)
         .try_collect()
         .await?;
+        done.sort_unstable_by_key(|(at, _)| *at);
+        let done = done.into_iter().map(|(_, chunk)| chunk);
         let mut uploaded_bytes = 0;
         let mut raw_by_hash: HashMap<ChunkHash, SourceRange> = HashMap::new();
         for (job, chunk) in jobs.iter().zip(done) {
