@@ -14,7 +14,7 @@ use lazarus_shared::wire::{self, Message, RollbackMark, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{Base, HandOver, RankState, Snap, Upload};
-use super::slots::{chunk_count, read_chunk, verify_slot, BaseCopy, BASE_FILE};
+use super::slots::{chunk_count, read_chunk, verify_slot, BaseCopy, MappedFile, BASE_FILE};
 use super::{replica, Daemon, SLOT_CHUNK_BYTES};
 use lazarus_shared::store::FileSource;
 
@@ -133,7 +133,7 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
 
 /// Reads the slot chunk by chunk, hashing each and streaming it to the buddy (T1).
 async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
-    let file = Arc::new(FileSource::open(&job.path)?);
+    let file = MappedFile::open(&job.path)?;
     let buddy = *daemon.buddy.lock().expect("not poisoned");
     let mut sender = match buddy {
         Some(buddy) => {
@@ -366,7 +366,7 @@ async fn upload_inner(
     let started = Instant::now();
     let timeline = daemon.run.current_timeline().await?;
     let key = StepKey::new(snap.step, timeline);
-    let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&path)?);
+    let source: Arc<dyn ByteSource> = MappedFile::open(&path)?;
     let (copy, bases) = if replace_base {
         open_base(rank, &dir.join(BASE_FILE), slot_bytes, &tensors, old_base)?
     } else {

@@ -18,9 +18,8 @@ use lazarus_shared::wire::{self, Message, SlotTensor, Tier};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{RankState, Snap};
-use super::slots::{chunk_count, read_chunk, verify_slot};
+use super::slots::{chunk_count, read_chunk, verify_slot, MappedFile};
 use super::{replica, Daemon};
-use lazarus_shared::store::FileSource;
 
 /// The steps a world of this rank's size could restore: the leader's newest memory-committed
 /// step, and the newest durable one. Waits first (up to 10 s) for the previous life's
@@ -238,7 +237,7 @@ async fn read_from_store(
             blobs.push((name.to_string(), checkpoint.read_blob(0, name).await?));
         }
     }
-    let source = Arc::new(FileSource::open(path)?);
+    let source = MappedFile::open(path)?;
     let mut hashes = Vec::new();
     for index in 0..chunk_count(slot_bytes) {
         let data = read_chunk(&source, slot_bytes, index).await?;

@@ -1,9 +1,9 @@
 //! Slot files: the shm files that hold a rank's optimizer state (T0 and the snapshots in
-//! flight) and the buddy's replicas of other ranks' (T1). Reading one chunk at a time
-//! (through `store::FileSource`) on a blocking thread, re-hashing against the hashes taken at
-//! hand-over, reserving every page when a file is made, and a rank's delta base, which an
-//! upload reads its bases from and writes as it hashes its chunks, through a map of one chunk
-//! at a time. The rank state, the snapshot pipeline, restores and replicas use
+//! flight) and the buddy's replicas of other ranks' (T1). Reading a held one a chunk at a
+//! time through a map of the chunk's range ([`MappedFile`]) on a blocking thread, re-hashing
+//! against the hashes taken at hand-over, reserving every page when a file is made, and a
+//! rank's delta base, which an upload reads its bases from and writes as it hashes its chunks,
+//! through such maps too. The rank state, the snapshot pipeline, restores and replicas use
 //! these; this module knows nothing of them.
 
 use std::os::unix::fs::FileExt;
@@ -13,13 +13,13 @@ use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
-use lazarus_shared::store::{ByteSource, FileSource, RawCopy};
+use lazarus_shared::store::{ByteSource, RawCopy};
 use lazarus_shared::ChunkHash;
 
 use super::SLOT_CHUNK_BYTES;
 
 /// Chunk `index` of a slot, read on a blocking thread.
-pub async fn read_chunk(file: &Arc<FileSource>, slot_bytes: u64, index: u64) -> Result<Bytes> {
+pub async fn read_chunk(file: &Arc<impl ByteSource>, slot_bytes: u64, index: u64) -> Result<Bytes> {
     let offset = index * SLOT_CHUNK_BYTES;
     let len = SLOT_CHUNK_BYTES.min(slot_bytes - offset) as usize;
     let file = file.clone();
@@ -74,13 +74,23 @@ pub const BASE_FILE: &str = "base";
 /// it is opened, so no write through a map needs a page the file system may not have.
 #[derive(Debug)]
 pub struct BaseCopy {
-    file: Arc<BaseFile>,
+    file: Arc<MappedFile>,
     failed: AtomicBool,
 }
 
-/// The open base file, which the copy writes and its [`BaseCopy::source`] reads.
+/// A slot or base file read (and the base written) through a map of each range: the bytes
+/// where they lie in shm, not a copy of them. A range is read as it is while the map lives,
+/// so what is hashed, encoded or sent from it is read this way only from a file no one writes
+/// meanwhile: a slot the rank state holds (`rank.rs`: the rank never writes a held slot, and
+/// the daemon fills only free ones) or the base (see [`BaseCopy`]). A replica, whose data file
+/// a later replica may be written into, is only checked this way ([`verify_slot`]); its
+/// upload and a restore's fetch of it read copies (`store::FileSource`). Each read of a slot
+/// was a copy before: a fifth of a daemon's CPU in an upload on 2 cores. A map of one range
+/// at a time keeps the daemon's resident memory bounded by the chunks in flight. No such file
+/// is shrunk while open: one of another size is replaced by a new file ([`BaseCopy::make`]; a
+/// layout change removes the rank's slots), as a map past a shrunk file's end faults.
 #[derive(Debug)]
-struct BaseFile {
+pub struct MappedFile {
     file: std::fs::File,
     /// The file's size, which it keeps while open.
     len: u64,
@@ -110,7 +120,7 @@ impl BaseCopy {
         }
         reserve(&file, len, path)?;
         let copy = Self {
-            file: Arc::new(BaseFile {
+            file: Arc::new(MappedFile {
                 file,
                 len,
                 path: path.to_path_buf(),
@@ -174,7 +184,22 @@ impl RawCopy for BaseCopy {
     }
 }
 
-impl BaseFile {
+impl MappedFile {
+    /// Opens a held slot or replica file at `path` to be read.
+    pub fn open(path: &Path) -> Result<Arc<Self>> {
+        let file =
+            std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        let len = file
+            .metadata()
+            .with_context(|| format!("reading {}", path.display()))?
+            .len();
+        Ok(Arc::new(Self {
+            file,
+            len,
+            path: path.to_path_buf(),
+        }))
+    }
+
     /// A map of `len` bytes at `offset`, which must lie inside the file (their pages are all
     /// reserved) and not be empty.
     fn map_options(&self, offset: u64, len: usize) -> std::io::Result<memmap2::MmapOptions> {
@@ -211,16 +236,16 @@ impl BaseFile {
     }
 }
 
-/// [`BaseCopy::source`]: the base file, read through a map of each range.
-impl ByteSource for BaseFile {
+/// A held file read through a map of each range ([`BaseCopy::source`] for the base).
+impl ByteSource for MappedFile {
     fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
         if len == 0 {
             return Ok(Bytes::new());
         }
         let options = self.map_options(offset, len)?;
-        // SAFETY: nothing writes the range while the map lives: the daemon alone writes its
-        // base file, through `BaseCopy`, and the writer copies over a chunk's range only once
-        // it released that chunk's base (this map).
+        // SAFETY: nothing writes the range while the map lives (see `MappedFile`): a slot is
+        // read while held, a replica after it arrived, and the base by the writer, which
+        // copies over a chunk's range only once it released that chunk's base (this map).
         #[allow(unsafe_code)]
         let map = unsafe { options.map(&self.file)? };
         Ok(Bytes::from_owner(map))
@@ -239,7 +264,7 @@ pub async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> 
             hashes.len()
         );
     }
-    let file = Arc::new(FileSource::open(path)?);
+    let file = MappedFile::open(path)?;
     for (index, expected) in hashes.iter().enumerate() {
         let data = read_chunk(&file, slot_bytes, index as u64).await?;
         let found = tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?;
