@@ -1148,8 +1148,7 @@ impl PartialFile {
             .parent()
             .filter(|dir| !dir.as_os_str().is_empty())
             .unwrap_or(Path::new("."));
-        std::fs::File::open(dir)
-            .and_then(|dir| dir.sync_all())
+        lazarus_shared::store::sync_dir(dir)
             .with_context(|| format!("syncing {}", dir.display()))?;
         Ok(self.path.clone())
     }

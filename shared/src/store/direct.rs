@@ -15,6 +15,8 @@ use std::io::ErrorKind;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
+use super::kept::Kept;
+
 /// `O_DIRECT` transfers are aligned to this (memory, offset and length): a page, which is a
 /// multiple of every block device's logical block size.
 const ALIGN: usize = 4096;
@@ -33,7 +35,7 @@ pub(crate) fn put_new(dest: &Path, bytes: &[u8]) -> std::io::Result<bool> {
     let _ = std::fs::remove_file(&staging);
     if written? {
         let parent = dest.parent().expect("an object's file has a directory");
-        File::open(parent)?.sync_all()?;
+        sync_dir(parent)?;
         return Ok(true);
     }
     Ok(false)
@@ -77,7 +79,7 @@ fn create_dirs(dest: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(parent)?;
     let mut dir = parent;
     loop {
-        File::open(dir)?.sync_all()?;
+        sync_dir(dir)?;
         if dir == existing {
             return Ok(());
         }
@@ -112,29 +114,23 @@ fn write_direct(file: &File, bytes: &[u8]) -> std::io::Result<()> {
     file.set_len(bytes.len() as u64)
 }
 
-/// Page-aligned buffers kept for reuse, at most [`ALIGNED_KEPT`]: on a virtual machine a
-/// page touched for the first time costs far more than one written again.
-static ALIGNED: std::sync::Mutex<Vec<memmap2::MmapMut>> = std::sync::Mutex::new(Vec::new());
-const ALIGNED_KEPT: usize = 8;
+/// Page-aligned buffers kept for reuse.
+static ALIGNED: Kept<memmap2::MmapMut> = Kept::new(8);
 
 /// Runs `work` on a page-aligned buffer of `len` bytes (contents unspecified).
 fn with_aligned<T>(len: usize, work: impl FnOnce(&mut [u8]) -> T) -> std::io::Result<T> {
-    let kept = ALIGNED
-        .lock()
-        .expect("the aligned buffer list is never poisoned")
-        .pop();
-    let mut buffer = match kept {
+    let mut buffer = match ALIGNED.take() {
         Some(buffer) if buffer.len() >= len => buffer,
         _ => memmap2::MmapMut::map_anon(len.max(ALIGN))?,
     };
     let result = work(&mut buffer[..len]);
-    let mut kept = ALIGNED
-        .lock()
-        .expect("the aligned buffer list is never poisoned");
-    if kept.len() < ALIGNED_KEPT {
-        kept.push(buffer);
-    }
+    ALIGNED.give(buffer);
     Ok(result)
+}
+
+/// Makes the entries of the directory `dir` durable (a file created, linked or renamed in it).
+pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
+    File::open(dir)?.sync_all()
 }
 
 #[cfg(test)]

@@ -19,6 +19,7 @@ mod direct;
 mod events;
 mod gc;
 mod index;
+mod kept;
 pub(crate) mod layout;
 mod leadership;
 mod lock;
@@ -44,6 +45,7 @@ use object_store::{
 pub use backend::{OpenMode, S3Settings};
 pub use catalog::{Catalog, StepState, StepStatus};
 pub use counted::{RequestCounts, DELETE_BATCH_OBJECTS, LIST_PAGE_OBJECTS};
+pub use direct::sync_dir;
 pub use gc::{GcPolicy, GcReport};
 pub use index::{ChunkIndex, ChunkInfo, IndexStats};
 pub use lock::LockGuard;

@@ -19,6 +19,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures::stream::{self, StreamExt, TryStreamExt};
 
+use super::kept::Kept;
 use super::{layout, now_unix_ms, ChunkInfo, Progress, RunStore};
 use crate::codec::{self, ChunkHeader, CodecPolicy, DeltaBase, HEADER_BYTES};
 use crate::error::StoreError;
@@ -131,18 +132,13 @@ struct ReadBuffer {
     bytes: Vec<u8>,
 }
 
-/// Buffers kept for reuse, at most [`READ_BUFFERS_KEPT`] (32 MiB of 4 MiB chunks).
-static READ_BUFFERS: std::sync::Mutex<Vec<Vec<u8>>> = std::sync::Mutex::new(Vec::new());
-const READ_BUFFERS_KEPT: usize = 8;
+/// Buffers kept for reuse (32 MiB of 4 MiB chunks).
+static READ_BUFFERS: Kept<Vec<u8>> = Kept::new(8);
 
 impl ReadBuffer {
     /// A buffer of `len` bytes (contents unspecified: the read overwrites them all).
     fn take(len: usize) -> Self {
-        let kept = READ_BUFFERS
-            .lock()
-            .expect("the read buffer list is never poisoned")
-            .pop();
-        let mut bytes = kept.unwrap_or_default();
+        let mut bytes = READ_BUFFERS.take().unwrap_or_default();
         bytes.resize(len, 0);
         Self { bytes }
     }
@@ -156,13 +152,7 @@ impl AsRef<[u8]> for ReadBuffer {
 
 impl Drop for ReadBuffer {
     fn drop(&mut self) {
-        let bytes = std::mem::take(&mut self.bytes);
-        let mut kept = READ_BUFFERS
-            .lock()
-            .expect("the read buffer list is never poisoned");
-        if kept.len() < READ_BUFFERS_KEPT {
-            kept.push(bytes);
-        }
+        READ_BUFFERS.give(std::mem::take(&mut self.bytes));
     }
 }
 
