@@ -25,6 +25,7 @@
 //! hash differs from the name the caller asked for.
 
 use crate::hash::ChunkHash;
+use crate::page_buf::PageBuf;
 
 pub const CHUNK_MAGIC: [u8; 8] = *b"LZCHUNK\0";
 /// The newest chunk format version: 2 added the `planes4` codecs. A chunk of an older codec is
@@ -225,11 +226,12 @@ pub struct DeltaBase<'a> {
     pub raw: &'a [u8],
 }
 
-/// An encoded chunk object, ready to upload.
+/// An encoded chunk object, ready to upload: page-aligned, so that a write around the page
+/// cache sends it from where it lies.
 #[derive(Clone, Debug)]
 pub struct EncodedChunk {
     pub header: ChunkHeader,
-    pub bytes: Vec<u8>,
+    pub bytes: PageBuf,
 }
 
 /// Encodes `raw` with exactly `codec`. `base` is required for the delta codecs and ignored
@@ -241,56 +243,117 @@ pub fn encode_with(
     base: Option<DeltaBase<'_>>,
     zstd_level: i32,
 ) -> EncodedChunk {
+    let base = codec
+        .is_delta()
+        .then(|| base.expect("a delta codec needs a base"));
+    encode(
+        raw,
+        raw_hash,
+        codec,
+        base.map(|b| (b.hash, b.depth)),
+        base.map(|b| Companion::Xor(b.raw)),
+        zstd_level,
+    )
+}
+
+/// [`encode_with`] of a delta whose base is named by `delta` (its chunk and that chunk's
+/// depth) and whose bytes are the `companion`'s, which a copy of `raw` may also go to.
+fn encode(
+    raw: &[u8],
+    raw_hash: ChunkHash,
+    codec: Codec,
+    delta: Option<(ChunkHash, u8)>,
+    companion: Option<Companion<'_>>,
+    zstd_level: i32,
+) -> EncodedChunk {
     assert!(
         raw.len() as u64 <= CHUNK_RAW_BYTES_MAX,
         "chunk larger than CHUNK_RAW_BYTES_MAX"
     );
-    let base = codec.is_delta().then(|| {
-        let base = base.expect("a delta codec needs a base");
+    assert_eq!(
+        codec.is_delta(),
+        delta.is_some() && companion.as_ref().is_some_and(Companion::is_base),
+        "a delta codec, and only one, is encoded against a base"
+    );
+    if let Some(companion) = &companion {
         assert_eq!(
-            base.raw.len(),
+            companion.len(),
             raw.len(),
             "a delta base must have the chunk's length"
         );
-        assert!(base.depth < DELTA_DEPTH_MAX, "delta chain too deep");
-        base
-    });
+    }
+    if let Some((_, depth)) = delta {
+        assert!(depth < DELTA_DEPTH_MAX, "delta chain too deep");
+    }
     let header = ChunkHeader {
         codec,
-        delta_depth: base.map_or(0, |b| b.depth + 1),
+        delta_depth: delta.map_or(0, |(_, depth)| depth + 1),
         raw_len: raw.len() as u64,
         raw_hash,
-        base: base.map(|b| b.hash),
+        base: delta.map(|(hash, _)| hash),
     };
-    let mut bytes = Vec::with_capacity(HEADER_BYTES + PLANE_TABLE_BYTES + raw.len());
+    let mut bytes = PageBuf::with_capacity(HEADER_BYTES + PLANE_TABLE_BYTES + raw.len());
     bytes.extend_from_slice(&header.to_bytes());
-    match (codec, base) {
-        (Codec::Raw, _) => bytes.extend_from_slice(raw),
-        (Codec::Zstd, _) => bytes.extend_from_slice(&compress(raw, zstd_level)),
-        (_, base) => put_transposed(&mut bytes, codec, raw, base.map(|b| b.raw), zstd_level),
+    match codec {
+        Codec::Raw | Codec::Zstd => {
+            match codec {
+                Codec::Raw => bytes.extend_from_slice(raw),
+                _ => bytes.extend_from_slice(&compress(raw, zstd_level)),
+            }
+            if let Some(Companion::XorThenCopy(copy) | Companion::Copy(copy)) = companion {
+                copy.copy_from_slice(raw);
+            }
+        }
+        _ => put_transposed(&mut bytes, codec, raw, companion, zstd_level),
     }
     EncodedChunk { header, bytes }
 }
 
+/// A second buffer of a chunk's length, which the transpose reads or writes in the pass that
+/// reads the chunk.
+enum Companion<'a> {
+    /// The delta's base: the transpose stores the XOR of the chunk with it.
+    Xor(&'a [u8]),
+    /// The delta's base, which the chunk then replaces: each element of the base is read,
+    /// then written over with the chunk's.
+    XorThenCopy(&'a mut [u8]),
+    /// Where a copy of the chunk goes.
+    Copy(&'a mut [u8]),
+}
+
+impl Companion<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Companion::Xor(bytes) => bytes.len(),
+            Companion::XorThenCopy(bytes) | Companion::Copy(bytes) => bytes.len(),
+        }
+    }
+
+    /// Whether the chunk is encoded against it.
+    fn is_base(&self) -> bool {
+        !matches!(self, Companion::Copy(_))
+    }
+}
+
 /// Appends the payload of a transposing codec (2 to 5) of `raw`, or of its XOR delta against
-/// `base` for a delta codec (taken in the same pass as the transpose).
+/// the `companion` for a delta codec (taken in the same pass as the transpose).
 fn put_transposed(
-    out: &mut Vec<u8>,
+    out: &mut PageBuf,
     codec: Codec,
     raw: &[u8],
-    base: Option<&[u8]>,
+    companion: Option<Companion<'_>>,
     zstd_level: i32,
 ) {
-    with_scratch(&SHUFFLED, raw.len(), |shuffled| {
-        shuffle4_xor_into(raw, base, shuffled);
-        match codec {
-            Codec::Shuffle4Zstd | Codec::XorShuffle4Zstd => {
+    match codec {
+        Codec::Planes4 | Codec::XorPlanes4 => put_planes(out, raw, companion, zstd_level),
+        Codec::Shuffle4Zstd | Codec::XorShuffle4Zstd => {
+            with_scratch(&SHUFFLED, raw.len(), |shuffled| {
+                shuffle4_xor_into(raw, companion, shuffled);
                 out.extend_from_slice(&compress(shuffled, zstd_level))
-            }
-            Codec::Planes4 | Codec::XorPlanes4 => put_planes(out, shuffled, zstd_level),
-            Codec::Raw | Codec::Zstd => unreachable!("{codec:?} does not transpose"),
+            })
         }
-    })
+        Codec::Raw | Codec::Zstd => unreachable!("{codec:?} does not transpose"),
+    }
 }
 
 /// How the writer picks a codec for one chunk.
@@ -313,20 +376,10 @@ pub fn encode_best(
     base: Option<DeltaBase<'_>>,
     policy: CodecPolicy,
 ) -> EncodedChunk {
-    let base = base.filter(|b| {
-        b.raw.len() == raw.len() && b.depth < policy.delta_depth_max.min(DELTA_DEPTH_MAX)
-    });
+    let base = base.filter(|base| base_allowed(raw, base, policy));
     let level = policy.zstd_level;
     let mut best = if policy.element_bytes == 4 {
-        let delta_pays = base.is_some_and(|base| {
-            // Judged on the chunk's first elements: a chunk is a piece of one tensor, alike
-            // throughout, and the whole would cost a third of the encoding's time.
-            let sample = raw.len().min(ESTIMATE_SAMPLE_BYTES);
-            let raw = &raw[..sample];
-            estimated_planes_bytes(raw, Some(&base.raw[..sample]))
-                < estimated_planes_bytes(raw, None)
-        });
-        match base.filter(|_| delta_pays) {
+        match base.filter(|base| delta_pays(raw, base.raw)) {
             Some(base) => encode_with(raw, raw_hash, Codec::XorPlanes4, Some(base), level),
             None => encode_with(raw, raw_hash, Codec::Planes4, None, level),
         }
@@ -343,6 +396,68 @@ pub fn encode_best(
         best = encode_with(raw, raw_hash, Codec::Raw, None, level);
     }
     best
+}
+
+/// [`encode_best`] against the bytes in `base`, which it leaves holding a copy of `raw`.
+/// `delta` names those bytes (their chunk and its depth); `None` where they are not to be
+/// encoded against. For 4-byte elements the copy is written in the transpose's pass, which
+/// reads each element of the base just before it writes over it: `ckptd` keeps its next delta
+/// base so, each chunk landing over the one it was encoded against, with no pass of its own.
+pub fn encode_best_over(
+    raw: &[u8],
+    raw_hash: ChunkHash,
+    base: &mut [u8],
+    delta: Option<(ChunkHash, u8)>,
+    policy: CodecPolicy,
+) -> EncodedChunk {
+    assert_eq!(
+        base.len(),
+        raw.len(),
+        "a delta base must have the chunk's length"
+    );
+    if policy.element_bytes != 4 {
+        let delta = delta.map(|(hash, depth)| DeltaBase {
+            hash,
+            depth,
+            raw: base,
+        });
+        let best = encode_best(raw, raw_hash, delta, policy);
+        base.copy_from_slice(raw);
+        return best;
+    }
+    let delta = delta.filter(|&(hash, depth)| {
+        let offered = DeltaBase {
+            hash,
+            depth,
+            raw: base,
+        };
+        base_allowed(raw, &offered, policy) && delta_pays(raw, base)
+    });
+    let (codec, companion) = match delta {
+        Some(_) => (Codec::XorPlanes4, Companion::XorThenCopy(base)),
+        None => (Codec::Planes4, Companion::Copy(base)),
+    };
+    let level = policy.zstd_level;
+    let best = encode(raw, raw_hash, codec, delta, Some(companion), level);
+    if best.bytes.len() >= HEADER_BYTES + raw.len() {
+        return encode(raw, raw_hash, Codec::Raw, None, None, level);
+    }
+    best
+}
+
+/// Whether `policy` lets `raw` be encoded against `base`: of its length, and the chain not
+/// too deep.
+fn base_allowed(raw: &[u8], base: &DeltaBase<'_>, policy: CodecPolicy) -> bool {
+    base.raw.len() == raw.len() && base.depth < policy.delta_depth_max.min(DELTA_DEPTH_MAX)
+}
+
+/// Whether a delta of 4-byte elements against `base` stores smaller than `raw` alone, by the
+/// planes' estimated sizes. Judged on the chunk's first elements: a chunk is a piece of one
+/// tensor, alike throughout, and the whole would cost a third of the encoding's time.
+fn delta_pays(raw: &[u8], base: &[u8]) -> bool {
+    let sample = raw.len().min(ESTIMATE_SAMPLE_BYTES);
+    let raw = &raw[..sample];
+    estimated_planes_bytes(raw, Some(&base[..sample])) < estimated_planes_bytes(raw, None)
 }
 
 /// Decodes a chunk object that was fetched under the name `expected`.
@@ -474,23 +589,48 @@ const PLANE_TABLE_BYTES: usize = 16;
 /// spends the most time on exactly such bytes (the low mantissa bytes of trained floats).
 const PLANE_ENTROPY_BITS_MAX: f64 = 7.8;
 
-/// Appends the planes4 payload of `shuffled` (the output of [`shuffle4_into`]).
-fn put_planes(out: &mut Vec<u8>, shuffled: &[u8], zstd_level: i32) {
-    let plane_len = shuffled.len() / 4;
+/// Appends the planes4 payload of `raw`, or of its XOR delta against the `companion`. The
+/// transpose is written where the planes go; a plane that compresses is then replaced by its
+/// frame and the planes after it move down. The planes stored raw (the low bytes of trained floats) come
+/// first, so they are written once, by the transpose, and never copied.
+fn put_planes(out: &mut PageBuf, raw: &[u8], companion: Option<Companion<'_>>, zstd_level: i32) {
+    let plane_len = raw.len() / 4;
     let table_at = out.len();
     out.extend_from_slice(&[0; PLANE_TABLE_BYTES]);
+    let planes_at = out.len();
+    shuffle4_xor_into(raw, companion, out.grow(raw.len()));
+    let mut at = planes_at;
     for lane in 0..4 {
-        let plane = &shuffled[lane * plane_len..(lane + 1) * plane_len];
+        let from = planes_at + lane * plane_len;
+        let plane = &out[from..from + plane_len];
         let frame = (entropy_bits(plane) < PLANE_ENTROPY_BITS_MAX)
             .then(|| compress_plane(plane, zstd_level))
             .filter(|frame| frame.len() < plane.len());
-        let stored = frame.as_deref().unwrap_or(plane);
-        out.extend_from_slice(stored);
-        let stored_len = u32::try_from(stored.len()).expect("a plane of a chunk fits u32");
-        out[table_at + 4 * lane..table_at + 4 * (lane + 1)]
-            .copy_from_slice(&stored_len.to_le_bytes());
+        // What is stored lands at `at`, which never passes `from`: the planes before this one
+        // were stored at their length or shorter. A frame, shorter than the plane, ends before
+        // the next plane starts.
+        let stored_len = match frame {
+            Some(frame) => {
+                out[at..at + frame.len()].copy_from_slice(&frame);
+                frame.len()
+            }
+            None => {
+                if at != from {
+                    out.copy_within(from..from + plane_len, at);
+                }
+                plane_len
+            }
+        };
+        let stored_len_bytes = u32::try_from(stored_len)
+            .expect("a plane of a chunk fits u32")
+            .to_le_bytes();
+        out[table_at + 4 * lane..table_at + 4 * (lane + 1)].copy_from_slice(&stored_len_bytes);
+        at += stored_len;
     }
-    out.extend_from_slice(&shuffled[4 * plane_len..]);
+    let tail = planes_at + 4 * plane_len..planes_at + raw.len();
+    let tail_len = tail.len();
+    out.copy_within(tail, at);
+    out.truncate(at + tail_len);
 }
 
 /// The four planes of a planes4 payload of `raw_len` bytes (a raw plane borrowed, a
@@ -723,76 +863,134 @@ pub fn shuffle4_into(bytes: &[u8], out: &mut [u8]) {
     shuffle4_xor_into(bytes, None, out)
 }
 
-/// [`shuffle4_into`] of `bytes`, or of their XOR with `base` (of the same length): the delta is
-/// taken as the transpose reads, with no pass of its own.
-fn shuffle4_xor_into(bytes: &[u8], base: Option<&[u8]>, out: &mut [u8]) {
+/// [`shuffle4_into`] of `bytes`, or of their XOR with the `companion`'s (of the same length),
+/// which it may also copy `bytes` to: the delta and the copy are taken as the transpose reads,
+/// with no pass of their own.
+fn shuffle4_xor_into(bytes: &[u8], companion: Option<Companion<'_>>, out: &mut [u8]) {
     assert_eq!(bytes.len(), out.len(), "shuffle4 keeps the length");
     let elements = bytes.len() / 4;
     let (p0, rest) = out.split_at_mut(elements);
     let (p1, rest) = rest.split_at_mut(elements);
     let (p2, rest) = rest.split_at_mut(elements);
     let (p3, tail) = rest.split_at_mut(elements);
-    tail.copy_from_slice(&bytes[4 * elements..]);
-    if let Some(base) = base {
+    let (bytes, raw_tail) = bytes.split_at(4 * elements);
+    let whole = bytes.len();
+    tail.copy_from_slice(raw_tail);
+    let planes = [p0, p1, p2, p3];
+    let companion = companion.map(|companion| {
         assert_eq!(
-            base.len(),
-            bytes.len(),
+            companion.len(),
+            whole + tail.len(),
             "a delta base has the chunk's length"
         );
-        xor_in_place(tail, &base[4 * elements..]);
-    }
-    let planes = [p0, p1, p2, p3];
+        match companion {
+            Companion::Xor(base) => {
+                xor_in_place(tail, &base[whole..]);
+                Companion::Xor(&base[..whole])
+            }
+            Companion::XorThenCopy(base) => {
+                let (base, base_tail) = base.split_at_mut(whole);
+                xor_in_place(tail, base_tail);
+                base_tail.copy_from_slice(raw_tail);
+                Companion::XorThenCopy(base)
+            }
+            Companion::Copy(copy) => {
+                let (copy, copy_tail) = copy.split_at_mut(whole);
+                copy_tail.copy_from_slice(raw_tail);
+                Companion::Copy(copy)
+            }
+        }
+    });
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") {
-        // SAFETY: the processor has AVX2, which is all that the `_avx2` loops require.
+        // SAFETY: the processor has AVX2, which is all that `transpose_avx2` requires.
         #[allow(unsafe_code)]
         unsafe {
-            return match base {
-                Some(base) => shuffle4_xor_avx2(bytes, base, planes),
-                None => shuffle4_avx2(bytes, planes),
-            };
+            return transpose_avx2(bytes, companion, planes);
         }
     }
+    transpose(bytes, companion, planes)
+}
+
+/// The transpose over whole elements, compiled once for the build's target and once with AVX2
+/// ([`transpose_avx2`]: about 5x as fast where the processor has it; the portable build has
+/// only SSE2). A companion that is written to is written a block at a time, right after the
+/// block's transpose read it, while both are in the cache: a store to it in the transpose's
+/// own loop kept the compiler from vectorising that loop, which then cost more than the
+/// transpose and a copy of its own together.
+#[inline(always)]
+fn transpose(bytes: &[u8], companion: Option<Companion<'_>>, planes: [&mut [u8]; 4]) {
+    match companion {
+        None => transpose_words(bytes, None, planes),
+        Some(Companion::Xor(base)) => transpose_words(bytes, Some(base), planes),
+        Some(Companion::XorThenCopy(base)) => {
+            in_blocks(bytes, base, planes, |words, base, planes| {
+                transpose_words(words, Some(base), planes);
+                base.copy_from_slice(words);
+            })
+        }
+        Some(Companion::Copy(copy)) => in_blocks(bytes, copy, planes, |words, copy, planes| {
+            transpose_words(words, None, planes);
+            copy.copy_from_slice(words);
+        }),
+    }
+}
+
+/// Elements per block of [`in_blocks`]: 8 KiB of the chunk, as much of the companion and of
+/// the planes, all in a core's first-level cache.
+const TRANSPOSE_BLOCK: usize = 2048;
+
+/// Runs `work` over each block of whole elements of `bytes`, with the same block of `other`
+/// and of each plane.
+#[inline(always)]
+fn in_blocks(
+    bytes: &[u8],
+    other: &mut [u8],
+    [p0, p1, p2, p3]: [&mut [u8]; 4],
+    mut work: impl FnMut(&[u8], &mut [u8], [&mut [u8]; 4]),
+) {
+    let block = 4 * TRANSPOSE_BLOCK;
+    let planes = p0
+        .chunks_mut(TRANSPOSE_BLOCK)
+        .zip(p1.chunks_mut(TRANSPOSE_BLOCK))
+        .zip(p2.chunks_mut(TRANSPOSE_BLOCK))
+        .zip(p3.chunks_mut(TRANSPOSE_BLOCK));
+    for ((words, other), (((a, b), c), d)) in
+        bytes.chunks(block).zip(other.chunks_mut(block)).zip(planes)
+    {
+        work(words, other, [a, b, c, d]);
+    }
+}
+
+/// The transpose loops, of `bytes` or of their XOR with `base`. Zipped slices let the
+/// compiler drop the bounds checks and vectorise.
+#[inline(always)]
+fn transpose_words(bytes: &[u8], base: Option<&[u8]>, [p0, p1, p2, p3]: [&mut [u8]; 4]) {
+    let planes = p0.iter_mut().zip(p1).zip(p2).zip(p3);
+    let words = bytes.chunks_exact(4);
     match base {
-        Some(base) => shuffle4_xor_loop(bytes, base, planes),
-        None => shuffle4_loop(bytes, planes),
-    }
-}
-
-/// The transpose loop, compiled once for the build's target and once with AVX2 (about 5x as
-/// fast where the processor has it; the portable build has only SSE2).
-#[inline(always)]
-fn shuffle4_loop(bytes: &[u8], [p0, p1, p2, p3]: [&mut [u8]; 4]) {
-    // Zipped slices let the compiler drop the bounds checks and vectorise the transpose.
-    for ((((word, a), b), c), d) in bytes.chunks_exact(4).zip(p0).zip(p1).zip(p2).zip(p3) {
-        (*a, *b, *c, *d) = (word[0], word[1], word[2], word[3]);
-    }
-}
-
-/// [`shuffle4_loop`] of the XOR of `bytes` and `base`, compiled the same two ways.
-#[inline(always)]
-fn shuffle4_xor_loop(bytes: &[u8], base: &[u8], [p0, p1, p2, p3]: [&mut [u8]; 4]) {
-    let words = bytes.chunks_exact(4).zip(base.chunks_exact(4));
-    for (((((word, other), a), b), c), d) in words.zip(p0).zip(p1).zip(p2).zip(p3) {
-        (*a, *b, *c, *d) = (
-            word[0] ^ other[0],
-            word[1] ^ other[1],
-            word[2] ^ other[2],
-            word[3] ^ other[3],
-        );
+        None => {
+            for (word, (((a, b), c), d)) in words.zip(planes) {
+                (*a, *b, *c, *d) = (word[0], word[1], word[2], word[3]);
+            }
+        }
+        Some(base) => {
+            for ((word, other), (((a, b), c), d)) in words.zip(base.chunks_exact(4)).zip(planes) {
+                (*a, *b, *c, *d) = (
+                    word[0] ^ other[0],
+                    word[1] ^ other[1],
+                    word[2] ^ other[2],
+                    word[3] ^ other[3],
+                );
+            }
+        }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn shuffle4_avx2(bytes: &[u8], planes: [&mut [u8]; 4]) {
-    shuffle4_loop(bytes, planes)
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2")]
-fn shuffle4_xor_avx2(bytes: &[u8], base: &[u8], planes: [&mut [u8]; 4]) {
-    shuffle4_xor_loop(bytes, base, planes)
+fn transpose_avx2(bytes: &[u8], companion: Option<Companion<'_>>, planes: [&mut [u8]; 4]) {
+    transpose(bytes, companion, planes)
 }
 
 /// Inverse of [`shuffle4`].
@@ -820,7 +1018,7 @@ fn unshuffle4_from(planes: [&[u8]; 4], out: &mut [u8]) {
     unshuffle4_loop(planes, out)
 }
 
-/// The inverse transpose loop, compiled like [`shuffle4_loop`].
+/// The inverse transpose loop, compiled like [`transpose`].
 #[inline(always)]
 fn unshuffle4_loop([p0, p1, p2, p3]: [&[u8]; 4], out: &mut [u8]) {
     for ((((word, a), b), c), d) in out.chunks_exact_mut(4).zip(p0).zip(p1).zip(p2).zip(p3) {
@@ -947,7 +1145,7 @@ mod tests {
             let (p0, rest) = portable.split_at_mut(elements);
             let (p1, rest) = rest.split_at_mut(elements);
             let (p2, p3) = rest.split_at_mut(elements);
-            shuffle4_loop(&raw, [p0, p1, p2, p3]);
+            transpose(&raw, None, [p0, p1, p2, p3]);
             let shuffled = shuffle4(&raw);
             prop_assert_eq!(&shuffled[..elements * 4], &portable[..]);
             let plane = |lane: usize| &portable[lane * elements..(lane + 1) * elements];
@@ -956,21 +1154,39 @@ mod tests {
             prop_assert_eq!(&back[..], &raw[..elements * 4]);
         }
 
+        /// With each companion, the transpose is the plain one of the XOR (or of the bytes),
+        /// the portable loop's the same, and a companion to copy to ends holding the bytes.
         #[test]
-        fn the_xor_transpose_is_the_transpose_of_the_xor(pairs in proptest::collection::vec(any::<(u8, u8)>(), 0..300)) {
+        fn the_transpose_with_a_companion_is_the_transpose_of_the_xor_and_leaves_the_copy(pairs in proptest::collection::vec(any::<(u8, u8)>(), 0..300)) {
             let (raw, base): (Vec<u8>, Vec<u8>) = pairs.into_iter().unzip();
             let mut delta = raw.clone();
             xor_in_place(&mut delta, &base);
-            let mut fused = vec![0u8; raw.len()];
-            shuffle4_xor_into(&raw, Some(&base), &mut fused);
-            prop_assert_eq!(&fused, &shuffle4(&delta));
             let elements = raw.len() / 4;
-            let mut portable = vec![0u8; elements * 4];
-            let (p0, rest) = portable.split_at_mut(elements);
-            let (p1, rest) = rest.split_at_mut(elements);
-            let (p2, p3) = rest.split_at_mut(elements);
-            shuffle4_xor_loop(&raw, &base, [p0, p1, p2, p3]);
-            prop_assert_eq!(&fused[..elements * 4], &portable[..]);
+            for kind in 0..3 {
+                let mut other = base.clone();
+                let (companion, expected) = match kind {
+                    0 => (Companion::Xor(&base), shuffle4(&delta)),
+                    1 => (Companion::XorThenCopy(&mut other), shuffle4(&delta)),
+                    _ => (Companion::Copy(&mut other), shuffle4(&raw)),
+                };
+                let mut fused = vec![0u8; raw.len()];
+                shuffle4_xor_into(&raw, Some(companion), &mut fused);
+                prop_assert_eq!(&fused, &expected);
+                prop_assert_eq!(&other, if kind == 0 { &base } else { &raw });
+                let mut other = base.clone();
+                let companion = match kind {
+                    0 => Companion::Xor(&base),
+                    1 => Companion::XorThenCopy(&mut other),
+                    _ => Companion::Copy(&mut other),
+                };
+                let mut portable = vec![0u8; elements * 4];
+                let (p0, rest) = portable.split_at_mut(elements);
+                let (p1, rest) = rest.split_at_mut(elements);
+                let (p2, p3) = rest.split_at_mut(elements);
+                transpose(&raw, Some(companion), [p0, p1, p2, p3]);
+                prop_assert_eq!(&fused[..elements * 4], &portable[..]);
+                prop_assert_eq!(&other[..elements * 4], if kind == 0 { &base[..elements * 4] } else { &raw[..elements * 4] });
+            }
         }
     }
 
@@ -1016,7 +1232,7 @@ mod tests {
             let other: Vec<u8> = (0..len).map(|i| (i * 13 % 241) as u8).collect();
             for base in [None, Some(&other[..])] {
                 let mut shuffled = vec![0u8; len];
-                shuffle4_xor_into(&raw, base, &mut shuffled);
+                shuffle4_xor_into(&raw, base.map(Companion::Xor), &mut shuffled);
                 let plane_len = len / 4;
                 let expected: f64 = (0..4)
                     .map(|lane| {
@@ -1086,6 +1302,57 @@ mod tests {
         );
     }
 
+    /// Encoding over a base stores exactly what [`encode_best`] stores against it, whichever
+    /// codec wins (a delta, planes, zstd, raw) and whatever the chain's depth, and leaves the
+    /// chunk's bytes in the base.
+    #[test]
+    fn encoding_over_a_base_stores_what_encode_best_stores_and_leaves_the_chunk_there() {
+        let before: Vec<f32> = (0..4096)
+            .map(|i| ((i * 7919) % 1000) as f32 / 997.0)
+            .collect();
+        let mut after = before.clone();
+        for value in after.iter_mut().step_by(64) {
+            *value += 1e-3;
+        }
+        let (mut before, mut after) = (floats(&before), floats(&after));
+        before.extend_from_slice(&[1, 2, 3]);
+        after.extend_from_slice(&[1, 2, 4]);
+        let noise: Vec<u8> = uniform(7, after.len()).map(|u| (u * 256.0) as u8).collect();
+        let mut codecs = Vec::new();
+        for (raw, element_bytes, depth) in [
+            (&after, 4, 0),
+            (&after, 4, 8),
+            (&after, 1, 0),
+            (&noise, 4, 0),
+        ] {
+            let policy = CodecPolicy {
+                element_bytes,
+                zstd_level: 3,
+                delta_depth_max: 8,
+            };
+            let hash = ChunkHash::of(raw);
+            let base_hash = ChunkHash::of(&before);
+            for delta in [Some((base_hash, depth)), None] {
+                let offered = delta.map(|(hash, depth)| DeltaBase {
+                    hash,
+                    depth,
+                    raw: &before,
+                });
+                let best = encode_best(raw, hash, offered, policy);
+                let mut base = before.clone();
+                let over = encode_best_over(raw, hash, &mut base, delta, policy);
+                assert_eq!(over.header, best.header);
+                assert_eq!(&over.bytes[..], &best.bytes[..]);
+                assert_eq!(&base, raw, "the base holds the chunk");
+                assert_eq!(decode(&over.bytes, hash, Some(&before)).unwrap(), *raw);
+                codecs.push(over.header.codec);
+            }
+        }
+        for codec in [Codec::XorPlanes4, Codec::Planes4, Codec::Zstd, Codec::Raw] {
+            assert!(codecs.contains(&codec), "{codec:?} not among {codecs:?}");
+        }
+    }
+
     #[test]
     fn an_unknown_version_is_refused_with_its_number() {
         let raw = b"hello".to_vec();
@@ -1104,6 +1371,35 @@ mod tests {
             .chunks_exact(4)
             .map(|b| u32::from_le_bytes(b.try_into().unwrap()) as usize)
             .collect()
+    }
+
+    /// A raw plane after a compressed one is moved down to where the frame ended, and the
+    /// tail after it; the planes are encoded where they were transposed.
+    #[test]
+    fn raw_planes_after_compressed_ones_are_moved_down_whole() {
+        let noise: Vec<u8> = uniform(0x2545_f491_4f6c_dd1d, 1 << 16)
+            .map(|u| (u * 256.0) as u8)
+            .collect();
+        let mut raw: Vec<u8> = noise
+            .chunks_exact(2)
+            .flat_map(|pair| [7, pair[0], 7, pair[1]])
+            .collect();
+        raw.extend_from_slice(&[4, 5, 6]);
+        let hash = ChunkHash::of(&raw);
+        let encoded = encode_with(&raw, hash, Codec::Planes4, None, 1);
+        let plane_len = raw.len() / 4;
+        let stored = plane_lengths(&encoded);
+        assert!(
+            stored[0] < plane_len / 100 && stored[2] < plane_len / 100,
+            "{stored:?}"
+        );
+        assert_eq!([stored[1], stored[3]], [plane_len, plane_len], "{stored:?}");
+        assert_eq!(
+            encoded.bytes.len(),
+            HEADER_BYTES + PLANE_TABLE_BYTES + stored.iter().sum::<usize>() + 3
+        );
+        assert_eq!(&encoded.bytes[encoded.bytes.len() - 3..], &[4, 5, 6]);
+        assert_eq!(decode(&encoded.bytes, hash, None).unwrap(), raw);
     }
 
     #[test]

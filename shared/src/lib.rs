@@ -12,6 +12,7 @@ pub mod format;
 pub mod hash;
 pub mod hf_olmoe;
 pub mod ids;
+pub mod page_buf;
 pub mod progress;
 pub mod safetensors_io;
 pub mod store;

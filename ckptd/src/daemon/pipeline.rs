@@ -420,7 +420,9 @@ fn open_base(
     };
     let bases = match old {
         Some(old) if sized && old.chunks.len() == tensors.len() => {
+            // The bases are read from the file the chunks are copied over, laid out as the slot.
             DeltaBases::of_regions(tensors, &copy.source(), old.chunks).map(|bases| {
+                let bases = bases.in_copy_target();
                 if old.checked {
                     bases.already_checked()
                 } else {

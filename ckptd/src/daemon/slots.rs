@@ -66,8 +66,9 @@ pub const BASE_FILE: &str = "base";
 /// written: the file then holds, in every tensor region, the very bytes the stored chunks were
 /// hashed from.
 ///
-/// Both go through a map of the one chunk's range: a base is encoded against where it lies
-/// and a copy is one `memcpy`. Read and written through the file instead, each cost the kernel
+/// Both go through a map of the one chunk's range: a writable one ([`RawCopy::view`]) that
+/// the writer encodes the chunk against and writes it over in the same pass, or, where the
+/// writer read the base apart, a read-only one and a copy of one `memcpy`. Read and written through the file instead, each cost the kernel
 /// a copy, and the two were a fifth of a daemon's CPU in an upload on 2 cores. A map of one
 /// chunk at a time keeps the daemon's resident memory bounded by the chunks in flight, as it
 /// was; one of the whole file would count all of it. Every page of the file is reserved when
@@ -177,9 +178,30 @@ impl RawCopy for BaseCopy {
     fn copy(&self, offset: u64, bytes: &[u8]) {
         super::crash::point("base");
         if let Err(error) = self.file.write_at(offset, bytes) {
-            if !self.failed.swap(true, Ordering::SeqCst) {
-                tracing::warn!(path = %self.file.path.display(), %error, "cannot write the delta base; the next upload stores whole chunks");
-            }
+            self.fail(&error);
+        }
+    }
+
+    /// The base's chunk at `offset` as a writable map, which the upload encodes against and
+    /// writes the new chunk over (the offered bases lie in this file at their chunks' own
+    /// offsets: `DeltaBases::in_copy_target`).
+    fn view(&self, offset: u64, len: usize) -> Option<memmap2::MmapMut> {
+        super::crash::point("base");
+        if len == 0 {
+            return None;
+        }
+        self.file
+            .map_mut(offset, len)
+            .inspect_err(|error| self.fail(error))
+            .ok()
+    }
+}
+
+impl BaseCopy {
+    /// Notes that a chunk was not written over the base (warned once).
+    fn fail(&self, error: &std::io::Error) {
+        if !self.failed.swap(true, Ordering::SeqCst) {
+            tracing::warn!(path = %self.file.path.display(), %error, "cannot write the delta base; the next upload stores whole chunks");
         }
     }
 }
@@ -225,14 +247,22 @@ impl MappedFile {
         if bytes.is_empty() {
             return Ok(());
         }
-        let options = self.map_options(offset, bytes.len())?;
-        // SAFETY: nothing else maps or writes the range while this map lives: the writer
-        // copies a chunk only while its base (the one map of this range) is not held, and the
-        // chunks' ranges are disjoint (`local::check_layout`).
-        #[allow(unsafe_code)]
-        let mut map = unsafe { options.map_mut(&self.file)? };
-        map.copy_from_slice(bytes);
+        self.map_mut(offset, bytes.len())?.copy_from_slice(bytes);
         Ok(())
+    }
+
+    /// A writable map of `len` bytes at `offset` (not empty).
+    fn map_mut(&self, offset: u64, len: usize) -> std::io::Result<memmap2::MmapMut> {
+        let options = self.map_options(offset, len)?;
+        // SAFETY: nothing else maps or writes the range while this map lives: the writer
+        // copies a chunk (or takes a view of its base) only while it holds no other bytes of
+        // that chunk's base (`RawCopy`), no upload reads the base but the one that writes it
+        // (uploads of a rank run one at a time), and the chunks' ranges are disjoint
+        // (`local::check_layout`).
+        #[allow(unsafe_code)]
+        unsafe {
+            options.map_mut(&self.file)
+        }
     }
 }
 

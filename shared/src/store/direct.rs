@@ -15,11 +15,7 @@ use std::io::ErrorKind;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 
-use super::kept::Kept;
-
-/// `O_DIRECT` transfers are aligned to this (memory, offset and length): a page, which is a
-/// multiple of every block device's logical block size.
-const ALIGN: usize = 4096;
+use crate::page_buf::{PageBuf, PAGE};
 
 /// Writes `bytes` as the new file `dest`, durable (file and directory entry) on return.
 /// `Ok(false)` if `dest` already exists: nothing is written over it.
@@ -104,28 +100,27 @@ fn write_all(file: &File, staging: &Path, bytes: &[u8], direct: bool) -> std::io
     buffered.write_all_at(bytes, 0)
 }
 
+/// Writes `bytes` with `O_DIRECT`: a page-aligned object's whole pages from where they lie
+/// (every chunk is encoded into a [`PageBuf`]), anything else from an aligned copy; the last
+/// partial page from a copy padded with zeros. The file is then cut to the object's length.
 fn write_direct(file: &File, bytes: &[u8]) -> std::io::Result<()> {
-    let padded = bytes.len().div_ceil(ALIGN) * ALIGN;
-    with_aligned(padded, |buffer| {
-        buffer[..bytes.len()].copy_from_slice(bytes);
-        buffer[bytes.len()..].fill(0);
-        file.write_all_at(buffer, 0)
-    })??;
-    file.set_len(bytes.len() as u64)
-}
-
-/// Page-aligned buffers kept for reuse.
-static ALIGNED: Kept<memmap2::MmapMut> = Kept::new(8);
-
-/// Runs `work` on a page-aligned buffer of `len` bytes (contents unspecified).
-fn with_aligned<T>(len: usize, work: impl FnOnce(&mut [u8]) -> T) -> std::io::Result<T> {
-    let mut buffer = match ALIGNED.take() {
-        Some(buffer) if buffer.len() >= len => buffer,
-        _ => memmap2::MmapMut::map_anon(len.max(ALIGN))?,
+    let whole = if bytes.as_ptr().align_offset(PAGE) == 0 {
+        bytes.len() / PAGE * PAGE
+    } else {
+        0
     };
-    let result = work(&mut buffer[..len]);
-    ALIGNED.give(buffer);
-    Ok(result)
+    if whole > 0 {
+        file.write_all_at(&bytes[..whole], 0)?;
+    }
+    let rest = &bytes[whole..];
+    if !rest.is_empty() {
+        let padded = rest.len().div_ceil(PAGE) * PAGE;
+        let mut copy = PageBuf::with_capacity(padded);
+        copy.extend_from_slice(rest);
+        copy.grow(padded - rest.len()).fill(0);
+        file.write_all_at(&copy, whole as u64)?;
+    }
+    file.set_len(bytes.len() as u64)
 }
 
 /// Makes the entries of the directory `dir` durable (a file created, linked or renamed in it).
@@ -142,10 +137,23 @@ mod tests {
     #[test]
     fn objects_are_written_whole_and_create_only() {
         let root = tempfile::tempdir().unwrap();
-        for len in [0usize, 1, 4095, 4096, 4097, 3 * 4096 + 17, (4 << 20) + 88] {
-            let dest = root.path().join(format!("a/b{len}/c"));
+        let lengths = [0usize, 1, 4095, 4096, 4097, 3 * 4096 + 17, (4 << 20) + 88];
+        // Each from a page-aligned buffer (its whole pages written from where they lie) and
+        // from one a byte past a page boundary (copied).
+        for (len, aligned) in lengths
+            .into_iter()
+            .flat_map(|len| [(len, true), (len, false)])
+        {
+            let dest = root.path().join(format!("a/b{len}{aligned}/c"));
             let bytes: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
-            assert!(put_new(&dest, &bytes).unwrap());
+            let mut buffer = PageBuf::with_capacity(len + 1);
+            if !aligned {
+                buffer.extend_from_slice(&[0]);
+            }
+            buffer.extend_from_slice(&bytes);
+            let from = &buffer[usize::from(!aligned)..];
+            assert_eq!(from.as_ptr().align_offset(PAGE) == 0, aligned);
+            assert!(put_new(&dest, from).unwrap());
             assert_eq!(std::fs::read(&dest).unwrap(), bytes);
             assert!(!put_new(&dest, b"other").unwrap());
             assert_eq!(std::fs::read(&dest).unwrap(), bytes, "not written over");
@@ -163,7 +171,7 @@ mod tests {
     fn the_buffered_path_writes_the_same_file() {
         let root = tempfile::tempdir().unwrap();
         let staging = root.path().join("s#1");
-        std::fs::write(&staging, vec![9u8; 3 * ALIGN]).unwrap();
+        std::fs::write(&staging, vec![9u8; 3 * PAGE]).unwrap();
         let file = OpenOptions::new().write(true).open(&staging).unwrap();
         let bytes: Vec<u8> = (0..5000u32).map(|i| (i % 13) as u8).collect();
         write_all(&file, &staging, &bytes, false).unwrap();

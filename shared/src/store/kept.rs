@@ -26,6 +26,16 @@ impl<T> Kept<T> {
             .pop()
     }
 
+    /// A buffer given back before that `fits`, if one is kept.
+    pub(crate) fn take_where(&self, fits: impl Fn(&T) -> bool) -> Option<T> {
+        let mut buffers = self
+            .buffers
+            .lock()
+            .expect("the kept buffers are never poisoned");
+        let at = buffers.iter().position(fits)?;
+        Some(buffers.swap_remove(at))
+    }
+
     /// Keeps `buffer` for a later [`Kept::take`], unless `most` are kept already.
     pub(crate) fn give(&self, buffer: T) {
         let mut buffers = self

@@ -19,7 +19,7 @@ mod direct;
 mod events;
 mod gc;
 mod index;
-mod kept;
+pub(crate) mod kept;
 pub(crate) mod layout;
 mod leadership;
 mod lock;

@@ -27,7 +27,7 @@ use crate::format::{
     self, BlobEntry, ChunkRef, CommitRecord, DType, DimRange, ShardManifest, ShardRef, TensorEntry,
 };
 use crate::hash::ChunkHash;
-use crate::ids::{Rank, StepKey, STEP_MAX};
+use crate::ids::{Rank, RunId, StepKey, STEP_MAX};
 
 /// One tensor, or the slice of it that this rank holds, with its bytes (row-major).
 #[derive(Clone, Debug)]
@@ -283,6 +283,17 @@ pub struct SourcedShard {
 pub trait RawCopy: Send + Sync + std::fmt::Debug {
     /// `bytes` were read at `offset` of their source.
     fn copy(&self, offset: u64, bytes: &[u8]);
+
+    /// The target's `len` bytes at `offset`, to be read and then written over in place with
+    /// the chunk read at that offset of the source: where the write's delta bases lie in the
+    /// target ([`DeltaBases::in_copy_target`]), the writer encodes the chunk against this view
+    /// of its base and copies it over the base in the same pass. Taken only where the writer
+    /// holds no other bytes of that range. `None` where the target has no such view: the
+    /// writer then reads the base apart and hands the chunk to [`RawCopy::copy`].
+    fn view(&self, offset: u64, len: usize) -> Option<memmap2::MmapMut> {
+        let _ = (offset, len);
+        None
+    }
 }
 
 /// What one rank stores for one step.
@@ -307,6 +318,7 @@ pub struct ShardInput {
 pub struct DeltaBases {
     tensors: HashMap<String, (SourceRange, Vec<ChunkRef>)>,
     checked: bool,
+    in_copy_target: bool,
 }
 
 impl DeltaBases {
@@ -328,6 +340,15 @@ impl DeltaBases {
         self.checked
     }
 
+    /// Says that each base lies in the write's [`RawCopy`] target, at the very offset its
+    /// chunk is copied to (as `ckptd`'s delta-base file, laid out as the slot it copies): the
+    /// writer encodes a chunk against the target's view of its base and writes the chunk over
+    /// it in the same pass ([`RawCopy::view`]).
+    pub fn in_copy_target(mut self) -> Self {
+        self.in_copy_target = true;
+        self
+    }
+
     fn base_for(
         &self,
         name: &str,
@@ -342,6 +363,18 @@ impl DeltaBases {
     }
 }
 
+/// Whether `bytes`, offered as the delta base `chunk`, are its bytes (`checked`: known to be).
+/// A delta against other bytes would decode to something else under the base's name: a base
+/// offered with other bytes than its reference names (a caller's stale delta-base file) is
+/// not used.
+fn base_matches(run: &RunId, checked: bool, bytes: &[u8], chunk: &ChunkRef) -> bool {
+    let matches = checked || ChunkHash::of(bytes) == chunk.hash;
+    if !matches {
+        tracing::warn!(%run, base = %chunk.hash.short(), "a delta base's bytes do not match its chunk; storing without it");
+    }
+    matches
+}
+
 #[derive(Clone)]
 struct ChunkJob {
     item: usize,
@@ -350,6 +383,8 @@ struct ChunkJob {
     base: Option<(SourceRange, ChunkRef)>,
     /// The base's bytes are known to hash to its reference ([`DeltaBases::already_checked`]).
     base_checked: bool,
+    /// The base lies in the copy's target ([`DeltaBases::in_copy_target`]).
+    base_in_copy: bool,
     /// Where the raw bytes are copied once hashed (and the base, if read, released).
     copy: Option<Arc<dyn RawCopy>>,
 }
@@ -438,6 +473,7 @@ impl RunStore {
                     element_bytes: tensor.dtype.element_bytes(),
                     base,
                     base_checked: bases.is_some_and(DeltaBases::is_checked),
+                    base_in_copy: bases.is_some_and(|bases| bases.in_copy_target),
                     copy: input.copy.clone(),
                 });
             }
@@ -454,6 +490,7 @@ impl RunStore {
                     element_bytes: 1,
                     base: None,
                     base_checked: false,
+                    base_in_copy: false,
                     copy: None,
                 });
             }
@@ -604,7 +641,14 @@ impl RunStore {
             .expect("hashing does not panic");
         let raw_len = raw.len() as u64;
         if let Some(existing) = self.known_chunk(hash).await? {
-            if job.copy.is_some() {
+            // A chunk that its copy's target holds already (its base there, trusted, is this
+            // very chunk: unchanged since the write before) is not copied again.
+            let in_place = job.base_in_copy
+                && job.base_checked
+                && job.base.as_ref().is_some_and(|(range, base)| {
+                    base.hash == hash && range.offset == job.raw.offset
+                });
+            if job.copy.is_some() && !in_place {
                 let job = job.clone();
                 tokio::task::spawn_blocking(move || job.copy_raw(&raw))
                     .await
@@ -624,40 +668,16 @@ impl RunStore {
                 uploaded_bytes: 0,
             });
         }
-        let base = match &job.base {
-            Some((range, chunk)) => Some((range.load().await?, chunk.clone())),
-            None => None,
-        };
         let policy = self.codec_policy(job.element_bytes);
         // `raw` is dropped once encoded: the writer holds at most `upload_concurrency` encoded
         // chunks, and the rare fallback of `put_chunk` reads its source again.
-        let run = self.run.clone();
-        let base_checked = job.base_checked;
-        let copied = job.clone();
-        let (encoded, base_ref) = tokio::task::spawn_blocking(move || {
-            // A delta against bytes that are not its base's would decode to something else
-            // under the base's name: a base offered with other bytes than its reference names
-            // (a caller's stale delta-base file) is not used.
-            let base = base.filter(|(base_raw, chunk)| {
-                let matches = base_checked || ChunkHash::of(base_raw) == chunk.hash;
-                if !matches {
-                    tracing::warn!(%run, base = %chunk.hash.short(), "a delta base's bytes do not match its chunk; storing without it");
-                }
-                matches
-            });
-            let delta = base.as_ref().map(|(raw, chunk)| DeltaBase {
-                hash: chunk.hash,
-                depth: chunk.bases.len() as u8,
-                raw,
-            });
-            let encoded = codec::encode_best(&raw, hash, delta, policy);
-            // The base's bytes are released before the copy, which may go over them.
-            let base = base.map(|(_, chunk)| chunk);
-            copied.copy_raw(&raw);
-            (encoded, base)
-        })
-        .await
-        .expect("encoding does not panic");
+        let (encoded, base_ref) = match self.encode_over_base(&job, &raw, hash, policy).await {
+            Some(encoded) => {
+                drop(raw);
+                encoded
+            }
+            None => self.encode_apart(&job, raw, hash, policy).await?,
+        };
         let bases = match (encoded.header.base, base_ref) {
             (Some(_), Some(base)) => std::iter::once(base.hash).chain(base.bases).collect(),
             _ => Vec::new(),
@@ -677,6 +697,72 @@ impl RunStore {
             },
             uploaded_bytes,
         })
+    }
+
+    /// Encodes a chunk over its delta base where the base lies in the chunk's copy target
+    /// ([`DeltaBases::in_copy_target`]): the base is read through the target's view of it and
+    /// written over with the chunk in the same pass ([`codec::encode_best_over`]). Returns the
+    /// encoding and the base it was encoded against, if any. `None` where the base is not
+    /// there or the target has no view: nothing was encoded or copied.
+    async fn encode_over_base(
+        &self,
+        job: &ChunkJob,
+        raw: &Bytes,
+        hash: ChunkHash,
+        policy: CodecPolicy,
+    ) -> Option<(codec::EncodedChunk, Option<ChunkRef>)> {
+        let (range, chunk) = job.base.clone()?;
+        let copy = job.copy.clone()?;
+        if !job.base_in_copy || range.offset != job.raw.offset || range.len != job.raw.len {
+            return None;
+        }
+        let (raw, run, checked, offset) = (
+            raw.clone(),
+            self.run.clone(),
+            job.base_checked,
+            job.raw.offset,
+        );
+        tokio::task::spawn_blocking(move || {
+            let mut view = copy.view(offset, raw.len())?;
+            let matches = base_matches(&run, checked, &view, &chunk);
+            let delta = matches.then_some((chunk.hash, chunk.bases.len() as u8));
+            let encoded = codec::encode_best_over(&raw, hash, &mut view, delta, policy);
+            Some((encoded, matches.then_some(chunk)))
+        })
+        .await
+        .expect("encoding does not panic")
+    }
+
+    /// Encodes a chunk against its delta base (if any) read apart, then hands it to its copy
+    /// (if any). Returns the encoding and the base it was encoded against.
+    async fn encode_apart(
+        &self,
+        job: &ChunkJob,
+        raw: Bytes,
+        hash: ChunkHash,
+        policy: CodecPolicy,
+    ) -> Result<(codec::EncodedChunk, Option<ChunkRef>), StoreError> {
+        let base = match &job.base {
+            Some((range, chunk)) => Some((range.load().await?, chunk.clone())),
+            None => None,
+        };
+        let (run, checked, copied) = (self.run.clone(), job.base_checked, job.clone());
+        Ok(tokio::task::spawn_blocking(move || {
+            let base =
+                base.filter(|(base_raw, chunk)| base_matches(&run, checked, base_raw, chunk));
+            let delta = base.as_ref().map(|(raw, chunk)| DeltaBase {
+                hash: chunk.hash,
+                depth: chunk.bases.len() as u8,
+                raw,
+            });
+            let encoded = codec::encode_best(&raw, hash, delta, policy);
+            // The base's bytes are released before the copy, which may go over them.
+            let base = base.map(|(_, chunk)| chunk);
+            copied.copy_raw(&raw);
+            (encoded, base)
+        })
+        .await
+        .expect("encoding does not panic"))
     }
 
     /// Puts an encoded chunk create-only (durable on return) and notes it in the local index.
@@ -1146,7 +1232,7 @@ mod tests {
         assert_eq!(rebased.header.base, Some(c_hash));
         let b_path = layout::chunk(run_store.id(), &b_ref.hash);
         objects
-            .put(&b_path, PutPayload::from(rebased.bytes))
+            .put(&b_path, PutPayload::from(bytes::Bytes::from(rebased.bytes)))
             .await
             .unwrap();
 
@@ -1247,17 +1333,21 @@ mod tests {
         assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
     }
 
-    /// Memory laid out as a rank's flat state, read as a source and written as a copy: a
-    /// delta-base file in miniature. It keeps the ranges of the reads still held, and a copy
+    /// A rank's flat state in a file, read as a source and written as a copy: a delta-base
+    /// file in miniature. It keeps the ranges of the reads still held, and a copy or a view
     /// over one of them fails the test: `ckptd` reads its base file through maps, which a
-    /// copy into a held range would change under the reader.
+    /// write into a held range would change under the reader. With `views`, it offers the
+    /// writer writable maps of its ranges ([`super::RawCopy::view`]), as that file does.
     #[derive(Debug)]
-    struct Memory {
-        bytes: std::sync::Mutex<Vec<u8>>,
+    struct Flat {
+        file: std::fs::File,
         held: Arc<std::sync::Mutex<Vec<std::ops::Range<usize>>>>,
+        views: bool,
+        viewed: std::sync::atomic::AtomicUsize,
+        copied: std::sync::atomic::AtomicUsize,
     }
 
-    /// A read of [`Memory`], which holds its range until dropped.
+    /// A read of [`Flat`], which holds its range until dropped.
     struct Held {
         bytes: Vec<u8>,
         range: std::ops::Range<usize>,
@@ -1278,64 +1368,104 @@ mod tests {
         }
     }
 
-    impl Memory {
-        fn new(bytes: Vec<u8>) -> Arc<Self> {
+    impl Flat {
+        fn new(bytes: &[u8], views: bool) -> Arc<Self> {
+            use std::os::unix::fs::FileExt;
+            let file = tempfile::tempfile().unwrap();
+            file.write_all_at(bytes, 0).unwrap();
             Arc::new(Self {
-                bytes: std::sync::Mutex::new(bytes),
+                file,
                 held: Arc::default(),
+                views,
+                viewed: Default::default(),
+                copied: Default::default(),
             })
         }
 
         fn bytes(&self) -> Vec<u8> {
-            self.bytes.lock().unwrap().clone()
+            std::fs::read(format!("/proc/self/fd/{}", self.file.as_raw_fd())).unwrap()
+        }
+
+        /// Fails the test if a read of a range that `len` bytes at `offset` overlap is held.
+        fn refuse_held(&self, offset: u64, len: usize) {
+            let at = offset as usize;
+            let held = self.held.lock().unwrap();
+            assert!(
+                !held.iter().any(|r| r.start < at + len && at < r.end),
+                "a write over {at}..{} while a read of {held:?} is held",
+                at + len
+            );
         }
     }
 
-    impl super::ByteSource for Memory {
+    use std::os::fd::AsRawFd;
+
+    impl super::ByteSource for Flat {
         fn read_at(&self, offset: u64, len: usize) -> std::io::Result<bytes::Bytes> {
-            let bytes = self.bytes.lock().unwrap();
+            use std::os::unix::fs::FileExt;
             let range = offset as usize..offset as usize + len;
+            let mut bytes = vec![0; len];
+            self.file.read_exact_at(&mut bytes, offset)?;
             self.held.lock().unwrap().push(range.clone());
             Ok(bytes::Bytes::from_owner(Held {
-                bytes: bytes[range.clone()].to_vec(),
+                bytes,
                 range,
                 held: self.held.clone(),
             }))
         }
 
         fn describe(&self) -> String {
-            "memory".into()
+            "flat".into()
         }
     }
 
-    impl super::RawCopy for Memory {
+    impl super::RawCopy for Flat {
         fn copy(&self, offset: u64, bytes: &[u8]) {
-            let at = offset as usize;
-            let held = self.held.lock().unwrap();
-            assert!(
-                !held
-                    .iter()
-                    .any(|r| r.start < at + bytes.len() && at < r.end),
-                "a copy over {at}..{} while a read of {held:?} is held",
-                at + bytes.len()
-            );
-            self.bytes.lock().unwrap()[at..at + bytes.len()].copy_from_slice(bytes);
+            use std::os::unix::fs::FileExt;
+            self.refuse_held(offset, bytes.len());
+            self.copied
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            self.file.write_all_at(bytes, offset).unwrap();
+        }
+
+        fn view(&self, offset: u64, len: usize) -> Option<memmap2::MmapMut> {
+            if !self.views {
+                return None;
+            }
+            self.refuse_held(offset, len);
+            self.viewed
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let mut options = memmap2::MmapOptions::new();
+            options.offset(offset).len(len);
+            // SAFETY: the test's file, which only the writer's copies and views write, each
+            // to its own chunk's range.
+            #[allow(unsafe_code)]
+            let map = unsafe { options.map_mut(&self.file) }.unwrap();
+            Some(map)
         }
     }
 
     /// A shard write copies every tensor chunk as it hashed it, at its source offset, and
-    /// only once that chunk's base was read and released (`Memory` fails a copy over a read
+    /// only once that chunk's base was read and released (`Flat` fails a copy over a read
     /// still held): so the copy can go over the very memory the bases are read from (a
-    /// daemon's base file, mapped), and the next write trusts it as checked bases.
-    /// Chunks found stored are copied too; blobs are not.
+    /// daemon's base file, mapped), and the next write trusts it as checked bases. Where the
+    /// bases lie in the copy's target and it offers views, each delta chunk is encoded against
+    /// its view and written over it instead, with no read of the base apart. Chunks found
+    /// stored are copied too; blobs are not.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_raw_copy_written_over_the_bases_is_the_next_writes_base() {
+        for views in [false, true] {
+            a_raw_copy_written_over_the_bases_is_the_next_writes_base_with(views).await;
+        }
+    }
+
+    async fn a_raw_copy_written_over_the_bases_is_the_next_writes_base_with(views: bool) {
         let objects: Arc<dyn ObjectStore> = Arc::new(InMemory::new());
         let run_store = open(objects, None).await;
         // Tensor `w` of two chunks, then `v` of one, in one flat state.
         let state = |seed| [floats(seed, 0), floats(seed + 1, 0), floats(seed + 2, 0)].concat();
         let chunk = (FLOATS * 4) as u64;
-        let shard = |step: u64, source: &Arc<Memory>, copy: &Arc<Memory>| {
+        let shard = |step: u64, source: &Arc<Flat>, copy: &Arc<Flat>| {
             let source: Arc<dyn super::ByteSource> = source.clone();
             let tensor = |name: &str, offset: u64, len: u64| super::SourcedTensor {
                 name: name.into(),
@@ -1370,9 +1500,9 @@ mod tests {
                 piece
             })
             .collect();
-        let base = Memory::new(vec![0; first.len()]);
+        let base = Flat::new(&vec![0; first.len()], views);
         let written = run_store
-            .write_shard_sourced(shard(1, &Memory::new(first.clone()), &base), None, &())
+            .write_shard_sourced(shard(1, &Flat::new(&first, false), &base), None, &())
             .await
             .unwrap();
         assert_eq!(base.bytes(), first);
@@ -1388,8 +1518,8 @@ mod tests {
             let entry = &written.tensors[tensor];
             bases.insert(entry.name.clone(), range, entry.chunks.clone());
         }
-        let bases = bases.already_checked();
-        let second_source = Memory::new(second.clone());
+        let bases = bases.already_checked().in_copy_target();
+        let second_source = Flat::new(&second, false);
         let delta = run_store
             .write_shard_sourced(shard(2, &second_source, &base), Some(&bases), &())
             .await
@@ -1399,6 +1529,12 @@ mod tests {
                 assert_eq!(chunk.bases, vec![base.hash], "{} not a delta", stored.name);
             }
         }
+        let viewed = base.viewed.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            viewed,
+            if views { 3 } else { 0 },
+            "chunks encoded over their base"
+        );
         assert_eq!(base.bytes(), second);
         run_store.commit(StepKey::new(2, 0), 1).await.unwrap();
         let checkpoint = run_store.open_checkpoint(StepKey::new(2, 0)).await.unwrap();
@@ -1410,13 +1546,37 @@ mod tests {
         assert_eq!(read, second);
 
         // Every chunk stored already: nothing uploaded, and still all copied.
-        let again = Memory::new(vec![0; second.len()]);
+        let again = Flat::new(&vec![0; second.len()], views);
         let same = run_store
             .write_shard_sourced(shard(3, &second_source, &again), None, &())
             .await
             .unwrap();
         assert_eq!(same.uploaded_bytes, 0);
         assert_eq!(again.bytes(), second);
+
+        // Stored already and unchanged since the write whose copy holds them: not copied.
+        let mut bases = DeltaBases::default();
+        for (tensor, offset, len) in [(0, 0, 2 * chunk), (1, 2 * chunk, chunk)] {
+            let range = super::SourceRange {
+                source: base_source.clone(),
+                offset,
+                len,
+            };
+            let entry = &delta.tensors[tensor];
+            bases.insert(entry.name.clone(), range, entry.chunks.clone());
+        }
+        let bases = bases.already_checked().in_copy_target();
+        let count = |counter: &std::sync::atomic::AtomicUsize| {
+            counter.load(std::sync::atomic::Ordering::SeqCst)
+        };
+        let before = (count(&base.copied), count(&base.viewed));
+        let unchanged = run_store
+            .write_shard_sourced(shard(4, &second_source, &base), Some(&bases), &())
+            .await
+            .unwrap();
+        assert_eq!(unchanged.uploaded_bytes, 0);
+        assert_eq!((count(&base.copied), count(&base.viewed)), before);
+        assert_eq!(base.bytes(), second);
     }
 
     /// `put_chunk` itself, losing the create-only race: it takes the stored encoding (nothing
