@@ -1263,8 +1263,8 @@ mod tests {
         }
     }
 
-    #[test]
-    fn delta_against_a_similar_step_is_smaller() {
+    /// A step's 4096 floats and the next step's, every 64th of them changed, as bytes.
+    fn a_step_and_the_next() -> (Vec<u8>, Vec<u8>) {
         let before: Vec<f32> = (0..4096)
             .map(|i| ((i * 7919) % 1000) as f32 / 997.0)
             .collect();
@@ -1272,7 +1272,12 @@ mod tests {
         for value in after.iter_mut().step_by(64) {
             *value += 1e-3;
         }
-        let (before, after) = (floats(&before), floats(&after));
+        (floats(&before), floats(&after))
+    }
+
+    #[test]
+    fn delta_against_a_similar_step_is_smaller() {
+        let (before, after) = a_step_and_the_next();
         let base = DeltaBase {
             hash: ChunkHash::of(&before),
             depth: 0,
@@ -1307,14 +1312,7 @@ mod tests {
     /// chunk's bytes in the base.
     #[test]
     fn encoding_over_a_base_stores_what_encode_best_stores_and_leaves_the_chunk_there() {
-        let before: Vec<f32> = (0..4096)
-            .map(|i| ((i * 7919) % 1000) as f32 / 997.0)
-            .collect();
-        let mut after = before.clone();
-        for value in after.iter_mut().step_by(64) {
-            *value += 1e-3;
-        }
-        let (mut before, mut after) = (floats(&before), floats(&after));
+        let (mut before, mut after) = a_step_and_the_next();
         before.extend_from_slice(&[1, 2, 3]);
         after.extend_from_slice(&[1, 2, 4]);
         let noise: Vec<u8> = uniform(7, after.len()).map(|u| (u * 256.0) as u8).collect();
@@ -1365,6 +1363,14 @@ mod tests {
         );
     }
 
+    /// `raw`'s hash, its planes4 encoding at `level`, and the stored length of each plane.
+    fn planes4_of(raw: &[u8], level: i32) -> (ChunkHash, EncodedChunk, Vec<usize>) {
+        let hash = ChunkHash::of(raw);
+        let encoded = encode_with(raw, hash, Codec::Planes4, None, level);
+        let stored = plane_lengths(&encoded);
+        (hash, encoded, stored)
+    }
+
     /// The stored length of each plane of a planes4 chunk, from its table.
     fn plane_lengths(chunk: &EncodedChunk) -> Vec<usize> {
         chunk.bytes[HEADER_BYTES..HEADER_BYTES + PLANE_TABLE_BYTES]
@@ -1385,10 +1391,8 @@ mod tests {
             .flat_map(|pair| [7, pair[0], 7, pair[1]])
             .collect();
         raw.extend_from_slice(&[4, 5, 6]);
-        let hash = ChunkHash::of(&raw);
-        let encoded = encode_with(&raw, hash, Codec::Planes4, None, 1);
+        let (hash, encoded, stored) = planes4_of(&raw, 1);
         let plane_len = raw.len() / 4;
-        let stored = plane_lengths(&encoded);
         assert!(
             stored[0] < plane_len / 100 && stored[2] < plane_len / 100,
             "{stored:?}"
@@ -1411,10 +1415,8 @@ mod tests {
             .collect();
         let mut raw = floats(&values);
         raw.extend_from_slice(&[1, 2, 3]);
-        let hash = ChunkHash::of(&raw);
-        let encoded = encode_with(&raw, hash, Codec::Planes4, None, 3);
+        let (hash, encoded, stored) = planes4_of(&raw, 3);
         let plane_len = raw.len() / 4;
-        let stored = plane_lengths(&encoded);
         assert_eq!(
             &stored[..2],
             &[plane_len, plane_len],

@@ -1507,18 +1507,22 @@ mod tests {
             .unwrap();
         assert_eq!(base.bytes(), first);
 
-        let mut bases = DeltaBases::default();
+        // The bases a write offers: the chunks `stored` lists, read from the copy's target.
         let base_source: Arc<dyn super::ByteSource> = base.clone();
-        for (tensor, offset, len) in [(0, 0, 2 * chunk), (1, 2 * chunk, chunk)] {
-            let range = super::SourceRange {
-                source: base_source.clone(),
-                offset,
-                len,
-            };
-            let entry = &written.tensors[tensor];
-            bases.insert(entry.name.clone(), range, entry.chunks.clone());
-        }
-        let bases = bases.already_checked().in_copy_target();
+        let bases_of = |stored: &crate::format::ShardManifest| {
+            let mut bases = DeltaBases::default();
+            for (tensor, offset, len) in [(0, 0, 2 * chunk), (1, 2 * chunk, chunk)] {
+                let range = super::SourceRange {
+                    source: base_source.clone(),
+                    offset,
+                    len,
+                };
+                let entry = &stored.tensors[tensor];
+                bases.insert(entry.name.clone(), range, entry.chunks.clone());
+            }
+            bases.already_checked().in_copy_target()
+        };
+        let bases = bases_of(&written);
         let second_source = Flat::new(&second, false);
         let delta = run_store
             .write_shard_sourced(shard(2, &second_source, &base), Some(&bases), &())
@@ -1555,17 +1559,7 @@ mod tests {
         assert_eq!(again.bytes(), second);
 
         // Stored already and unchanged since the write whose copy holds them: not copied.
-        let mut bases = DeltaBases::default();
-        for (tensor, offset, len) in [(0, 0, 2 * chunk), (1, 2 * chunk, chunk)] {
-            let range = super::SourceRange {
-                source: base_source.clone(),
-                offset,
-                len,
-            };
-            let entry = &delta.tensors[tensor];
-            bases.insert(entry.name.clone(), range, entry.chunks.clone());
-        }
-        let bases = bases.already_checked().in_copy_target();
+        let bases = bases_of(&delta);
         let count = |counter: &std::sync::atomic::AtomicUsize| {
             counter.load(std::sync::atomic::Ordering::SeqCst)
         };
