@@ -275,6 +275,10 @@ fn encode(
         delta.is_some() && companion.as_ref().is_some_and(Companion::is_base),
         "a delta codec, and only one, is encoded against a base"
     );
+    assert!(
+        companion.is_none() || !matches!(codec, Codec::Raw | Codec::Zstd),
+        "only a transposing codec reads or writes a companion"
+    );
     if let Some(companion) = &companion {
         assert_eq!(
             companion.len(),
@@ -295,15 +299,8 @@ fn encode(
     let mut bytes = PageBuf::with_capacity(HEADER_BYTES + PLANE_TABLE_BYTES + raw.len());
     bytes.extend_from_slice(&header.to_bytes());
     match codec {
-        Codec::Raw | Codec::Zstd => {
-            match codec {
-                Codec::Raw => bytes.extend_from_slice(raw),
-                _ => bytes.extend_from_slice(&compress(raw, zstd_level)),
-            }
-            if let Some(Companion::XorThenCopy(copy) | Companion::Copy(copy)) = companion {
-                copy.copy_from_slice(raw);
-            }
-        }
+        Codec::Raw => bytes.extend_from_slice(raw),
+        Codec::Zstd => bytes.extend_from_slice(&compress(raw, zstd_level)),
         _ => put_transposed(&mut bytes, codec, raw, companion, zstd_level),
     }
     EncodedChunk { header, bytes }
@@ -425,14 +422,7 @@ pub fn encode_best_over(
         base.copy_from_slice(raw);
         return best;
     }
-    let delta = delta.filter(|&(hash, depth)| {
-        let offered = DeltaBase {
-            hash,
-            depth,
-            raw: base,
-        };
-        base_allowed(raw, &offered, policy) && delta_pays(raw, base)
-    });
+    let delta = delta.filter(|&(_, depth)| depth_allowed(depth, policy) && delta_pays(raw, base));
     let (codec, companion) = match delta {
         Some(_) => (Codec::XorPlanes4, Companion::XorThenCopy(base)),
         None => (Codec::Planes4, Companion::Copy(base)),
@@ -448,7 +438,12 @@ pub fn encode_best_over(
 /// Whether `policy` lets `raw` be encoded against `base`: of its length, and the chain not
 /// too deep.
 fn base_allowed(raw: &[u8], base: &DeltaBase<'_>, policy: CodecPolicy) -> bool {
-    base.raw.len() == raw.len() && base.depth < policy.delta_depth_max.min(DELTA_DEPTH_MAX)
+    base.raw.len() == raw.len() && depth_allowed(base.depth, policy)
+}
+
+/// Whether `policy` lets a chunk be a delta against a base of `depth`.
+fn depth_allowed(depth: u8, policy: CodecPolicy) -> bool {
+    depth < policy.delta_depth_max.min(DELTA_DEPTH_MAX)
 }
 
 /// Whether a delta of 4-byte elements against `base` stores smaller than `raw` alone, by the
@@ -591,8 +586,8 @@ const PLANE_ENTROPY_BITS_MAX: f64 = 7.8;
 
 /// Appends the planes4 payload of `raw`, or of its XOR delta against the `companion`. The
 /// transpose is written where the planes go; a plane that compresses is then replaced by its
-/// frame and the planes after it move down. The planes stored raw (the low bytes of trained floats) come
-/// first, so they are written once, by the transpose, and never copied.
+/// frame and the planes after it move down. The planes stored raw (the low bytes of trained
+/// floats) come first, so they are written once, by the transpose, and never copied.
 fn put_planes(out: &mut PageBuf, raw: &[u8], companion: Option<Companion<'_>>, zstd_level: i32) {
     let plane_len = raw.len() / 4;
     let table_at = out.len();

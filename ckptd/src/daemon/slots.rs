@@ -2,7 +2,7 @@
 //! flight) and the buddy's replicas of other ranks' (T1). Reading a held one a chunk at a
 //! time through a map of the chunk's range ([`MappedFile`]) on a blocking thread, re-hashing
 //! against the hashes taken at hand-over, reserving every page when a file is made, and a
-//! rank's delta base, which an upload reads its bases from and writes as it hashes its chunks,
+//! rank's delta base, which an upload encodes its chunks against and writes them over,
 //! through such maps too. The rank state, the snapshot pipeline, restores and replicas use
 //! these; this module knows nothing of them.
 
@@ -68,8 +68,9 @@ pub const BASE_FILE: &str = "base";
 ///
 /// Both go through a map of the one chunk's range: a writable one ([`RawCopy::view`]) that
 /// the writer encodes the chunk against and writes it over in the same pass, or, where the
-/// writer read the base apart, a read-only one and a copy of one `memcpy`. Read and written through the file instead, each cost the kernel
-/// a copy, and the two were a fifth of a daemon's CPU in an upload on 2 cores. A map of one
+/// writer read the base apart, a read-only one and a copy of one `memcpy`. Read and written
+/// through the file instead, each cost the kernel a copy, and the two were a fifth of a
+/// daemon's CPU in an upload on 2 cores. A map of one
 /// chunk at a time keeps the daemon's resident memory bounded by the chunks in flight, as it
 /// was; one of the whole file would count all of it. Every page of the file is reserved when
 /// it is opened, so no write through a map needs a page the file system may not have.

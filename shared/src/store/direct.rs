@@ -85,8 +85,8 @@ fn create_dirs(dest: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Writes `bytes` at the start of `file`: with `direct`, from a page-aligned copy padded to
-/// whole pages, then cut to their length; where the file system refuses that, buffered.
+/// Writes `bytes` at the start of `file`: with `direct`, around the page cache
+/// ([`write_direct`]); where the file system refuses that, buffered.
 fn write_all(file: &File, staging: &Path, bytes: &[u8], direct: bool) -> std::io::Result<()> {
     if direct && !bytes.is_empty() {
         match write_direct(file, bytes) {

@@ -383,7 +383,8 @@ struct ChunkJob {
     base: Option<(SourceRange, ChunkRef)>,
     /// The base's bytes are known to hash to its reference ([`DeltaBases::already_checked`]).
     base_checked: bool,
-    /// The base lies in the copy's target ([`DeltaBases::in_copy_target`]).
+    /// The base lies in the copy's target at the chunk's own range
+    /// ([`DeltaBases::in_copy_target`]).
     base_in_copy: bool,
     /// Where the raw bytes are copied once hashed (and the base, if read, released).
     copy: Option<Arc<dyn RawCopy>>,
@@ -467,13 +468,19 @@ impl RunStore {
             for (index, offset) in (0..tensor_len).step_by(chunk_bytes).enumerate() {
                 let len = chunk_bytes.min(tensor_len - offset);
                 let base = bases.and_then(|b| b.base_for(&tensor.name, index, offset, len));
+                let raw = tensor.data.sub(offset as u64, len as u64);
+                let base_in_copy = bases.is_some_and(|bases| bases.in_copy_target)
+                    && input.copy.is_some()
+                    && base.as_ref().is_some_and(|(range, _)| {
+                        (range.offset, range.len) == (raw.offset, raw.len)
+                    });
                 jobs.push(ChunkJob {
                     item,
-                    raw: tensor.data.sub(offset as u64, len as u64),
+                    raw,
                     element_bytes: tensor.dtype.element_bytes(),
                     base,
                     base_checked: bases.is_some_and(DeltaBases::is_checked),
-                    base_in_copy: bases.is_some_and(|bases| bases.in_copy_target),
+                    base_in_copy,
                     copy: input.copy.clone(),
                 });
             }
@@ -645,9 +652,7 @@ impl RunStore {
             // very chunk: unchanged since the write before) is not copied again.
             let in_place = job.base_in_copy
                 && job.base_checked
-                && job.base.as_ref().is_some_and(|(range, base)| {
-                    base.hash == hash && range.offset == job.raw.offset
-                });
+                && job.base.as_ref().is_some_and(|(_, base)| base.hash == hash);
             if job.copy.is_some() && !in_place {
                 let job = job.clone();
                 tokio::task::spawn_blocking(move || job.copy_raw(&raw))
@@ -711,11 +716,11 @@ impl RunStore {
         hash: ChunkHash,
         policy: CodecPolicy,
     ) -> Option<(codec::EncodedChunk, Option<ChunkRef>)> {
-        let (range, chunk) = job.base.clone()?;
-        let copy = job.copy.clone()?;
-        if !job.base_in_copy || range.offset != job.raw.offset || range.len != job.raw.len {
+        if !job.base_in_copy {
             return None;
         }
+        let (_, chunk) = job.base.clone()?;
+        let copy = job.copy.clone()?;
         let (raw, run, checked, offset) = (
             raw.clone(),
             self.run.clone(),
