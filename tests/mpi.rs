@@ -211,7 +211,21 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
         "TP2 x DP2 x EP2 vs one process",
     );
 
-    run(2, &args(&dir, "dp2-again", 10, 2));
+    // Again, checkpointing every other step in the background: the ranks agree when both
+    // shards are stored and rank 0 commits, while training goes on, bit for bit as before.
+    let mut background = args(&dir, "dp2-again", 10, 2);
+    background.extend(
+        [
+            "--set",
+            "checkpoint.every=2",
+            "--set",
+            "checkpoint.background=true",
+            "--set",
+            "checkpoint.busy=wait",
+        ]
+        .map(String::from),
+    );
+    run(2, &background);
     assert_eq!(
         bits(&losses(&dir, "dp2-again")),
         bits(&dp2),
@@ -247,6 +261,26 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     let shown = ctl.json(&["show", "dp2", "10"]);
     assert_eq!(shown["manifests"].as_array().unwrap().len(), 2, "{shown}");
     ctl.expect(0, &["verify", "dp2", "--all", "--read-data"]);
+    // Every background checkpoint was committed with both ranks' shards.
+    let listed = ctl.json(&["list", "dp2-again"]);
+    let committed: Vec<(u64, u64)> = listed["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|step| step["state"] == "committed")
+        .map(|step| {
+            (
+                step["step"]["step"].as_u64().unwrap(),
+                step["world_size"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        committed,
+        [(2, 2), (4, 2), (6, 2), (8, 2), (10, 2)],
+        "{listed}"
+    );
+    ctl.expect(0, &["verify", "dp2-again", "--all", "--read-data"]);
 }
 
 /// `train --trace`: each rank writes a Chrome trace of the launch's first steps, and

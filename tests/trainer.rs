@@ -225,7 +225,7 @@ fn training_is_deterministic_and_resume_is_bit_identical() {
     );
 
     // The final weights and Adam moments are bit-identical too: same chunk hashes.
-    let ctl = lazarus_tests::Ctl::new(store, &dir.path().join("index"));
+    let ctl = lazarus_tests::Ctl::new(store.clone(), &dir.path().join("index"));
     let hashes = |run: &str| -> Vec<(String, serde_json::Value)> {
         let shown = ctl.json(&["show", run, "8"]);
         let mut tensors: Vec<(String, serde_json::Value)> = shown["manifests"][0]["tensors"]
@@ -256,6 +256,41 @@ fn training_is_deterministic_and_resume_is_bit_identical() {
     );
     assert_eq!(hashes("resumed"), straight_state);
     ctl.expect(0, &["verify", "resumed", "--all", "--read-data"]);
+
+    // Checkpoints written in the background while training goes on: every one is committed,
+    // the training is the same bit for bit, and so is a resume from one of them (step 6, a
+    // delta against step 4, written while step 7 trained).
+    let args = small(&metrics)
+        .run("background")
+        .steps(8)
+        .set("checkpoint.every", 2)
+        .set("checkpoint.background", true)
+        .set("checkpoint.busy", "wait")
+        .store(&store)
+        .data(&data)
+        .build();
+    let (code, said) = trainer(&args);
+    assert_eq!(code, 0, "{said}");
+    assert_eq!(losses(&metrics, "background"), straight);
+    let listed = ctl.json(&["list", "background"]);
+    let committed: Vec<u64> = listed["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|step| step["state"] == "committed")
+        .map(|step| step["step"]["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(committed, [2, 4, 6, 8], "{listed}");
+    assert_eq!(hashes("background"), straight_state);
+    ctl.expect(0, &["verify", "background", "--all", "--read-data"]);
+    ctl.expect(
+        0,
+        &["rollback", "background", "--to", "6", "--reason", "test"],
+    );
+    let (code, said) = trainer(&args);
+    assert_eq!(code, 0, "{said}");
+    assert!(said.contains("resumed from step 6"), "{said}");
+    assert_eq!(losses(&metrics, "background")[8..], straight[6..]);
 
     // A run with checkpoints is never overwritten by a fresh start.
     let args = TrainerArgs::new("tiny")

@@ -58,7 +58,11 @@ fn bench_args(
 
 /// (mean, median, max, of the max the wait for a CPU and for the daemon's answers) ms, state
 /// bytes and the max's step from the trainer's stall line (each checkpoint's slowest rank).
-fn stall(text: &str) -> (f64, f64, f64, (f64, f64), u64, u64) {
+/// A run's stall line: mean, median and max (ms), the max's CPU and answer waits, the state
+/// bytes per rank, and the max's step.
+type Stalls = (f64, f64, f64, (f64, f64), u64, u64);
+
+fn stall(text: &str) -> Stalls {
     let line = text
         .lines()
         .find(|l| l.starts_with("checkpoint stall"))
@@ -202,6 +206,36 @@ fn upload_seconds(log: &str) -> Vec<(String, f64)> {
         .collect()
 }
 
+/// The stall of the trainer's own save of every step (2 ranks, no daemon), written in the
+/// foreground or in the background (`checkpoint.busy = skip`), and how many of the steps were
+/// saved.
+fn in_process(dir: &Path, d_model: usize, background: bool) -> (Stalls, u64) {
+    let run = format!("in-process-{d_model}-{background}");
+    let store = format!("file://{}", dir.join(&run).display());
+    let output = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(
+            bench_args(dir, &run, &store, d_model, STEPS, 1)
+                .set("checkpoint.background", background)
+                .build(),
+        )
+        .output()
+        .unwrap();
+    let text = text_of(&output);
+    assert!(output.status.success(), "{text}");
+    let skipped = text
+        .lines()
+        .filter_map(|l| {
+            l.strip_prefix("in-process save: ")?
+                .split_once(" checkpoints skipped")
+        })
+        .map(|(count, _)| count.trim().parse::<u64>().unwrap())
+        .max()
+        .unwrap_or(0);
+    (stall(&text), STEPS - skipped)
+}
+
 fn dcp_stall(bytes: u64, dir: &Path) -> Option<(f64, f64)> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../ops/bench/dcp_async_save.py");
     let output = Command::new(python())
@@ -267,13 +301,14 @@ fn main() {
 
     println!("1. training-loop stall per snapshot (2 ranks, 1 per node; {STEPS} steps, one snapshot per step; the last, which waits for a busy daemon, in its own column)");
     println!(
-        "{:>8} {:>14} {:>46} {:>10} {:>6} {:>26} {:>20} {:>10} {:>16} {:>16}",
+        "{:>8} {:>14} {:>46} {:>10} {:>6} {:>26} {:>34} {:>20} {:>10} {:>16} {:>16}",
         "d_model",
         "state/rank",
         "ckptd mean/median/max (CPU/answer wait) @step",
         "last snap",
         "taken",
         "in-process mean/median/max",
+        "in-process background (taken)",
         "DCP async median/max",
         "in-proc/ckptd",
         "ckptd peak RSS",
@@ -282,23 +317,10 @@ fn main() {
     let mut largest = None;
     let mut memory = Vec::new();
     for d_model in [32usize, 128, 512] {
-        // The trainer's own synchronous save through the store library.
-        let store = format!("file://{}", dir.join(format!("sync-{d_model}")).display());
-        let output = Command::new("mpiexec")
-            .args(["-n", "2"])
-            .arg(bin("trainer"))
-            .args(args(
-                dir,
-                &format!("sync-{d_model}"),
-                &store,
-                d_model,
-                STEPS,
-                1,
-            ))
-            .output()
-            .unwrap();
-        assert!(output.status.success(), "{}", text_of(&output));
-        let sync = stall(&text_of(&output));
+        // The trainer's own save through the store library, synchronous and in the
+        // background.
+        let sync = in_process(dir, d_model, false).0;
+        let (background, background_taken) = in_process(dir, d_model, true);
 
         let store = format!("file://{}", dir.join(format!("ckptd-{d_model}")).display());
         let run = format!("ckptd-{d_model}");
@@ -322,7 +344,7 @@ fn main() {
         let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
         memory.push((ours.4, rss));
         println!(
-            "{:>8} {:>11.1} MB {:>46} {:>10} {:>6} {:>26} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
+            "{:>8} {:>11.1} MB {:>46} {:>10} {:>6} {:>26} {:>34} {:>20} {:>9.0}x {:>13.1} MB {:>13.3} s",
             d_model,
             ours.4 as f64 / 1e6,
             format!(
@@ -332,6 +354,10 @@ fn main() {
             last_snapshot_ms(&text).map_or("-".into(), |ms| format!("{ms:.1}")),
             format!("{}/{STEPS}", taken(&text, STEPS)),
             format!("{:.1} / {:.1} / {:.1}", sync.0, sync.1, sync.2),
+            format!(
+                "{:.1} / {:.1} / {:.1} ({background_taken}/{STEPS})",
+                background.0, background.1, background.2
+            ),
             dcp.map_or("skipped".into(), |(m, x)| format!("{m:.1} / {x:.1}")),
             sync.1 / ours.1.max(1e-6),
             rss as f64 / 1e6,

@@ -234,10 +234,18 @@ pub struct CheckpointConfig {
     /// snapshots become durable.
     #[serde(default)]
     pub ckptd: String,
-    /// With `ckptd`, when it is still busy with the previous snapshot: `skip` this snapshot
-    /// (counted in its metrics) or `wait` for it.
+    /// With `ckptd` (or `background`), when it is still busy with the previous snapshot
+    /// (checkpoint): `skip` this one (counted in its metrics) or `wait` for it.
     #[serde(default = "default_busy")]
     pub busy: String,
+    /// Without `ckptd`: write each checkpoint in the background while training goes on. The
+    /// loop stops only to copy the state; the step is committed once every rank's shard is
+    /// stored, at the first step that finds them all stored, and a crash before then resumes
+    /// from the checkpoint before. `busy` says what a checkpoint due while the one before is
+    /// still being written does. The run's last checkpoint is always written in the
+    /// foreground.
+    #[serde(default)]
+    pub background: bool,
 }
 
 fn default_busy() -> String {
