@@ -433,7 +433,6 @@ impl Session {
         Ok(())
     }
 
-    /// Every rank writes its shard manifest; once all are durable, rank 0 writes the commit.
     /// Writes this rank's shard of the current step and commits the step once every rank's
     /// is stored. Collective.
     fn checkpoint(&mut self) -> Result<()> {
@@ -882,7 +881,14 @@ impl Session {
         let started = Instant::now();
         let waited = self.cpu_wait.now();
         self.settle_write()?;
-        if let Some(stall) = self.stalls.last_mut() {
+        // A checkpoint skipped meanwhile has a stall of its own, after this one's.
+        let settled = self.checkpointed;
+        if let Some(stall) = self
+            .stalls
+            .iter_mut()
+            .rev()
+            .find(|s| Some(s.step) == settled)
+        {
             stall.seconds += started.elapsed().as_secs_f64();
             stall.cpu_wait += self.cpu_wait.now().saturating_sub(waited).as_secs_f64();
         }
