@@ -709,6 +709,52 @@ fn a_checkpoint_resumes_in_another_layout() {
     }
 }
 
+/// A checkpoint written in the background that cannot be stored (its run's chunk folder is
+/// a file) ends every rank with the error, and nothing is committed.
+#[test]
+fn a_background_checkpoint_that_cannot_be_stored_ends_every_rank_with_the_error() {
+    let (_guard, dir) = prepared();
+    let run_dir = dir.join("store").join("runs").join("unstorable");
+    std::fs::create_dir_all(&run_dir).unwrap();
+    std::fs::write(run_dir.join("chunks"), b"not a folder").unwrap();
+    let mut background = args(&dir, "unstorable", 6, 2);
+    background.extend(
+        [
+            "--set",
+            "checkpoint.every=2",
+            "--set",
+            "checkpoint.background=true",
+        ]
+        .map(String::from),
+    );
+    let output = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(&background)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success(), "{text}");
+    // Training goes on while the write runs; the ranks learn of the failure together at the
+    // first step after it, long before the run's last step.
+    for rank in 0..2 {
+        assert!(
+            text.contains(&format!(
+                "rank {rank} of 2: error: writing this rank's shard of step 2"
+            )),
+            "{text}"
+        );
+    }
+    assert!(!text.contains("step      6"), "{text}");
+    let ctl = lazarus_tests::Ctl::new(
+        format!("file://{}", dir.join("store").display()),
+        &dir.join("index"),
+    );
+    let listed = ctl.json(&["list", "unstorable"]);
+    assert!(!listed.to_string().contains("\"committed\""), "{listed}");
+}
+
 #[test]
 fn a_killed_rank_ends_the_job_quickly_and_a_relaunch_resumes() {
     use std::io::{BufRead, BufReader};
