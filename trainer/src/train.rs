@@ -531,6 +531,15 @@ impl Session {
         }
     }
 
+    /// Before the loop: with background saves, the first save's copy is faulted in off the
+    /// loop ([`StoreSaver::prepare`]).
+    fn prepare_saves(&mut self) {
+        let len = 4 * self.optim.state_len();
+        if let (true, Saver::Store(saver)) = (self.config.checkpoint.background, &mut self.saver) {
+            saver.prepare(len);
+        }
+    }
+
     /// Whether a checkpoint is being written in the background (on every rank alike).
     fn writing(&self) -> bool {
         matches!(&self.saver, Saver::Store(saver) if saver.writing.is_some())
@@ -1449,9 +1458,7 @@ pub fn train(
         )?;
     }
     let first_step = session.state.step + 1;
-    if let (true, Saver::Store(saver)) = (config.checkpoint.background, &mut session.saver) {
-        saver.prepare(4 * session.optim.state_len());
-    }
+    session.prepare_saves();
     let mut losses = Vec::new();
     // The newest step whose weights every copy agreed on, and what the checks cost.
     let mut sdc_agreed = 0;
