@@ -398,14 +398,29 @@ fn bad_data_files_and_unusable_stores_get_clear_errors() {
 
 #[test]
 fn sigterm_checkpoints_the_current_step_and_a_rerun_resumes() {
-    use std::io::{BufRead, BufReader};
     let (dir, _) = prepared();
-    let data = dir.path().join("data");
-    let store = format!("file://{}", dir.path().join("store").display());
+    sigterm_then_rerun(dir.path(), false);
+    // With checkpoints written in the background every other step: the one in flight at
+    // the signal, if any, is committed before the current step's.
+    sigterm_then_rerun(dir.path(), true);
+}
+
+/// Stops a run with SIGTERM after step 3, checks that it checkpointed the step it stopped
+/// at, and resumes from it.
+fn sigterm_then_rerun(dir: &std::path::Path, background: bool) {
+    use std::io::{BufRead, BufReader};
+    let data = dir.join("data");
+    let store = format!(
+        "file://{}",
+        dir.join(format!("store-{background}")).display()
+    );
     let args = |steps: u64| {
-        small(&dir.path().join("metrics"))
+        let every = if background { 2 } else { 1000 };
+        small(&dir.join(format!("metrics-{background}")))
             .steps(steps)
-            .set("checkpoint.every", 1000)
+            .set("checkpoint.every", every)
+            .set("checkpoint.background", background)
+            .set("checkpoint.busy", "wait")
             .store(&store)
             .data(&data)
             .build()
@@ -442,12 +457,22 @@ fn sigterm_checkpoints_the_current_step_and_a_rerun_resumes() {
         text.contains(&format!("last checkpoint: step {stopped} ")),
         "{text}"
     );
-    let ctl = lazarus_tests::Ctl::new(store.clone(), &dir.path().join("index"));
+    let ctl = lazarus_tests::Ctl::new(store.clone(), &dir.join(format!("index-{background}")));
     let listed = ctl.json(&["list", "tiny"]);
-    assert!(
-        listed.to_string().contains(&format!("\"step\":{stopped}")),
-        "{listed}"
-    );
+    let committed: Vec<u64> = listed["steps"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|step| step["state"] == "committed")
+        .map(|step| step["step"]["step"].as_u64().unwrap())
+        .collect();
+    let expected: Vec<u64> = if background {
+        // Every other step before the signal, then the step it stopped at.
+        (2..stopped).step_by(2).chain([stopped]).collect()
+    } else {
+        vec![stopped]
+    };
+    assert_eq!(committed, expected, "{listed}");
     let rerun = args(stopped + 2);
     let rerun: Vec<&str> = rerun.iter().map(String::as_str).collect();
     let (code, said) = trainer(&rerun);
