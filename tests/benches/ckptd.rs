@@ -98,16 +98,19 @@ fn last_snapshot_ms(text: &str) -> Option<f64> {
 /// Snapshots the daemons took of `steps`: a rank skips a snapshot while its daemon is busy,
 /// and every rank skips the same ones.
 fn taken(text: &str, steps: u64) -> u64 {
-    let skipped = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("ckptd: ")?.split_once(" snapshots skipped"))
-        .map(|(count, _)| count.trim().parse::<u64>().unwrap())
-        .max()
-        .unwrap_or_else(|| panic!("no skipped-snapshots line in {text}"));
-    steps - skipped
+    steps
+        - skipped(text, "ckptd: ", " snapshots skipped")
+            .unwrap_or_else(|| panic!("no skipped-snapshots line in {text}"))
 }
 
-/// CPU seconds (user and system) process `pid` has used so far.
+/// The count N of a run's `{prefix}N{what}` line, if it has one.
+fn skipped(text: &str, prefix: &str, what: &str) -> Option<u64> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix(prefix)?.split_once(what))
+        .map(|(count, _)| count.trim().parse::<u64>().unwrap())
+        .max()
+}
+
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     // Fields after the command's closing parenthesis; utime and stime are the 14th and 15th.
@@ -224,15 +227,8 @@ fn in_process(dir: &Path, d_model: usize, background: bool) -> (Stalls, u64) {
         .unwrap();
     let text = text_of(&output);
     assert!(output.status.success(), "{text}");
-    let skipped = text
-        .lines()
-        .filter_map(|l| {
-            l.strip_prefix("in-process save: ")?
-                .split_once(" checkpoints skipped")
-        })
-        .map(|(count, _)| count.trim().parse::<u64>().unwrap())
-        .max()
-        .unwrap_or(0);
+    // A run that skipped none says nothing of it.
+    let skipped = skipped(&text, "in-process save: ", " checkpoints skipped").unwrap_or(0);
     (stall(&text), STEPS - skipped)
 }
 

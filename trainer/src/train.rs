@@ -250,6 +250,8 @@ impl StoreSaver {
 /// One rank's shard of a checkpoint on its way to the store.
 struct ShardWrite {
     key: StepKey,
+    /// This rank's layout of the state, which the copy's delta bases are read by.
+    layout: Vec<SlotTensor>,
     /// The copy of the state the shard is written from; the next save's delta base.
     copy: StateCopy,
     /// The write, on the run's runtime.
@@ -473,7 +475,12 @@ impl Session {
         let task = self
             .runtime
             .spawn(async move { run.write_shard_sourced(shard, bases.as_ref(), &()).await });
-        Ok(ShardWrite { key, copy, task })
+        Ok(ShardWrite {
+            key,
+            layout,
+            copy,
+            task,
+        })
     }
 
     /// Waits for this rank's shard of `write`, agrees with the other ranks that every shard
@@ -501,13 +508,12 @@ impl Session {
                 .block_on(self.run.commit(write.key, self.world.size as u32))?;
         }
         self.world.barrier();
-        let (layout, _) = slot_layout(&self.optim, self.world.coords().tp);
         let Saver::Store(saver) = &mut self.saver else {
             unreachable!("a checkpoint through the store needs the store's saver");
         };
         let chunks = manifest.tensors.into_iter().map(|t| t.chunks).collect();
         let state: Arc<dyn ByteSource> = Arc::new(write.copy.bytes());
-        saver.bases = DeltaBases::of_regions(&layout, &state, chunks);
+        saver.bases = DeltaBases::of_regions(&write.layout, &state, chunks);
         // The bases of the save before, which read the held copy, are gone.
         let let_go = saver.held.replace(write.copy);
         saver.spare = if self.config.checkpoint.background {
