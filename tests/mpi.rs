@@ -755,6 +755,113 @@ fn a_background_checkpoint_that_cannot_be_stored_ends_every_rank_with_the_error(
     assert!(!listed.to_string().contains("\"committed\""), "{listed}");
 }
 
+/// [`args`] with background checkpoints every other step, and `extra` settings.
+fn background_args(dir: &Path, run: &str, steps: u64, extra: &[&str]) -> Vec<String> {
+    let mut all = args(dir, run, steps, 2);
+    for set in ["checkpoint.every=2", "checkpoint.background=true"]
+        .iter()
+        .chain(extra)
+    {
+        all.extend(["--set".to_string(), set.to_string()]);
+    }
+    all
+}
+
+/// Two ranks' `trainer train` with `[test_faults]` allowed: (success, stdout and stderr).
+fn run_with_faults(args: &[String]) -> (bool, String) {
+    let output = Command::new("mpiexec")
+        .args(["-n", "2"])
+        .arg(bin("trainer"))
+        .args(args)
+        .env("LAZARUS_ALLOW_TEST_FAULTS", "1")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&output.stdout).to_string()
+        + &String::from_utf8_lossy(&output.stderr);
+    (output.status.success(), text)
+}
+
+#[test]
+fn a_background_checkpoint_one_rank_cannot_store_is_not_committed_and_a_rerun_resumes_before_it() {
+    let (_guard, dir) = prepared();
+    let wait = "checkpoint.busy=\"wait\"";
+    let refused = [
+        wait,
+        "test_faults.save_fail_at_step=4",
+        "test_faults.save_fail_rank=1",
+    ];
+    let (ok, text) = run_with_faults(&background_args(&dir, "refused", 8, &refused));
+    assert!(!ok, "{text}");
+    // Rank 1 names its own error; rank 0, whose shard of step 4 was stored, learns of rank
+    // 1's in the same sum and leaves too, without committing the step.
+    assert!(
+        text.contains("rank 1 of 2: error: writing this rank's shard of step 4"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "rank 0 of 2: error: 1 rank(s) could not write their shard of step 4; it is not committed"
+        ),
+        "{text}"
+    );
+    let ctl = lazarus_tests::Ctl::new(
+        format!("file://{}", dir.join("store").display()),
+        &dir.join("index"),
+    );
+    assert_eq!(ctl.committed("refused"), [2], "{text}");
+    let failed = losses(&dir, "refused");
+
+    // Without the fault, the run goes on from step 2; rank 0's leftover shard of step 4 is
+    // written again.
+    let said = run(2, &background_args(&dir, "refused", 8, &[wait]));
+    assert!(said.contains("resumed from step 2"), "{said}");
+    assert_eq!(ctl.committed("refused"), [2, 4, 6, 8], "{said}");
+    ctl.expect(0, &["verify", "refused", "--all", "--read-data"]);
+    // The steps both launches trained have the same figures, bit for bit.
+    let all = losses(&dir, "refused");
+    let again = &all[failed.len()..];
+    assert_eq!(again[0].0, 3, "{all:?}");
+    let repeated = failed.len() - 2;
+    assert!(repeated >= 2, "{failed:?}");
+    assert_eq!(bits(&failed[2..]), bits(&again[..repeated]), "{all:?}");
+}
+
+#[test]
+fn background_checkpoints_due_while_one_is_in_flight_are_skipped_and_the_rest_commit() {
+    let (_guard, dir) = prepared();
+    // Each write counts as in flight for 3 steps: the one of step 2 through step 4, so step
+    // 4's checkpoint is skipped and step 2 is committed at step 5, a step with none due.
+    let held = ["checkpoint.busy=\"skip\"", "test_faults.save_busy_steps=3"];
+    let (ok, text) = run_with_faults(&background_args(&dir, "held", 10, &held));
+    assert!(ok, "{text}");
+    let ctl = lazarus_tests::Ctl::new(
+        format!("file://{}", dir.join("store").display()),
+        &dir.join("index"),
+    );
+    let committed = ctl.committed("held");
+    // A write slower than 3 steps is skipped over longer; where each lands depends on the
+    // machine, what holds on any is this.
+    println!("committed: {committed:?}");
+    assert_eq!(committed.first(), Some(&2), "{text}");
+    assert_eq!(committed.last(), Some(&10), "{text}");
+    let in_loop = &committed[..committed.len() - 1];
+    assert!(
+        in_loop.windows(2).all(|pair| pair[1] - pair[0] >= 4),
+        "{committed:?}: {text}"
+    );
+    let skipped = 5 - committed.len();
+    assert!(skipped >= 2, "{committed:?}");
+    assert!(
+        text.contains(&format!(
+            "in-process save: {skipped} checkpoints skipped while the one before was still being written"
+        )),
+        "{text}"
+    );
+    // The last one is written in the foreground and not counted among the 4 in the loop.
+    assert!(text.contains("over 4 in-loop checkpoints"), "{text}");
+    ctl.expect(0, &["verify", "held", "--all", "--read-data"]);
+}
+
 #[test]
 fn a_killed_rank_ends_the_job_quickly_and_a_relaunch_resumes() {
     use std::io::{BufRead, BufReader};

@@ -109,6 +109,14 @@ pub struct TestFaults {
     /// After restoring a step newer than this one, every rank shifts its master weights a
     /// little: a restored state that is not what the run had.
     pub perturb_restore_after_step: u64,
+    /// Rank `save_fail_rank`'s write of its shard of this step through the store (without
+    /// `ckptd`) fails before it stores anything: a store that refuses one rank's puts.
+    pub save_fail_at_step: u64,
+    pub save_fail_rank: u32,
+    /// With `checkpoint.background`, each rank counts a checkpoint it writes as still being
+    /// written until the run has trained this many steps past it, however soon it is stored:
+    /// a store slow enough that due checkpoints find the one before in flight.
+    pub save_busy_steps: u64,
 }
 
 /// How ranks split the work when launched under MPI (`mpiexec -n N`): see [`crate::layout`].

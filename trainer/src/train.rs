@@ -472,9 +472,18 @@ impl Session {
             blobs,
         );
         let (run, bases) = (self.run.clone(), saver.bases.take());
-        let task = self
-            .runtime
-            .spawn(async move { run.write_shard_sourced(shard, bases.as_ref(), &()).await });
+        let refused = self.config.test_faults.as_ref().is_some_and(|f| {
+            f.save_fail_at_step == key.step && f.save_fail_rank as usize == self.world.rank
+        });
+        let task = self.runtime.spawn(async move {
+            if refused {
+                return Err(StoreError::Io {
+                    path: format!("test_faults.save_fail_at_step = {}", key.step),
+                    cause: std::io::ErrorKind::PermissionDenied.into(),
+                });
+            }
+            run.write_shard_sourced(shard, bases.as_ref(), &()).await
+        });
         Ok(ShardWrite {
             key,
             layout,
@@ -823,10 +832,15 @@ impl Session {
         let saver = match &mut self.saver {
             Saver::Ckptd(saver) => saver,
             Saver::Store(saver) => {
+                let held_for = self
+                    .config
+                    .test_faults
+                    .as_ref()
+                    .map_or(0, |f| f.save_busy_steps);
                 let busy = saver
                     .writing
                     .as_ref()
-                    .is_some_and(|w| !w.task.is_finished());
+                    .is_some_and(|w| !w.task.is_finished() || step < w.key.step + held_for);
                 return (busy, std::time::Duration::ZERO);
             }
         };
