@@ -834,6 +834,11 @@ fn background_checkpoints_due_while_one_is_in_flight_are_skipped_and_the_rest_co
     let held = ["checkpoint.busy=\"skip\"", "test_faults.save_busy_steps=3"];
     let (ok, text) = run_with_faults(&background_args(&dir, "held", 10, &held));
     assert!(ok, "{text}");
+    assert!(
+        text.contains("checkpoints: every 2 steps to file://")
+            && text.contains("written in the background (skip one due"),
+        "{text}"
+    );
     let ctl = lazarus_tests::Ctl::new(
         format!("file://{}", dir.join("store").display()),
         &dir.join("index"),

@@ -268,6 +268,30 @@ impl CheckpointConfig {
         let node = std::env::var("SLURMD_NODENAME").unwrap_or_default();
         (!value.is_empty()).then(|| value.replace("{node}", &node).into())
     }
+
+    /// Where the run's checkpoints go and how, for the head of the run's log.
+    pub fn describe(&self) -> String {
+        let (every, busy) = (self.every, &self.busy);
+        match self.ckptd_socket() {
+            Some(socket) => format!(
+                "checkpoints: a snapshot every {every} steps to ckptd at {} ({busy} one due while the daemon is busy){}",
+                socket.display(),
+                if self.background {
+                    "; checkpoint.background has no effect: the daemon writes off the loop already"
+                } else {
+                    ""
+                }
+            ),
+            None if self.background => format!(
+                "checkpoints: every {every} steps to {}, written in the background ({busy} one due while the one before is being written; the run's last in the foreground)",
+                self.store
+            ),
+            None => format!(
+                "checkpoints: every {every} steps to {}, written in the foreground",
+                self.store
+            ),
+        }
+    }
 }
 
 impl Config {
@@ -524,6 +548,40 @@ mod tests {
         );
         assert_eq!(tiny.train.micro_batch, 8);
         Config::load("small", &[]).unwrap();
+    }
+
+    #[test]
+    fn the_log_says_where_checkpoints_go_and_that_background_does_nothing_with_ckptd() {
+        let load = |sets: &[&str]| {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            Config::load("tiny", &sets).unwrap().checkpoint
+        };
+        let foreground = load(&["checkpoint.store=\"file:///s\"", "checkpoint.every=7"]);
+        assert_eq!(
+            foreground.describe(),
+            "checkpoints: every 7 steps to file:///s, written in the foreground"
+        );
+        let background = load(&["checkpoint.background=true"]);
+        assert!(
+            background
+                .describe()
+                .contains("written in the background (skip one due"),
+            "{}",
+            background.describe()
+        );
+        if std::env::var_os("LAZARUS_CKPTD_SOCKET").is_none() {
+            let both = load(&[
+                "checkpoint.background=true",
+                "checkpoint.ckptd=\"/run/c.sock\"",
+            ]);
+            let said = both.describe();
+            assert!(said.starts_with("checkpoints: a snapshot every"), "{said}");
+            assert!(said.contains("to ckptd at /run/c.sock"), "{said}");
+            assert!(
+                said.contains("checkpoint.background has no effect"),
+                "{said}"
+            );
+        }
     }
 
     #[test]

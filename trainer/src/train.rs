@@ -1416,6 +1416,7 @@ pub fn train(
             ))
             .unwrap_or_default()
     )?;
+    writeln!(log, "{}", config.checkpoint.describe())?;
     if world.size > 1 {
         let processes = world.processes();
         let ranks: Vec<String> = processes
