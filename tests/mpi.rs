@@ -865,6 +865,22 @@ fn background_checkpoints_due_while_one_is_in_flight_are_skipped_and_the_rest_co
     // The last one is written in the foreground and not counted among the 4 in the loop.
     assert!(text.contains("over 4 in-loop checkpoints"), "{text}");
     ctl.expect(0, &["verify", "held", "--all", "--read-data"]);
+
+    // A write still in flight when the loop ends (step 9 has no checkpoint due) is committed
+    // before the last checkpoint is written, not dropped: held for longer than the run, step
+    // 2's is committed at the end.
+    let held = [
+        "checkpoint.busy=\"skip\"",
+        "test_faults.save_busy_steps=100",
+    ];
+    let (ok, text) = run_with_faults(&background_args(&dir, "held-long", 9, &held));
+    assert!(ok, "{text}");
+    assert_eq!(ctl.committed("held-long"), [2, 9], "{text}");
+    assert!(
+        text.contains("in-process save: 3 checkpoints skipped"),
+        "{text}"
+    );
+    ctl.expect(0, &["verify", "held-long", "--all", "--read-data"]);
 }
 
 #[test]
