@@ -69,6 +69,14 @@ fn run(ranks: usize, args: &[String]) -> String {
     text
 }
 
+/// `ckptctl` on the store the [`args`] runs checkpoint to.
+fn store_ctl(dir: &Path) -> lazarus_tests::Ctl {
+    lazarus_tests::Ctl::new(
+        format!("file://{}", dir.join("store").display()),
+        &dir.join("index"),
+    )
+}
+
 /// (step, loss, gradient norm) from a run's metrics.jsonl.
 fn losses(dir: &Path, run: &str) -> Vec<(u64, f64, f64)> {
     let text = std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
@@ -254,10 +262,7 @@ fn two_ranks_train_like_one_process_and_repeat_bit_for_bit() {
     );
 
     // Every rank's shard is stored and verifies; rank 0 committed step 10 for 2 ranks.
-    let ctl = lazarus_tests::Ctl::new(
-        format!("file://{}", dir.join("store").display()),
-        &dir.join("index"),
-    );
+    let ctl = store_ctl(&dir);
     let shown = ctl.json(&["show", "dp2", "10"]);
     assert_eq!(shown["manifests"].as_array().unwrap().len(), 2, "{shown}");
     ctl.expect(0, &["verify", "dp2", "--all", "--read-data"]);
@@ -414,10 +419,7 @@ fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
     let tp2_pp2_losses = losses(&dir, "tp2-pp2");
     assert_close(&single_m4, &tp2_pp2_losses, "TP2 x PP2 vs one process");
     // `ckptctl show` names the layout that wrote a step and each rank's place in it.
-    let ctl = lazarus_tests::Ctl::new(
-        format!("file://{}", dir.join("store").display()),
-        &dir.join("index"),
-    );
+    let ctl = store_ctl(&dir);
     let shown = ctl.expect(0, &["show", "tp2-pp2", "10"]);
     assert!(
         shown.contains("written by the layout tp 2 x pp 2 x dp 1 (ep 1), 4 micro-batches, 1f1b"),
@@ -709,52 +711,6 @@ fn a_checkpoint_resumes_in_another_layout() {
     }
 }
 
-/// A checkpoint written in the background that cannot be stored (its run's chunk folder is
-/// a file) ends every rank with the error, and nothing is committed.
-#[test]
-fn a_background_checkpoint_that_cannot_be_stored_ends_every_rank_with_the_error() {
-    let (_guard, dir) = prepared();
-    let run_dir = dir.join("store").join("runs").join("unstorable");
-    std::fs::create_dir_all(&run_dir).unwrap();
-    std::fs::write(run_dir.join("chunks"), b"not a folder").unwrap();
-    let mut background = args(&dir, "unstorable", 6, 2);
-    background.extend(
-        [
-            "--set",
-            "checkpoint.every=2",
-            "--set",
-            "checkpoint.background=true",
-        ]
-        .map(String::from),
-    );
-    let output = Command::new("mpiexec")
-        .args(["-n", "2"])
-        .arg(bin("trainer"))
-        .args(&background)
-        .output()
-        .unwrap();
-    let text = String::from_utf8_lossy(&output.stdout).to_string()
-        + &String::from_utf8_lossy(&output.stderr);
-    assert!(!output.status.success(), "{text}");
-    // Training goes on while the write runs; the ranks learn of the failure together at the
-    // first step after it, long before the run's last step.
-    for rank in 0..2 {
-        assert!(
-            text.contains(&format!(
-                "rank {rank} of 2: error: writing this rank's shard of step 2"
-            )),
-            "{text}"
-        );
-    }
-    assert!(!text.contains("step      6"), "{text}");
-    let ctl = lazarus_tests::Ctl::new(
-        format!("file://{}", dir.join("store").display()),
-        &dir.join("index"),
-    );
-    let listed = ctl.json(&["list", "unstorable"]);
-    assert!(!listed.to_string().contains("\"committed\""), "{listed}");
-}
-
 /// [`args`] with background checkpoints every other step, and `extra` settings.
 fn background_args(dir: &Path, run: &str, steps: u64, extra: &[&str]) -> Vec<String> {
     let mut all = args(dir, run, steps, 2);
@@ -767,8 +723,8 @@ fn background_args(dir: &Path, run: &str, steps: u64, extra: &[&str]) -> Vec<Str
     all
 }
 
-/// Two ranks' `trainer train` with `[test_faults]` allowed: (success, stdout and stderr).
-fn run_with_faults(args: &[String]) -> (bool, String) {
+/// Two ranks' `trainer train`, `[test_faults]` allowed: (success, stdout and stderr).
+fn launch(args: &[String]) -> (bool, String) {
     let output = Command::new("mpiexec")
         .args(["-n", "2"])
         .arg(bin("trainer"))
@@ -781,6 +737,32 @@ fn run_with_faults(args: &[String]) -> (bool, String) {
     (output.status.success(), text)
 }
 
+/// A checkpoint written in the background that cannot be stored (its run's chunk folder is
+/// a file) ends every rank with the error, and nothing is committed.
+#[test]
+fn a_background_checkpoint_that_cannot_be_stored_ends_every_rank_with_the_error() {
+    let (_guard, dir) = prepared();
+    let run_dir = dir.join("store").join("runs").join("unstorable");
+    std::fs::create_dir_all(&run_dir).unwrap();
+    std::fs::write(run_dir.join("chunks"), b"not a folder").unwrap();
+    let (ok, text) = launch(&background_args(&dir, "unstorable", 6, &[]));
+    assert!(!ok, "{text}");
+    // Training goes on while the write runs; the ranks learn of the failure together at the
+    // first step after it, long before the run's last step.
+    for rank in 0..2 {
+        assert!(
+            text.contains(&format!(
+                "rank {rank} of 2: error: writing this rank's shard of step 2"
+            )),
+            "{text}"
+        );
+    }
+    assert!(!text.contains("step      6"), "{text}");
+    let ctl = store_ctl(&dir);
+    let listed = ctl.json(&["list", "unstorable"]);
+    assert!(!listed.to_string().contains("\"committed\""), "{listed}");
+}
+
 #[test]
 fn a_background_checkpoint_one_rank_cannot_store_is_not_committed_and_a_rerun_resumes_before_it() {
     let (_guard, dir) = prepared();
@@ -790,7 +772,7 @@ fn a_background_checkpoint_one_rank_cannot_store_is_not_committed_and_a_rerun_re
         "test_faults.save_fail_at_step=4",
         "test_faults.save_fail_rank=1",
     ];
-    let (ok, text) = run_with_faults(&background_args(&dir, "refused", 8, &refused));
+    let (ok, text) = launch(&background_args(&dir, "refused", 8, &refused));
     assert!(!ok, "{text}");
     // Rank 1 names its own error; rank 0, whose shard of step 4 was stored, learns of rank
     // 1's in the same sum and leaves too, without committing the step.
@@ -804,10 +786,7 @@ fn a_background_checkpoint_one_rank_cannot_store_is_not_committed_and_a_rerun_re
         ),
         "{text}"
     );
-    let ctl = lazarus_tests::Ctl::new(
-        format!("file://{}", dir.join("store").display()),
-        &dir.join("index"),
-    );
+    let ctl = store_ctl(&dir);
     assert_eq!(ctl.committed("refused"), [2], "{text}");
     let failed = losses(&dir, "refused");
 
@@ -832,17 +811,14 @@ fn background_checkpoints_due_while_one_is_in_flight_are_skipped_and_the_rest_co
     // Each write counts as in flight for 3 steps: the one of step 2 through step 4, so step
     // 4's checkpoint is skipped and step 2 is committed at step 5, a step with none due.
     let held = ["checkpoint.busy=\"skip\"", "test_faults.save_busy_steps=3"];
-    let (ok, text) = run_with_faults(&background_args(&dir, "held", 10, &held));
+    let (ok, text) = launch(&background_args(&dir, "held", 10, &held));
     assert!(ok, "{text}");
     assert!(
         text.contains("checkpoints: every 2 steps to file://")
             && text.contains("written in the background (skip one due"),
         "{text}"
     );
-    let ctl = lazarus_tests::Ctl::new(
-        format!("file://{}", dir.join("store").display()),
-        &dir.join("index"),
-    );
+    let ctl = store_ctl(&dir);
     let committed = ctl.committed("held");
     // A write slower than 3 steps is skipped over longer; where each lands depends on the
     // machine, what holds on any is this.
@@ -873,7 +849,7 @@ fn background_checkpoints_due_while_one_is_in_flight_are_skipped_and_the_rest_co
         "checkpoint.busy=\"skip\"",
         "test_faults.save_busy_steps=100",
     ];
-    let (ok, text) = run_with_faults(&background_args(&dir, "held-long", 9, &held));
+    let (ok, text) = launch(&background_args(&dir, "held-long", 9, &held));
     assert!(ok, "{text}");
     assert_eq!(ctl.committed("held-long"), [2, 9], "{text}");
     assert!(
@@ -940,10 +916,7 @@ fn a_killed_rank_ends_the_job_quickly_and_a_relaunch_resumes() {
     );
 
     // Nothing committed is damaged, and a relaunch continues from the last commit.
-    let ctl = lazarus_tests::Ctl::new(
-        format!("file://{}", dir.join("store").display()),
-        &dir.join("index"),
-    );
+    let ctl = store_ctl(&dir);
     ctl.expect(0, &["verify", "killed", "--all", "--read-data"]);
     let listed = ctl.json(&["list", "killed"]);
     let latest = listed["latest"]["step"]
@@ -978,8 +951,7 @@ fn the_resharding_runbook_moves_a_run_from_two_ranks_to_one() {
     assert!(said.contains("resumed from step 5"), "{said}");
     let verified = runbook.run("Verify it worked", &env);
     assert!(verified.contains("10"), "{verified}");
-    let store = format!("file://{}", dir.join("store").display());
-    let ctl = lazarus_tests::Ctl::new(store, &dir.join("index"));
+    let ctl = store_ctl(&dir);
     let listed = ctl.json(&["list", "moved"]);
     let last = listed["steps"].as_array().unwrap().last().unwrap().clone();
     assert_eq!(last["step"]["step"], 10, "{listed}");
