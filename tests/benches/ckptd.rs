@@ -329,7 +329,14 @@ fn main() {
         let ours = stall(&text);
         // The run's last step is uploaded once the ranks are done: both daemons at once,
         // nothing else on the cores (the DCP run below waits for it), as the dd runs below.
+        let daemons_cpu = || {
+            (0..2)
+                .map(|node| cpu_seconds(cluster.pid(node).unwrap()))
+                .sum::<f64>()
+        };
+        let (exited, cpu_at_exit) = (Instant::now(), daemons_cpu());
         wait_for_durable(&cluster, STEPS);
+        let final_upload = (daemons_cpu() - cpu_at_exit, exited.elapsed().as_secs_f64());
         // Both daemons' CPU over the run, per snapshot (the hashing, sending and receiving of
         // its replica, and the uploads of its durable steps, the last one included).
         let cpu = (0..2)
@@ -362,7 +369,7 @@ fn main() {
         if d_model == 512 {
             let upload =
                 [0, 1].map(|node| cluster.metric(node, "lazarus_ckptd_upload_bytes_per_second"));
-            largest = Some((upload, store, ours.4));
+            largest = Some((upload, store, ours.4, final_upload));
         }
     }
 
@@ -418,7 +425,7 @@ fn main() {
         stored as f64 / zstd_bytes as f64
     );
 
-    let (upload, store, shard_bytes) = largest.unwrap();
+    let (upload, store, shard_bytes, (upload_cpu, upload_wall)) = largest.unwrap();
     println!();
     println!(
         "3. upload rate of the run's last durable step (d_model 512, uploaded after the ranks finished) against dd to the same file system"
@@ -455,6 +462,13 @@ fn main() {
         "ckptd/dd, two at once: {:.2}; both daemons together against one dd alone: {:.2} (against the medians)",
         (upload[0] + upload[1]) / 2.0 / median(&together),
         upload.iter().sum::<f64>() / median(&alone)
+    );
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "from the ranks' exit to the durable commit ({:.2} s), both daemons used {:.2} s of CPU: {:.0}% of the {cores} cores",
+        upload_wall,
+        upload_cpu,
+        100.0 * upload_cpu / (cores as f64 * upload_wall)
     );
 
     println!();
