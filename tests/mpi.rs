@@ -788,6 +788,11 @@ fn a_background_checkpoint_one_rank_cannot_store_is_not_committed_and_a_rerun_re
     );
     let ctl = store_ctl(&dir);
     assert_eq!(ctl.committed("refused"), [2], "{text}");
+    assert!(
+        text.contains("checkpoint: step 2 committed at step "),
+        "{text}"
+    );
+    assert!(!text.contains("checkpoint: step 4 committed"), "{text}");
     let failed = losses(&dir, "refused");
 
     // Without the fault, the run goes on from step 2; rank 0's leftover shard of step 4 is
@@ -852,6 +857,13 @@ fn background_checkpoints_due_while_one_is_in_flight_are_skipped_and_the_rest_co
     let (ok, text) = launch(&background_args(&dir, "held-long", 9, &held));
     assert!(ok, "{text}");
     assert_eq!(ctl.committed("held-long"), [2, 9], "{text}");
+    // Each commit is logged: step 2's at step 9, when the loop has ended; step 9's where it
+    // is taken, in the foreground.
+    assert!(
+        text.contains("checkpoint: step 2 committed at step 9, "),
+        "{text}"
+    );
+    assert!(text.contains("checkpoint: step 9 committed, "), "{text}");
     assert!(
         text.contains("in-process save: 3 checkpoints skipped"),
         "{text}"

@@ -256,6 +256,8 @@ struct ShardWrite {
     copy: StateCopy,
     /// The write, on the run's runtime.
     task: tokio::task::JoinHandle<Result<lazarus_shared::format::ShardManifest, StoreError>>,
+    /// When the state was copied.
+    started: Instant,
 }
 
 /// A rank's checkpointing through its node's `ckptd`.
@@ -437,14 +439,15 @@ impl Session {
 
     /// Writes this rank's shard of the current step and commits the step once every rank's
     /// is stored. Collective.
-    fn checkpoint(&mut self) -> Result<()> {
+    fn checkpoint(&mut self, log: &mut dyn Write) -> Result<()> {
         let write = self.start_write()?;
-        self.finish_write(write)
+        self.finish_write(write, log)
     }
 
     /// Copies the state and starts writing this rank's shard of the current step from the
     /// copy, against the last checkpoint's delta bases, on the run's runtime.
     fn start_write(&mut self) -> Result<ShardWrite> {
+        let started = Instant::now();
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
         let key = StepKey::new(self.state.step, timeline);
         let (layout, _) = slot_layout(&self.optim, self.world.coords().tp);
@@ -489,13 +492,14 @@ impl Session {
             layout,
             copy,
             task,
+            started,
         })
     }
 
     /// Waits for this rank's shard of `write`, agrees with the other ranks that every shard
     /// is stored, and commits the step (rank 0). The copy it was written from becomes the
-    /// next save's delta base. Collective.
-    fn finish_write(&mut self, write: ShardWrite) -> Result<()> {
+    /// next save's delta base. Rank 0 logs the commit. Collective.
+    fn finish_write(&mut self, write: ShardWrite, log: &mut dyn Write) -> Result<()> {
         let written = match self.runtime.block_on(write.task) {
             Ok(written) => written.map_err(anyhow::Error::from),
             Err(error) => Err(anyhow::anyhow!("the shard write did not finish: {error}")),
@@ -513,8 +517,22 @@ impl Session {
             );
         }
         if self.world.rank == 0 {
-            self.runtime
+            let record = self
+                .runtime
                 .block_on(self.run.commit(write.key, self.world.size as u32))?;
+            let when = if write.key.step == self.state.step {
+                String::new()
+            } else {
+                format!(" at step {}", self.state.step)
+            };
+            writeln!(
+                log,
+                "checkpoint: step {} committed{when}, {:.3} s after its state was copied: {:.1} MB of state, {:.1} MB written (its new chunks, encoded)",
+                write.key.step,
+                write.started.elapsed().as_secs_f64(),
+                record.raw_bytes() as f64 / 1e6,
+                record.uploaded_bytes() as f64 / 1e6
+            )?;
         }
         self.world.barrier();
         let Saver::Store(saver) = &mut self.saver else {
@@ -536,12 +554,12 @@ impl Session {
 
     /// Commits the checkpoint being written in the background, waiting for it if it is not
     /// stored yet; nothing if there is none. Collective: every rank has one or none.
-    fn settle_write(&mut self) -> Result<()> {
+    fn settle_write(&mut self, log: &mut dyn Write) -> Result<()> {
         let Saver::Store(saver) = &mut self.saver else {
             return Ok(());
         };
         match saver.writing.take() {
-            Some(write) => self.finish_write(write),
+            Some(write) => self.finish_write(write, log),
             None => Ok(()),
         }
     }
@@ -862,8 +880,13 @@ impl Session {
     }
 
     /// Checkpoints the current step; `any_busy` and `poll_time` come from [`Session::busy`],
-    /// summed over the ranks.
-    fn save(&mut self, last: bool, any_busy: bool, poll_time: std::time::Duration) -> Result<()> {
+    /// summed over the ranks. Commits are logged to `log`.
+    fn save(
+        &mut self,
+        last: bool,
+        (any_busy, poll_time): (bool, std::time::Duration),
+        log: &mut dyn Write,
+    ) -> Result<()> {
         if let Saver::Ckptd(_) = self.saver {
             return self.snapshot(last, Some((any_busy, poll_time)));
         }
@@ -874,7 +897,7 @@ impl Session {
         if let (true, Saver::Store(saver)) = (skip, &mut self.saver) {
             saver.skipped += 1;
         } else {
-            self.settle_write()?;
+            self.settle_write(log)?;
             let write = self.start_write()?;
             if background {
                 let Saver::Store(saver) = &mut self.saver else {
@@ -882,7 +905,7 @@ impl Session {
                 };
                 saver.writing = Some(write);
             } else {
-                self.finish_write(write)?;
+                self.finish_write(write, log)?;
             }
         }
         let stall = Stall {
@@ -903,13 +926,13 @@ impl Session {
     /// At a step with no checkpoint due: commits the checkpoint written in the background
     /// once no rank is still writing it (`any_busy`, agreed in the step's sums), and counts
     /// the loop's time for it in that checkpoint's stall.
-    fn settle_in_loop(&mut self, any_busy: bool) -> Result<()> {
+    fn settle_in_loop(&mut self, any_busy: bool, log: &mut dyn Write) -> Result<()> {
         if any_busy || !self.writing() {
             return Ok(());
         }
         let started = Instant::now();
         let waited = self.cpu_wait.now();
-        self.settle_write()?;
+        self.settle_write(log)?;
         // A checkpoint skipped meanwhile has a stall of its own, after this one's.
         let settled = self.checkpointed;
         if let Some(stall) = self
@@ -939,7 +962,7 @@ impl Session {
         }
         self.take_answers();
         // The checkpoint written in the background, if any, is committed before the last.
-        self.settle_write()?;
+        self.settle_write(log)?;
         let lacking = self.checkpointed != Some(step) && step > 0;
         let due = self.world.sum_u64(Group::World, &[u64::from(lacking)])[0] > 0;
         if let Saver::Store(saver) = &self.saver {
@@ -951,7 +974,7 @@ impl Session {
                 )?;
             }
             if due {
-                self.checkpoint()?;
+                self.checkpoint(log)?;
             }
             return Ok(());
         }
@@ -1669,10 +1692,10 @@ pub fn train(
         step_log.step_done(step, loss, &forward, &update, lr, val_loss, log)?;
         if checkpoint_due {
             let _span = tracing::info_span!("checkpoint").entered();
-            session.save(step == config.train.steps, any_busy, poll_time)?;
+            session.save(step == config.train.steps, (any_busy, poll_time), log)?;
         } else if session.writing() {
             let _span = tracing::info_span!("checkpoint_commit").entered();
-            session.settle_in_loop(any_busy)?;
+            session.settle_in_loop(any_busy, log)?;
         }
     }
     if let Some(bytes) = session.activation_bytes {
