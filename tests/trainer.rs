@@ -151,19 +151,6 @@ fn losses(metrics_dir: &std::path::Path, run: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// The committed steps of `run`, in order, and the listing they come from.
-fn committed_steps(ctl: &lazarus_tests::Ctl, run: &str) -> (Vec<u64>, serde_json::Value) {
-    let listed = ctl.json(&["list", run]);
-    let committed = listed["steps"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|step| step["state"] == "committed")
-        .map(|step| step["step"]["step"].as_u64().unwrap())
-        .collect();
-    (committed, listed)
-}
-
 #[test]
 fn training_is_deterministic_and_resume_is_bit_identical() {
     let dir = test_dir();
@@ -285,8 +272,13 @@ fn training_is_deterministic_and_resume_is_bit_identical() {
     let (code, said) = trainer(&args);
     assert_eq!(code, 0, "{said}");
     assert_eq!(losses(&metrics, "background"), straight);
-    let (committed, listed) = committed_steps(&ctl, "background");
-    assert_eq!(committed, [2, 4, 6, 8], "{listed}");
+    let committed = ctl.committed("background");
+    assert_eq!(
+        committed,
+        [2, 4, 6, 8],
+        "{}",
+        ctl.json(&["list", "background"])
+    );
     assert_eq!(hashes("background"), straight_state);
     ctl.expect(0, &["verify", "background", "--all", "--read-data"]);
     ctl.expect(
@@ -464,14 +456,14 @@ fn sigterm_then_rerun(dir: &std::path::Path, background: bool) {
         "{text}"
     );
     let ctl = lazarus_tests::Ctl::new(store.clone(), &dir.join(format!("index-{background}")));
-    let (committed, listed) = committed_steps(&ctl, "tiny");
+    let committed = ctl.committed("tiny");
     let expected: Vec<u64> = if background {
         // Every other step before the signal, then the step it stopped at.
         (2..stopped).step_by(2).chain([stopped]).collect()
     } else {
         vec![stopped]
     };
-    assert_eq!(committed, expected, "{listed}");
+    assert_eq!(committed, expected, "{}", ctl.json(&["list", "tiny"]));
     let rerun = args(stopped + 2);
     let rerun: Vec<&str> = rerun.iter().map(String::as_str).collect();
     let (code, said) = trainer(&rerun);

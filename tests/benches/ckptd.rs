@@ -56,12 +56,11 @@ fn bench_args(
         .store(store)
 }
 
-/// (mean, median, max, of the max the wait for a CPU and for the daemon's answers) ms, state
-/// bytes and the max's step from the trainer's stall line (each checkpoint's slowest rank).
 /// A run's stall line: mean, median and max (ms), the max's CPU and answer waits, the state
 /// bytes per rank, and the max's step.
 type Stalls = (f64, f64, f64, (f64, f64), u64, u64);
 
+/// The [`Stalls`] of the trainer's stall line (each checkpoint's slowest rank).
 fn stall(text: &str) -> Stalls {
     let line = text
         .lines()
@@ -111,6 +110,14 @@ fn skipped(text: &str, prefix: &str, what: &str) -> Option<u64> {
         .max()
 }
 
+/// CPU seconds (user and system) both of `cluster`'s daemons have used so far.
+fn cluster_cpu_seconds(cluster: &Cluster) -> f64 {
+    (0..2)
+        .map(|node| cpu_seconds(cluster.pid(node).unwrap()))
+        .sum()
+}
+
+/// CPU seconds (user and system) process `pid` has used so far.
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
     // Fields after the command's closing parenthesis; utime and stime are the 14th and 15th.
@@ -173,11 +180,7 @@ fn daemons_cpu(dir: &Path, every: u64) -> (f64, Vec<(String, f64)>) {
         wait_for_durable(&cluster, STEPS - STEPS % every);
     }
     // Idle: under 20 ms of CPU in half a second.
-    let cpu = || {
-        (0..2)
-            .map(|node| cpu_seconds(cluster.pid(node).unwrap()))
-            .sum::<f64>()
-    };
+    let cpu = || cluster_cpu_seconds(&cluster);
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut last = cpu();
     loop {
@@ -329,20 +332,13 @@ fn main() {
         let ours = stall(&text);
         // The run's last step is uploaded once the ranks are done: both daemons at once,
         // nothing else on the cores (the DCP run below waits for it), as the dd runs below.
-        let daemons_cpu = || {
-            (0..2)
-                .map(|node| cpu_seconds(cluster.pid(node).unwrap()))
-                .sum::<f64>()
-        };
-        let (exited, cpu_at_exit) = (Instant::now(), daemons_cpu());
+        let (exited, cpu_at_exit) = (Instant::now(), cluster_cpu_seconds(&cluster));
         wait_for_durable(&cluster, STEPS);
-        let final_upload = (daemons_cpu() - cpu_at_exit, exited.elapsed().as_secs_f64());
+        let cpu_at_commit = cluster_cpu_seconds(&cluster);
+        let final_upload = (cpu_at_commit - cpu_at_exit, exited.elapsed().as_secs_f64());
         // Both daemons' CPU over the run, per snapshot (the hashing, sending and receiving of
         // its replica, and the uploads of its durable steps, the last one included).
-        let cpu = (0..2)
-            .map(|node| cpu_seconds(cluster.pid(node).unwrap()))
-            .sum::<f64>()
-            / (2 * STEPS) as f64;
+        let cpu = cpu_at_commit / (2 * STEPS) as f64;
         let dcp = dcp_stall(ours.4, &dir.join(format!("dcp-{d_model}")));
         let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
         memory.push((ours.4, rss));

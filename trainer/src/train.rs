@@ -88,21 +88,23 @@ impl StateCopy {
             Some(map) if map.len() == len => map,
             _ => memmap2::MmapMut::map_anon(len)?,
         };
-        // On every core: the training loop waits for the copy (all of a background save's
-        // stall), and one core's copy is bound by that core, not by the memory.
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get().min(8));
-        let piece = len.div_ceil(threads).next_multiple_of(4).max(4);
+        // On the math pool's threads, in a piece each: the training loop waits for the copy
+        // (all of a background save's stall), and one core's copy is bound by that core, not
+        // by the memory.
+        use rayon::prelude::*;
+        let piece = len
+            .div_ceil(rayon::current_num_threads())
+            .next_multiple_of(4)
+            .max(4);
         let from: &[u8] = bytemuck::cast_slice(values);
-        std::thread::scope(|scope| {
-            for (to, from) in map.chunks_mut(piece).zip(from.chunks(piece)) {
-                scope.spawn(move || {
-                    to.copy_from_slice(from);
-                    if cfg!(target_endian = "big") {
-                        to.chunks_exact_mut(4).for_each(<[u8]>::reverse);
-                    }
-                });
-            }
-        });
+        map.par_chunks_mut(piece)
+            .zip(from.par_chunks(piece))
+            .for_each(|(to, from)| {
+                to.copy_from_slice(from);
+                if cfg!(target_endian = "big") {
+                    to.chunks_exact_mut(4).for_each(<[u8]>::reverse);
+                }
+            });
         Ok(Self(Arc::new(map)))
     }
 
@@ -437,6 +439,16 @@ impl Session {
         Ok(())
     }
 
+    /// The saver through the store, which only a run without `ckptd` checkpoints with.
+    fn store_saver(&mut self) -> &mut StoreSaver {
+        match &mut self.saver {
+            Saver::Store(saver) => saver,
+            Saver::Ckptd(_) => {
+                unreachable!("a checkpoint through the store needs the store's saver")
+            }
+        }
+    }
+
     /// Writes this rank's shard of the current step and commits the step once every rank's
     /// is stored. Collective.
     fn checkpoint(&mut self, log: &mut dyn Write) -> Result<()> {
@@ -451,15 +463,15 @@ impl Session {
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
         let key = StepKey::new(self.state.step, timeline);
         let (layout, _) = slot_layout(&self.optim, self.world.coords().tp);
-        let Saver::Store(saver) = &mut self.saver else {
-            unreachable!("a checkpoint through the store needs the store's saver");
-        };
-        let spare = saver.take_spare();
+        let spare = self.store_saver().take_spare();
         let copy = StateCopy::of(self.optim.memory.current(), spare)?;
-        if self.config.checkpoint.background && saver.held.is_none() {
+        let background = self.config.checkpoint.background;
+        let saver = self.store_saver();
+        if background && saver.held.is_none() {
             // The first save: the next one finds no spare (this copy becomes the held one).
             saver.prepare(copy.0.len());
         }
+        let bases = saver.bases.take();
         let state: Arc<dyn ByteSource> = Arc::new(copy.bytes());
         let blobs = if self.world.rank == 0 {
             Session::blobs_of(&self.state, &self.config)?
@@ -474,7 +486,7 @@ impl Session {
             &state,
             blobs,
         );
-        let (run, bases) = (self.run.clone(), saver.bases.take());
+        let run = self.run.clone();
         let refused = self.config.test_faults.as_ref().is_some_and(|f| {
             f.save_fail_at_step == key.step && f.save_fail_rank as usize == self.world.rank
         });
@@ -535,15 +547,14 @@ impl Session {
             )?;
         }
         self.world.barrier();
-        let Saver::Store(saver) = &mut self.saver else {
-            unreachable!("a checkpoint through the store needs the store's saver");
-        };
+        let background = self.config.checkpoint.background;
+        let saver = self.store_saver();
         let chunks = manifest.tensors.into_iter().map(|t| t.chunks).collect();
         let state: Arc<dyn ByteSource> = Arc::new(write.copy.bytes());
         saver.bases = DeltaBases::of_regions(&write.layout, &state, chunks);
         // The bases of the save before, which read the held copy, are gone.
         let let_go = saver.held.replace(write.copy);
-        saver.spare = if self.config.checkpoint.background {
+        saver.spare = if background {
             let_go.and_then(StateCopy::into_kept)
         } else {
             let_go.and_then(StateCopy::into_spare)
@@ -894,16 +905,13 @@ impl Session {
         let waited = self.cpu_wait.now();
         let background = self.config.checkpoint.background && !last;
         let skip = background && any_busy && self.config.checkpoint.busy == "skip";
-        if let (true, Saver::Store(saver)) = (skip, &mut self.saver) {
-            saver.skipped += 1;
+        if skip {
+            self.store_saver().skipped += 1;
         } else {
             self.settle_write(log)?;
             let write = self.start_write()?;
             if background {
-                let Saver::Store(saver) = &mut self.saver else {
-                    unreachable!("checked above");
-                };
-                saver.writing = Some(write);
+                self.store_saver().writing = Some(write);
             } else {
                 self.finish_write(write, log)?;
             }
