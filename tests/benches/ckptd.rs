@@ -9,11 +9,12 @@
 //!    its own ("last snap", ms), and how many of the run's snapshots the daemons took (the
 //!    others were skipped while a daemon was busy with the one before).
 //! 2. Stored/raw bytes over a 100-step run, against plain zstd (level 3) of every durable step.
-//! 3. Upload MB/s of the two daemons' shards of the run's last step (uploaded at once, after
-//!    the ranks finished), against two `dd` sequential writes (fsync) of as many bytes at once
-//!    to the same file system, and against one alone: the medians of five rounds of each.
-//! 4. Both daemons' CPU per durable upload: the CPU of a run with two durable steps less that
-//!    of one with none, halved (every snapshot taken in both).
+//! 3. Upload MB/s of the two daemons' shards of the d512 run's last step (uploaded at once,
+//!    after the ranks finished), against two `dd` sequential writes (fsync) of as many bytes
+//!    at once to the same file system, and against one alone, each run right after the
+//!    upload: five rounds of a fresh run each, and the median of the rounds' ratios.
+//! 4. Both daemons' CPU per durable upload: their CPU over row 3's uploads, per raw byte, and
+//!    as a share of the cores.
 //! 5. Peak RSS of a daemon against its node's snapshot bytes.
 //!
 //! Row 1 also prints the daemons' CPU seconds per snapshot over the run.
@@ -25,10 +26,10 @@
 
 use std::path::Path;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use lazarus_tests::cluster::{text_of, Cluster, Settings};
-use lazarus_tests::stats::{median, range};
+use lazarus_tests::stats::{median, range, spread};
 use lazarus_tests::train::TrainerArgs;
 use lazarus_tests::{bin, python, Ctl};
 
@@ -125,8 +126,66 @@ fn cpu_seconds(pid: u32) -> f64 {
         .split_whitespace()
         .collect();
     let ticks: f64 = fields[11].parse::<f64>().unwrap() + fields[12].parse::<f64>().unwrap();
-    let output = Command::new("getconf").arg("CLK_TCK").output().unwrap();
-    ticks / text_of(&output).trim().parse::<f64>().unwrap()
+    static TICKS_PER_SECOND: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    ticks
+        / TICKS_PER_SECOND.get_or_init(|| {
+            let output = Command::new("getconf").arg("CLK_TCK").output().unwrap();
+            text_of(&output).trim().parse().unwrap()
+        })
+}
+
+/// Both daemons' CPU seconds so far, read every 5 ms on a thread of its own until stopped,
+/// each with the time it was read.
+struct CpuSamples {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(SystemTime, f64)>>,
+}
+
+impl CpuSamples {
+    fn start(cluster: &Cluster) -> Self {
+        let pids = [0, 1].map(|node| cluster.pid(node).unwrap());
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !stopped.load(std::sync::atomic::Ordering::Relaxed) {
+                samples.push((SystemTime::now(), pids.map(cpu_seconds).iter().sum()));
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            samples
+        });
+        Self { stop, thread }
+    }
+
+    fn stop(self) -> Vec<(SystemTime, f64)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap()
+    }
+}
+
+/// The CPU seconds `samples` show used from `from` to `to`, between the last sample before
+/// the one and the first after the other.
+fn cpu_between(samples: &[(SystemTime, f64)], from: SystemTime, to: SystemTime) -> f64 {
+    let before = samples.iter().rev().find(|(at, _)| *at <= from);
+    let after = samples.iter().find(|(at, _)| *at >= to);
+    after.unwrap_or_else(|| samples.last().unwrap()).1 - before.unwrap_or(&samples[0]).1
+}
+
+/// When the upload of `step` in a daemon's log started and ended: its "shard stored" line's
+/// time less its seconds, and that time.
+fn upload_window(log: &str, step: u64) -> (SystemTime, SystemTime) {
+    let line = log
+        .lines()
+        .find(|l| l.contains("shard stored") && l.contains(&format!(" step={step} ")))
+        .unwrap_or_else(|| panic!("no upload of step {step} in {log}"));
+    let end = humantime::parse_rfc3339(line.split_whitespace().next().unwrap()).unwrap();
+    let seconds: f64 = line[line.find("seconds=").unwrap() + "seconds=".len()..]
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    (end - Duration::from_secs_f64(seconds), end)
 }
 
 fn vm_hwm_bytes(pid: u32) -> u64 {
@@ -155,61 +214,6 @@ fn wait_for_durable(cluster: &Cluster, step: u64) {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-}
-
-/// Both daemons' CPU seconds over a run at d_model 512 that takes every snapshot
-/// (`checkpoint.busy = wait`), with a durable step every `every` steps, until they are idle;
-/// and the seconds each of their uploads took, by step, as their logs say.
-fn daemons_cpu(dir: &Path, every: u64) -> (f64, Vec<(String, f64)>) {
-    let run = format!("cpu-{every}");
-    let store = format!("file://{}", dir.join(&run).display());
-    let settings = Settings {
-        durable_every_steps: every,
-        ..Settings::default()
-    };
-    let cluster = Cluster::start(dir, &run, &store, 2, &settings, Vec::new());
-    // The nodes' log files go on from the earlier runs in `dir`: only what follows is this
-    // run's.
-    let earlier: Vec<usize> = (0..2).map(|node| cluster.log(node).len()).collect();
-    let wait_args = bench_args(dir, &run, &store, 512, STEPS, 1)
-        .set("checkpoint.busy", "wait")
-        .build();
-    let text = cluster.train(&wait_args);
-    assert_eq!(taken(&text, STEPS), STEPS, "{text}");
-    if every <= STEPS {
-        wait_for_durable(&cluster, STEPS - STEPS % every);
-    }
-    // Idle: under 20 ms of CPU in half a second.
-    let cpu = || cluster_cpu_seconds(&cluster);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut last = cpu();
-    loop {
-        std::thread::sleep(Duration::from_millis(500));
-        let now = cpu();
-        if now - last < 0.02 {
-            let uploads = (0..2)
-                .flat_map(|node| upload_seconds(&cluster.log(node)[earlier[node]..]))
-                .collect();
-            return (now, uploads);
-        }
-        assert!(Instant::now() < deadline, "the daemons never went idle");
-        last = now;
-    }
-}
-
-/// (step, seconds) of every "shard stored" line of a daemon's log.
-fn upload_seconds(log: &str) -> Vec<(String, f64)> {
-    let field = |line: &str, key: &str| -> Option<String> {
-        let rest = &line[line.find(key)? + key.len()..];
-        Some(rest.split_whitespace().next()?.to_string())
-    };
-    log.lines()
-        .filter(|line| line.contains("shard stored"))
-        .filter_map(|line| {
-            let seconds = field(line, "seconds=")?.parse().ok()?;
-            Some((field(line, "step=")?, seconds))
-        })
-        .collect()
 }
 
 /// The stall of the trainer's own save of every step (2 ranks, no daemon), written in the
@@ -289,9 +293,56 @@ fn dd_rates(folder: &Path, streams: usize, bytes: u64) -> Vec<f64> {
         .collect()
 }
 
-/// Rounds of the dd baselines: this machine's write rate swings by 2x from one second to the
-/// next, so the ratios are taken against the median of several.
-const DD_ROUNDS: usize = 5;
+/// Rounds of row 3, each a fresh run's upload followed by its dd baselines: this machine's
+/// write rate swings by 2x from one second to the next, so each upload is measured against dd
+/// run right after it, and the figure is the median of the rounds' ratios.
+const UPLOAD_ROUNDS: usize = 5;
+
+/// One upload of row 3: both daemons' raw bytes per second (their metric), the bytes of a
+/// rank's shard, where the store keeps its files, and both daemons' CPU seconds from the
+/// first of their uploads' start to the last one's end, with the seconds between.
+struct Upload {
+    rates: [f64; 2],
+    shard_bytes: u64,
+    folder: std::path::PathBuf,
+    cpu_seconds: f64,
+    wall_seconds: f64,
+}
+
+/// Row 1's run at d_model 512 (a snapshot every step, steps 5 and 10 durable) on a fresh pair
+/// of daemons, and the upload of its last step, which both daemons make at once after the
+/// ranks exit, with nothing else on the cores.
+fn upload_round(dir: &Path, round: usize) -> Upload {
+    let run = format!("upload-{round}");
+    let folder = dir.join(&run);
+    let store = format!("file://{}", folder.display());
+    let settings = Settings {
+        durable_every_steps: 5,
+        ..Settings::default()
+    };
+    let cluster = Cluster::start(dir, &run, &store, 2, &settings, Vec::new());
+    // The nodes' log files go on from the earlier runs in `dir`: only what follows is this
+    // run's.
+    let earlier: Vec<usize> = (0..2).map(|node| cluster.log(node).len()).collect();
+    let samples = CpuSamples::start(&cluster);
+    let text = cluster.train(&args(dir, &run, &store, 512, STEPS, 1));
+    wait_for_durable(&cluster, STEPS);
+    let samples = samples.stop();
+    // The daemons do nothing else meanwhile: the step's memory commit, which the uploads
+    // wait for, came after both had replicated it.
+    let windows = [0, 1].map(|node| upload_window(&cluster.log(node)[earlier[node]..], STEPS));
+    let (from, to) = (
+        windows.iter().map(|w| w.0).min().unwrap(),
+        windows.iter().map(|w| w.1).max().unwrap(),
+    );
+    Upload {
+        rates: [0, 1].map(|node| cluster.metric(node, "lazarus_ckptd_upload_bytes_per_second")),
+        shard_bytes: stall(&text).4,
+        folder,
+        cpu_seconds: cpu_between(&samples, from, to),
+        wall_seconds: to.duration_since(from).unwrap().as_secs_f64(),
+    }
+}
 
 fn main() {
     let dir = tempfile::tempdir().unwrap();
@@ -313,7 +364,6 @@ fn main() {
         "ckptd peak RSS",
         "ckptd CPU/snap"
     );
-    let mut largest = None;
     let mut memory = Vec::new();
     for d_model in [32usize, 128, 512] {
         // The trainer's own save through the store library, synchronous and in the
@@ -332,10 +382,8 @@ fn main() {
         let ours = stall(&text);
         // The run's last step is uploaded once the ranks are done: both daemons at once,
         // nothing else on the cores (the DCP run below waits for it), as the dd runs below.
-        let (exited, cpu_at_exit) = (Instant::now(), cluster_cpu_seconds(&cluster));
         wait_for_durable(&cluster, STEPS);
         let cpu_at_commit = cluster_cpu_seconds(&cluster);
-        let final_upload = (cpu_at_commit - cpu_at_exit, exited.elapsed().as_secs_f64());
         // Both daemons' CPU over the run, per snapshot (the hashing, sending and receiving of
         // its replica, and the uploads of its durable steps, the last one included).
         let cpu = cpu_at_commit / (2 * STEPS) as f64;
@@ -362,11 +410,6 @@ fn main() {
             rss as f64 / 1e6,
             cpu
         );
-        if d_model == 512 {
-            let upload =
-                [0, 1].map(|node| cluster.metric(node, "lazarus_ckptd_upload_bytes_per_second"));
-            largest = Some((upload, store, ours.4, final_upload));
-        }
     }
 
     println!();
@@ -421,68 +464,61 @@ fn main() {
         stored as f64 / zstd_bytes as f64
     );
 
-    let (upload, store, shard_bytes, (upload_cpu, upload_wall)) = largest.unwrap();
     println!();
     println!(
-        "3. upload rate of the run's last durable step (d_model 512, uploaded after the ranks finished) against dd to the same file system"
-    );
-    let folder = Path::new(store.strip_prefix("file://").unwrap());
-    // Each dd writes what one daemon uploaded, rounds of one alone and two at once in turn.
-    let (mut alone, mut together) = (Vec::new(), Vec::new());
-    for _ in 0..DD_ROUNDS {
-        alone.push(dd_rates(folder, 1, shard_bytes)[0]);
-        let pair = dd_rates(folder, 2, shard_bytes);
-        together.push(pair.iter().sum::<f64>() / pair.len() as f64);
-    }
-    let figures = |rates: &[f64]| {
-        let (low, high) = range(rates);
-        format!(
-            "median {:.0} MB/s (range {:.0}-{:.0})",
-            median(rates) / 1e6,
-            low / 1e6,
-            high / 1e6
-        )
-    };
-    println!(
-        "ckptd, both nodes' daemons uploading their rank's shard ({:.1} MB) at once (hash + shuffle/delta + zstd + fsync'd puts): {:.0} and {:.0} MB/s raw",
-        shard_bytes as f64 / 1e6,
-        upload[0] / 1e6,
-        upload[1] / 1e6
-    );
-    println!(
-        "dd with fsync of as many bytes, {DD_ROUNDS} rounds: each of two at once {}; one alone {}",
-        figures(&together),
-        figures(&alone)
-    );
-    println!(
-        "ckptd/dd, two at once: {:.2}; both daemons together against one dd alone: {:.2} (against the medians)",
-        (upload[0] + upload[1]) / 2.0 / median(&together),
-        upload.iter().sum::<f64>() / median(&alone)
+        "3. upload rate of the last durable step of the d_model 512 run of row 1 (uploaded after the ranks finished) against dd to the same file system, in {UPLOAD_ROUNDS} rounds of a fresh run each, then dd two at once and one alone"
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let (mut paired, mut against_alone) = (Vec::new(), Vec::new());
+    let (mut cpu_per_byte, mut core_share, mut shard_bytes) = (Vec::new(), Vec::new(), 0);
+    for round in 0..UPLOAD_ROUNDS {
+        let upload = upload_round(dir, round);
+        let pair = dd_rates(&upload.folder, 2, upload.shard_bytes);
+        let alone = dd_rates(&upload.folder, 1, upload.shard_bytes)[0];
+        let (ours, dd) = (
+            upload.rates.iter().sum::<f64>() / 2.0,
+            pair.iter().sum::<f64>() / 2.0,
+        );
+        paired.push(ours / dd);
+        against_alone.push(2.0 * ours / alone);
+        println!(
+            "round {round}: ckptd {:.0} and {:.0} MB/s raw; dd two at once {:.0} and {:.0} MB/s, one alone {:.0}; ckptd/dd {:.2}, both daemons against one dd alone {:.2}; over their uploads the daemons used {:.0}% of the {cores} cores ({:.2} s of CPU in {:.2} s, {:.2} ns per raw byte)",
+            upload.rates[0] / 1e6,
+            upload.rates[1] / 1e6,
+            pair[0] / 1e6,
+            pair[1] / 1e6,
+            alone / 1e6,
+            ours / dd,
+            2.0 * ours / alone,
+            100.0 * upload.cpu_seconds / (cores as f64 * upload.wall_seconds),
+            upload.cpu_seconds,
+            upload.wall_seconds,
+            upload.cpu_seconds * 1e9 / (2 * upload.shard_bytes) as f64
+        );
+        cpu_per_byte.push(upload.cpu_seconds * 1e9 / (2 * upload.shard_bytes) as f64);
+        core_share.push(upload.cpu_seconds / (cores as f64 * upload.wall_seconds));
+        shard_bytes = upload.shard_bytes;
+    }
     println!(
-        "from the ranks' exit to the durable commit ({:.2} s), both daemons used {:.2} s of CPU: {:.0}% of the {cores} cores",
-        upload_wall,
-        upload_cpu,
-        100.0 * upload_cpu / (cores as f64 * upload_wall)
+        "each daemon uploading its rank's shard ({:.1} MB; hash + shuffle/delta + zstd + fsync'd puts) against each of two dd with fsync of as many bytes at once, the median of the rounds' ratios: {}",
+        shard_bytes as f64 / 1e6,
+        spread(&paired, "rounds")
+    );
+    println!(
+        "both daemons together against one dd alone: {}",
+        spread(&against_alone, "rounds")
     );
 
     println!();
-    println!("4. both daemons' CPU per durable upload (d_model 512, {STEPS} steps, every snapshot taken): a run with durable steps 5 and 10 against one with none, the difference halved");
-    let (with_uploads, uploads) = daemons_cpu(dir, 5);
-    let (without, _) = daemons_cpu(dir, 1000);
-    let per_upload = (with_uploads - without) / 2.0;
+    println!("4. both daemons' CPU per durable upload: in each round of row 3, their CPU from the first of their uploads' start to the last one's end (by their logs), read every 5 ms");
+    let (low, high) = range(&cpu_per_byte);
+    let (share_low, share_high) = range(&core_share);
     println!(
-        "{with_uploads:.2} s of CPU with 2 durable steps, {without:.2} s with none: {per_upload:.3} s per upload of both shards ({:.2} ns per raw byte)",
-        per_upload * 1e9 / (2 * shard_bytes) as f64
-    );
-    println!(
-        "each daemon's uploads of them took (s, from the daemons' logs): {}",
-        uploads
-            .iter()
-            .map(|(step, seconds)| format!("step {step} {seconds:.3}"))
-            .collect::<Vec<_>>()
-            .join(", ")
+        "median {:.2} ns per raw byte (range {low:.2}-{high:.2}); {:.0}% of the {cores} cores (range {:.0}-{:.0}%)",
+        median(&cpu_per_byte),
+        100.0 * median(&core_share),
+        100.0 * share_low,
+        100.0 * share_high
     );
 
     println!();
