@@ -1,6 +1,9 @@
 //! The optimizer's state memory and the hand-off to the node's `ckptd`.
 //!
-//! Without `ckptd`, the state is one heap buffer updated in place. With `ckptd`, it lives in
+//! Without `ckptd`, the state is one heap buffer updated in place, or, with background saves
+//! through the store, one of three anonymous maps that the saves share in the same way (a save
+//! holds the map it writes from and, after it, reads it as the next save's delta base). With
+//! `ckptd`, it lives in
 //! the daemon's four shm slot files, mapped here. The daemon *holds* some slots (its
 //! committed T0, the snapshot it is working on, the durable upload in flight); the trainer
 //! never writes a held slot. Each optimizer update reads the current slot and writes the
@@ -12,6 +15,7 @@ use std::collections::VecDeque;
 use std::io;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -22,6 +26,8 @@ use lazarus_shared::wire::{self, DataSkip, Message, SlotTensor, Tier};
 enum Buffer {
     Heap(Vec<f32>),
     Mapped(memmap2::MmapMut),
+    /// An anonymous map that in-process saves share ([`StateMemory::shared`]).
+    Shared(Arc<memmap2::MmapMut>),
 }
 
 impl Buffer {
@@ -29,6 +35,7 @@ impl Buffer {
         match self {
             Buffer::Heap(v) => v,
             Buffer::Mapped(m) => bytemuck::cast_slice(&m[..]),
+            Buffer::Shared(m) => bytemuck::cast_slice(&m[..]),
         }
     }
 
@@ -36,7 +43,16 @@ impl Buffer {
         match self {
             Buffer::Heap(v) => v,
             Buffer::Mapped(m) => bytemuck::cast_slice_mut(&mut m[..]),
+            Buffer::Shared(m) => {
+                let map = Arc::get_mut(m).expect("a copy of the state a save holds is not written");
+                bytemuck::cast_slice_mut(&mut map[..])
+            }
         }
+    }
+
+    /// Whether a save holds this buffer (it writes from it, or reads it as a delta base).
+    fn held_by_a_save(&self) -> bool {
+        matches!(self, Buffer::Shared(m) if Arc::strong_count(m) > 1)
     }
 }
 
@@ -116,6 +132,45 @@ impl StateMemory {
         }
     }
 
+    /// `copies` anonymous maps, faulted in here, with `state` in the first. An in-process save
+    /// shares the current one ([`StateMemory::share_current`]) while it writes from it and
+    /// reads it as the next save's delta base, and updates go around the maps it holds as they
+    /// go around the daemon's held slots: the save's copy of the state is made by the update
+    /// after it, not in the training loop's stall. Three are enough: a save in flight and the
+    /// delta base of the one before hold two.
+    pub fn shared(state: &[f32], copies: usize) -> io::Result<Self> {
+        let bytes = std::mem::size_of_val(state);
+        let mut buffers = Vec::with_capacity(copies);
+        for _ in 0..copies {
+            let map = memmap2::MmapOptions::new()
+                .len(bytes)
+                .populate()
+                .map_anon()?;
+            buffers.push(Buffer::Shared(Arc::new(map)));
+        }
+        buffers[0].as_mut_slice().copy_from_slice(state);
+        Ok(Self {
+            buffers,
+            current: 0,
+            next: 0,
+        })
+    }
+
+    /// The map that holds the current state, for a save to write from: while the save (or
+    /// anyone) keeps it, updates write elsewhere. `None` unless the memory is
+    /// [`StateMemory::shared`].
+    pub fn share_current(&self) -> Option<Arc<memmap2::MmapMut>> {
+        match &self.buffers[self.current] {
+            Buffer::Shared(map) => Some(map.clone()),
+            _ => None,
+        }
+    }
+
+    /// Whether `slot` must not be written: the daemon holds it, or a save does.
+    fn is_held(&self, held: &HeldSlots, slot: usize) -> bool {
+        held.contains(slot) || self.buffers[slot].held_by_a_save()
+    }
+
     /// Maps the daemon's slot files; the state moves into a slot the daemon does not hold,
     /// unless `restored` names the slot that already holds it.
     pub fn mapped(
@@ -171,8 +226,8 @@ impl StateMemory {
     /// The current state, to write; only while the daemon does not hold it.
     pub fn current_mut(&mut self, held: &HeldSlots) -> &mut [f32] {
         assert!(
-            !held.contains(self.current),
-            "the current state is held by ckptd"
+            !self.is_held(held, self.current),
+            "the current state is held by ckptd or a save"
         );
         self.buffers[self.current].as_mut_slice()
     }
@@ -185,21 +240,21 @@ impl StateMemory {
         matches!(self.buffers[0], Buffer::Mapped(_))
     }
 
-    /// Picks where the next state goes: in place if the daemon does not hold the current
-    /// slot, else a free slot. The daemon holds at most three of four slots (see
-    /// [`HeldSlots`]); if it ever held all four, this is an error that ends the job, never a
-    /// write into a slot the daemon reads.
+    /// Picks where the next state goes: in place if neither the daemon nor a save holds the
+    /// current slot, else a free slot. The daemon holds at most three of four slots (see
+    /// [`HeldSlots`]), saves two of three maps; if every one were ever held, this is an error
+    /// that ends the job, never a write into a slot the daemon or a save reads.
     pub fn begin_update(&mut self, held: &HeldSlots) -> Result<UpdateTarget<'_>> {
         let current = self.current;
-        if !held.contains(current) {
+        if !self.is_held(held, current) {
             self.next = current;
             return Ok(UpdateTarget::InPlace(self.buffers[current].as_mut_slice()));
         }
         let next = (0..self.buffers.len())
-            .find(|i| *i != current && !held.contains(*i))
+            .find(|i| *i != current && !self.is_held(held, *i))
             .ok_or_else(|| {
                 anyhow!(
-                    "ckptd holds every snapshot slot ({held:?}); no slot is free for the update"
+                    "every copy of the state is held by ckptd ({held:?}) or a save; none is free for the update"
                 )
             })?;
         self.next = next;
@@ -219,7 +274,7 @@ impl StateMemory {
     /// Whether an update has somewhere to go while the daemon holds `held`: the current
     /// slot, or another free one.
     pub fn has_free_slot(&self, held: &HeldSlots) -> bool {
-        (0..self.buffers.len()).any(|i| !held.contains(i))
+        (0..self.buffers.len()).any(|i| !self.is_held(held, i))
     }
 
     pub fn finish_update(&mut self) {
@@ -830,6 +885,40 @@ mod tests {
         assert!(!memory.has_free_slot(&all));
         assert!(memory.begin_update(&all).is_err());
         assert_eq!(read(0), 4.0f32.to_le_bytes().repeat(16));
+    }
+
+    #[test]
+    fn updates_never_write_a_map_a_save_holds() {
+        let none = HeldSlots::NONE;
+        let mut memory = StateMemory::shared(&[1.0; 16], 3).unwrap();
+        assert_eq!(memory.current(), &[1.0; 16]);
+        write_all(&mut memory, &none, 2.0);
+        assert_eq!(memory.current_slot(), 0, "not shared: in place");
+        // A save writes from the current map: the update goes elsewhere and the save's bytes
+        // stay those of the state it took.
+        let saved = memory.share_current().unwrap();
+        write_all(&mut memory, &none, 3.0);
+        assert_eq!(memory.current_slot(), 1);
+        assert_eq!(&saved[..], 2.0f32.to_le_bytes().repeat(16));
+        // The next save while the first is held (as the delta base): the only free map.
+        let next = memory.share_current().unwrap();
+        write_all(&mut memory, &none, 4.0);
+        assert_eq!(memory.current_slot(), 2);
+        assert_eq!(&next[..], 3.0f32.to_le_bytes().repeat(16));
+        // Every map held is an error, not a write into one of them (nor a panic).
+        let third = memory.share_current().unwrap();
+        assert!(!memory.has_free_slot(&none));
+        assert!(memory.begin_update(&none).is_err());
+        // The first save lets go: its map takes the next state.
+        drop(saved);
+        write_all(&mut memory, &none, 5.0);
+        assert_eq!(memory.current_slot(), 0);
+        assert_eq!(&next[..], 3.0f32.to_le_bytes().repeat(16));
+        assert_eq!(&third[..], 4.0f32.to_le_bytes().repeat(16));
+        drop((next, third));
+        write_all(&mut memory, &none, 6.0);
+        assert_eq!(memory.current_slot(), 0, "none shared: in place again");
+        assert_eq!(memory.current(), &[6.0; 16]);
     }
 
     #[test]

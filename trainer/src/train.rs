@@ -71,12 +71,13 @@ fn resolve_store_url(url: &str) -> Result<String> {
 }
 
 /// The copy of the optimizer state an in-process save writes and keeps as the next save's
-/// delta base, little endian, in an anonymous map of its own. The map of the save before is
-/// reused once its base is no longer needed: a fresh 472 MB buffer for the `tiny` preset's
-/// state cost about 0.9 s of a 1.6-2.0 s save in page faults on a virtual machine whose host
-/// takes freed memory back, where the copy itself takes a tenth of that. Between saves the
-/// spare map is given back lazily (`MADV_FREE`): the kernel takes its pages only when it
-/// needs the memory.
+/// delta base, little endian, in an anonymous map. A foreground save copies the state into a
+/// map of its own; the map of the save before is reused once its base is no longer needed: a
+/// fresh 472 MB buffer for the `tiny` preset's state cost about 0.9 s of a 1.6-2.0 s save in
+/// page faults on a virtual machine whose host takes freed memory back, where the copy itself
+/// takes a tenth of that. Between saves the spare map is given back lazily (`MADV_FREE`): the
+/// kernel takes its pages only when it needs the memory. A background save copies nothing: its
+/// map is the state's own, shared ([`StateMemory::share_current`]).
 #[derive(Clone)]
 struct StateCopy(Arc<memmap2::MmapMut>);
 
@@ -88,9 +89,8 @@ impl StateCopy {
             Some(map) if map.len() == len => map,
             _ => memmap2::MmapMut::map_anon(len)?,
         };
-        // On the math pool's threads, in a piece each: the training loop waits for the copy
-        // (all of a background save's stall), and one core's copy is bound by that core, not
-        // by the memory.
+        // On the math pool's threads, in a piece each: the training loop waits for the copy,
+        // and one core's copy is bound by that core, not by the memory.
         use rayon::prelude::*;
         let piece = len
             .div_ceil(rayon::current_num_threads())
@@ -113,10 +113,8 @@ impl StateCopy {
         Bytes::from_owner(self.clone())
     }
 
-    /// The map, to be overwritten by the next save, once nothing else reads it; its pages
-    /// are kept. With background saves the loop waits for the copy into it, which took 72-78
-    /// ms for the `tiny` state into a map given back with `MADV_FREE` ([`StateCopy::into_spare`])
-    /// and 26-33 ms into one kept, on 2 cores.
+    /// The map, once nothing else reads it (nor, for a shared one, the state's memory); its
+    /// pages are kept.
     fn into_kept(self) -> Option<memmap2::MmapMut> {
         Arc::into_inner(self.0)
     }
@@ -224,29 +222,6 @@ struct StoreSaver {
     /// With background saves, seconds the run's last checkpoint (written in the foreground)
     /// took; not counted among the loop's stalls. 0 before it.
     last_wait: f64,
-    /// A map for a copy, being faulted in off the loop ([`StoreSaver::prepare`]).
-    prepared: Option<std::thread::JoinHandle<std::io::Result<memmap2::MmapMut>>>,
-}
-
-impl StoreSaver {
-    /// Faults in a map of `len` bytes on a thread of its own, for a save that will find no
-    /// spare: with background saves, the first two (no copy has been let go yet). Faulting
-    /// in a fresh map costs several times the copy into it (174-311 ms against 68 ms for the
-    /// `tiny` state on 2 cores), and the loop would wait for all of it.
-    fn prepare(&mut self, len: usize) {
-        if self.prepared.is_none() {
-            self.prepared = Some(std::thread::spawn(move || {
-                memmap2::MmapOptions::new().len(len).populate().map_anon()
-            }));
-        }
-    }
-
-    /// The spare map, or the prepared one (waiting for it), if any.
-    fn take_spare(&mut self) -> Option<memmap2::MmapMut> {
-        self.spare
-            .take()
-            .or_else(|| self.prepared.take()?.join().ok()?.ok())
-    }
 }
 
 /// One rank's shard of a checkpoint on its way to the store.
@@ -463,14 +438,15 @@ impl Session {
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
         let key = StepKey::new(self.state.step, timeline);
         let (layout, _) = slot_layout(&self.optim, self.world.coords().tp);
-        let spare = self.store_saver().take_spare();
-        let copy = StateCopy::of(self.optim.memory.current(), spare)?;
-        let background = self.config.checkpoint.background;
+        let copy = match self.optim.memory.share_current() {
+            // Background saves write from the state's own map, which the next update leaves.
+            Some(map) => StateCopy(map),
+            None => {
+                let spare = self.store_saver().spare.take();
+                StateCopy::of(self.optim.memory.current(), spare)?
+            }
+        };
         let saver = self.store_saver();
-        if background && saver.held.is_none() {
-            // The first save: the next one finds no spare (this copy becomes the held one).
-            saver.prepare(copy.0.len());
-        }
         let bases = saver.bases.take();
         let state: Arc<dyn ByteSource> = Arc::new(copy.bytes());
         let blobs = if self.world.rank == 0 {
@@ -547,18 +523,17 @@ impl Session {
             )?;
         }
         self.world.barrier();
-        let background = self.config.checkpoint.background;
         let saver = self.store_saver();
         let chunks = manifest.tensors.into_iter().map(|t| t.chunks).collect();
         let state: Arc<dyn ByteSource> = Arc::new(write.copy.bytes());
         saver.bases = DeltaBases::of_regions(&write.layout, &state, chunks);
-        // The bases of the save before, which read the held copy, are gone.
-        let let_go = saver.held.replace(write.copy);
-        saver.spare = if background {
-            let_go.and_then(StateCopy::into_kept)
-        } else {
-            let_go.and_then(StateCopy::into_spare)
-        };
+        // The bases of the save before, which read the held copy, are gone. A copy that is
+        // one of the state's shared maps goes back to the updates (`into_spare` finds it
+        // still shared and keeps nothing).
+        saver.spare = saver
+            .held
+            .replace(write.copy)
+            .and_then(StateCopy::into_spare);
         self.checkpointed = Some(write.key.step);
         Ok(())
     }
@@ -575,13 +550,18 @@ impl Session {
         }
     }
 
-    /// Before the loop: with background saves, the first save's copy is faulted in off the
-    /// loop ([`StoreSaver::prepare`]).
-    fn prepare_saves(&mut self) {
-        let len = 4 * self.optim.state_len();
-        if let (true, Saver::Store(saver)) = (self.config.checkpoint.background, &mut self.saver) {
-            saver.prepare(len);
+    /// Before the loop: with background saves through the store, the state moves into three
+    /// shared maps ([`StateMemory::shared`]), faulted in here, off the loop: a save writes
+    /// from the state's own map and the update after it writes the next state into another,
+    /// so the loop never waits for a copy. Little-endian machines only, where the state's
+    /// bytes are the store's.
+    fn prepare_saves(&mut self) -> Result<()> {
+        let background = self.config.checkpoint.background && cfg!(target_endian = "little");
+        if let (true, Saver::Store(_)) = (background, &self.saver) {
+            self.optim.memory = StateMemory::shared(self.optim.memory.current(), 3)
+                .context("mapping the copies of the state that background saves share")?;
         }
+        Ok(())
     }
 
     /// Whether a checkpoint is being written in the background (on every rank alike).
@@ -1510,7 +1490,7 @@ pub fn train(
         )?;
     }
     let first_step = session.state.step + 1;
-    session.prepare_saves();
+    session.prepare_saves()?;
     let mut losses = Vec::new();
     // The newest step whose weights every copy agreed on, and what the checks cost.
     let mut sdc_agreed = 0;
