@@ -142,8 +142,19 @@ struct FakeNode {
 
 impl FakeNode {
     /// Connects to node 0 (the leader) and says hello, with ranks 0 and 1 of a 2-rank world.
+    /// The daemon is ready before it has claimed its leadership, and refuses a hello until
+    /// then (a real node says it again): the fake waits for the claim.
     fn join(cluster: &Cluster, dir: &Path, run: &str) -> Self {
         use lazarus_shared::wire::{JobKey, Message};
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while cluster.metric(0, "lazarus_ckptd_leader") != 1.0 {
+            assert!(
+                Instant::now() < deadline,
+                "node 0 did not lead within 30 s: {}",
+                cluster.logs()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let key = JobKey::from_file(&cluster.key_file).unwrap();
         let stream = std::net::TcpStream::connect(("127.0.0.1", cluster.nodes[0].listen)).unwrap();
         stream
