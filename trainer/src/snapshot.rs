@@ -26,7 +26,7 @@ use lazarus_shared::wire::{self, DataSkip, Message, SlotTensor, Tier};
 enum Buffer {
     Heap(Vec<f32>),
     Mapped(memmap2::MmapMut),
-    /// An anonymous map that in-process saves share ([`StateMemory::shared`]).
+    /// An anonymous map that in-process saves share ([`StateMemory::into_shared`]).
     Shared(Arc<memmap2::MmapMut>),
 }
 
@@ -132,23 +132,23 @@ impl StateMemory {
         }
     }
 
-    /// `copies` anonymous maps, faulted in here, with `state` in the first. An in-process save
+    /// This state in the first of `copies` anonymous maps, faulted in here. An in-process save
     /// shares the current one ([`StateMemory::share_current`]) while it writes from it and
     /// reads it as the next save's delta base, and updates go around the maps it holds as they
     /// go around the daemon's held slots: the save's copy of the state is made by the update
     /// after it, not in the training loop's stall. Three are enough: a save in flight and the
-    /// delta base of the one before hold two.
-    pub fn shared(state: &[f32], copies: usize) -> io::Result<Self> {
-        let bytes = std::mem::size_of_val(state);
-        let mut buffers = Vec::with_capacity(copies);
-        for _ in 0..copies {
-            let map = memmap2::MmapOptions::new()
-                .len(bytes)
-                .populate()
-                .map_anon()?;
-            buffers.push(Buffer::Shared(Arc::new(map)));
+    /// delta base of the one before hold two. The memory before is let go once the state is
+    /// in the first map, before the others are made: at most `copies` states at once.
+    pub fn into_shared(self, copies: usize) -> io::Result<Self> {
+        let bytes = std::mem::size_of_val(self.current());
+        let map = || memmap2::MmapOptions::new().len(bytes).populate().map_anon();
+        let mut first = map()?;
+        first.copy_from_slice(bytemuck::cast_slice(self.current()));
+        drop(self);
+        let mut buffers = vec![Buffer::Shared(Arc::new(first))];
+        for _ in 1..copies {
+            buffers.push(Buffer::Shared(Arc::new(map()?)));
         }
-        buffers[0].as_mut_slice().copy_from_slice(state);
         Ok(Self {
             buffers,
             current: 0,
@@ -158,7 +158,7 @@ impl StateMemory {
 
     /// The map that holds the current state, for a save to write from: while the save (or
     /// anyone) keeps it, updates write elsewhere. `None` unless the memory is
-    /// [`StateMemory::shared`].
+    /// [`StateMemory::into_shared`].
     pub fn share_current(&self) -> Option<Arc<memmap2::MmapMut>> {
         match &self.buffers[self.current] {
             Buffer::Shared(map) => Some(map.clone()),
@@ -890,7 +890,7 @@ mod tests {
     #[test]
     fn updates_never_write_a_map_a_save_holds() {
         let none = HeldSlots::NONE;
-        let mut memory = StateMemory::shared(&[1.0; 16], 3).unwrap();
+        let mut memory = StateMemory::heap(vec![1.0; 16]).into_shared(3).unwrap();
         assert_eq!(memory.current(), &[1.0; 16]);
         write_all(&mut memory, &none, 2.0);
         assert_eq!(memory.current_slot(), 0, "not shared: in place");

@@ -551,14 +551,16 @@ impl Session {
     }
 
     /// Before the loop: with background saves through the store, the state moves into three
-    /// shared maps ([`StateMemory::shared`]), faulted in here, off the loop: a save writes
+    /// shared maps ([`StateMemory::into_shared`]), faulted in here, off the loop: a save writes
     /// from the state's own map and the update after it writes the next state into another,
     /// so the loop never waits for a copy. Little-endian machines only, where the state's
     /// bytes are the store's.
     fn prepare_saves(&mut self) -> Result<()> {
         let background = self.config.checkpoint.background && cfg!(target_endian = "little");
         if let (true, Saver::Store(_)) = (background, &self.saver) {
-            self.optim.memory = StateMemory::shared(self.optim.memory.current(), 3)
+            let memory = std::mem::replace(&mut self.optim.memory, StateMemory::heap(Vec::new()));
+            self.optim.memory = memory
+                .into_shared(3)
                 .context("mapping the copies of the state that background saves share")?;
         }
         Ok(())
