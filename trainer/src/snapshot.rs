@@ -137,8 +137,9 @@ impl StateMemory {
     /// reads it as the next save's delta base, and updates go around the maps it holds as they
     /// go around the daemon's held slots: the save's copy of the state is made by the update
     /// after it, not in the training loop's stall. Three are enough: a save in flight and the
-    /// delta base of the one before hold two. The memory before is let go once the state is
-    /// in the first map, before the others are made: at most `copies` states at once.
+    /// delta base of the one before hold two. The memory before goes back to the allocator
+    /// once the state is in the first map, before the others are made; the heap keeps it for
+    /// its own later use.
     pub fn into_shared(self, copies: usize) -> io::Result<Self> {
         let bytes = std::mem::size_of_val(self.current());
         let map = || memmap2::MmapOptions::new().len(bytes).populate().map_anon();
@@ -223,7 +224,7 @@ impl StateMemory {
         self.buffers[self.current].as_slice()
     }
 
-    /// The current state, to write; only while the daemon does not hold it.
+    /// The current state, to write; only while neither the daemon nor a save holds it.
     pub fn current_mut(&mut self, held: &HeldSlots) -> &mut [f32] {
         assert!(
             !self.is_held(held, self.current),
@@ -271,8 +272,8 @@ impl StateMemory {
         })
     }
 
-    /// Whether an update has somewhere to go while the daemon holds `held`: the current
-    /// slot, or another free one.
+    /// Whether an update has somewhere to go while the daemon holds `held` (and saves hold
+    /// what they hold): the current slot, or another free one.
     pub fn has_free_slot(&self, held: &HeldSlots) -> bool {
         (0..self.buffers.len()).any(|i| !self.is_held(held, i))
     }

@@ -229,11 +229,12 @@ struct ShardWrite {
     key: StepKey,
     /// This rank's layout of the state, which the copy's delta bases are read by.
     layout: Vec<SlotTensor>,
-    /// The copy of the state the shard is written from; the next save's delta base.
+    /// The state the shard is written from (a copy, or the state's shared map); the next
+    /// save's delta base.
     copy: StateCopy,
     /// The write, on the run's runtime.
     task: tokio::task::JoinHandle<Result<lazarus_shared::format::ShardManifest, StoreError>>,
-    /// When the state was copied.
+    /// When the state was taken.
     started: Instant,
 }
 
@@ -431,8 +432,9 @@ impl Session {
         self.finish_write(write, log)
     }
 
-    /// Copies the state and starts writing this rank's shard of the current step from the
-    /// copy, against the last checkpoint's delta bases, on the run's runtime.
+    /// Takes the state (a copy of it, or, with background saves, its own shared map) and
+    /// starts writing this rank's shard of the current step from it, against the last
+    /// checkpoint's delta bases, on the run's runtime.
     fn start_write(&mut self) -> Result<ShardWrite> {
         let started = Instant::now();
         let timeline = self.runtime.block_on(self.run.current_timeline())?;
@@ -515,7 +517,7 @@ impl Session {
             };
             writeln!(
                 log,
-                "checkpoint: step {} committed{when}, {:.3} s after its state was copied: {:.1} MB of state, {:.1} MB written (its new chunks, encoded)",
+                "checkpoint: step {} committed{when}, {:.3} s after its state was taken: {:.1} MB of state, {:.1} MB written (its new chunks, encoded)",
                 write.key.step,
                 write.started.elapsed().as_secs_f64(),
                 record.raw_bytes() as f64 / 1e6,
