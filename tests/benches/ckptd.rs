@@ -381,12 +381,11 @@ fn main() {
         let text = cluster.train(&args(dir, &run, &store, d_model, STEPS, 1));
         let ours = stall(&text);
         // The run's last step is uploaded once the ranks are done: both daemons at once,
-        // nothing else on the cores (the DCP run below waits for it), as the dd runs below.
+        // nothing else on the cores (the DCP run below waits for it).
         wait_for_durable(&cluster, STEPS);
-        let cpu_at_commit = cluster_cpu_seconds(&cluster);
         // Both daemons' CPU over the run, per snapshot (the hashing, sending and receiving of
         // its replica, and the uploads of its durable steps, the last one included).
-        let cpu = cpu_at_commit / (2 * STEPS) as f64;
+        let cpu = cluster_cpu_seconds(&cluster) / (2 * STEPS) as f64;
         let dcp = dcp_stall(ours.4, &dir.join(format!("dcp-{d_model}")));
         let rss = vm_hwm_bytes(cluster.pid(0).unwrap());
         memory.push((ours.4, rss));
@@ -479,8 +478,8 @@ fn main() {
             upload.rates.iter().sum::<f64>() / 2.0,
             pair.iter().sum::<f64>() / 2.0,
         );
-        paired.push(ours / dd);
-        against_alone.push(2.0 * ours / alone);
+        let per_byte = upload.cpu_seconds * 1e9 / (2 * upload.shard_bytes) as f64;
+        let share = upload.cpu_seconds / (cores as f64 * upload.wall_seconds);
         println!(
             "round {round}: ckptd {:.0} and {:.0} MB/s raw; dd two at once {:.0} and {:.0} MB/s, one alone {:.0}; ckptd/dd {:.2}, both daemons against one dd alone {:.2}; over their uploads the daemons used {:.0}% of the {cores} cores ({:.2} s of CPU in {:.2} s, {:.2} ns per raw byte)",
             upload.rates[0] / 1e6,
@@ -490,13 +489,15 @@ fn main() {
             alone / 1e6,
             ours / dd,
             2.0 * ours / alone,
-            100.0 * upload.cpu_seconds / (cores as f64 * upload.wall_seconds),
+            100.0 * share,
             upload.cpu_seconds,
             upload.wall_seconds,
-            upload.cpu_seconds * 1e9 / (2 * upload.shard_bytes) as f64
+            per_byte
         );
-        cpu_per_byte.push(upload.cpu_seconds * 1e9 / (2 * upload.shard_bytes) as f64);
-        core_share.push(upload.cpu_seconds / (cores as f64 * upload.wall_seconds));
+        paired.push(ours / dd);
+        against_alone.push(2.0 * ours / alone);
+        cpu_per_byte.push(per_byte);
+        core_share.push(share);
         shard_bytes = upload.shard_bytes;
     }
     println!(

@@ -1,10 +1,9 @@
 //! The optimizer's state memory and the hand-off to the node's `ckptd`.
 //!
 //! Without `ckptd`, the state is one heap buffer updated in place, or, with background saves
-//! through the store, one of three anonymous maps that the saves share in the same way (a save
-//! holds the map it writes from and, after it, reads it as the next save's delta base). With
-//! `ckptd`, it lives in
-//! the daemon's four shm slot files, mapped here. The daemon *holds* some slots (its
+//! through the store, one of three anonymous maps that the saves hold as the daemon holds its
+//! slots (a save holds the map it writes from and, after it, reads it as the next save's delta
+//! base). With `ckptd`, it lives in the daemon's four shm slot files, mapped here. The daemon *holds* some slots (its
 //! committed T0, the snapshot it is working on, the durable upload in flight); the trainer
 //! never writes a held slot. Each optimizer update reads the current slot and writes the
 //! next state into a free one (or in place when the current slot is not held), so after an
