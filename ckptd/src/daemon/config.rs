@@ -9,6 +9,22 @@ use serde::Deserialize;
 
 pub use crate::logging::LogFormat;
 
+/// How the daemon's data path (hashing and replicating snapshots, receiving replicas,
+/// uploads) shares the node's cores with the ranks. Its threads are its own (the control
+/// path, which answers the ranks, heartbeats and leads, always runs under `SCHED_BATCH`).
+#[derive(Clone, Copy, Debug, Default, ValueEnum, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DataCpu {
+    /// `SCHED_IDLE`: on the cores' idle time. A rank that wakes takes its core back at once,
+    /// so the daemon never keeps a rank waiting; on a node whose ranks keep every core busy,
+    /// snapshots and uploads wait for idle time (more snapshots skipped).
+    #[default]
+    Idle,
+    /// `SCHED_BATCH`, an equal share beside the ranks (which then wait for a core the data
+    /// path holds: tens of milliseconds on an oversubscribed node).
+    Shared,
+}
+
 /// Flags; each overrides the same key of the config file.
 #[derive(Debug, Parser)]
 #[command(
@@ -86,6 +102,10 @@ pub struct Cli {
     pub commit_timeout_seconds: Option<f64>,
     #[arg(long, value_enum)]
     pub log_format: Option<LogFormat>,
+    /// How the data path (hashing and replicating snapshots, receiving replicas, uploads)
+    /// shares the node's cores with the ranks.
+    #[arg(long, value_enum)]
+    pub data_cpu: Option<DataCpu>,
     /// Leader only: launch and supervise the training world with this launcher.
     #[arg(long, value_enum)]
     pub supervise: Option<Launcher>,
@@ -209,6 +229,7 @@ struct File {
     delta: Option<bool>,
     commit_timeout_seconds: Option<f64>,
     log_format: Option<LogFormat>,
+    data_cpu: Option<DataCpu>,
     supervise: Option<Launcher>,
     trainer: Option<PathBuf>,
     #[serde(default)]
@@ -256,6 +277,7 @@ pub struct Config {
     pub delta: bool,
     pub commit_timeout_seconds: f64,
     pub log_format: LogFormat,
+    pub data_cpu: DataCpu,
     pub supervision: Option<Supervision>,
     pub straggler_margin: f64,
     pub straggler_seconds: f64,
@@ -500,6 +522,7 @@ impl Config {
             delta: cli.delta.or(file.delta).unwrap_or(true),
             commit_timeout_seconds,
             log_format: cli.log_format.or(file.log_format).unwrap_or_default(),
+            data_cpu: cli.data_cpu.or(file.data_cpu).unwrap_or_default(),
             straggler_margin,
             straggler_seconds,
         })
@@ -558,6 +581,7 @@ mod tests {
         );
         assert_eq!(config.socket_mode, 0o660);
         assert_eq!(config.upload_concurrency, 4);
+        assert_eq!(config.data_cpu, DataCpu::Idle);
         assert!(config.delta && !config.lead && config.buddy.is_none());
     }
 
@@ -588,6 +612,32 @@ mod tests {
         assert_eq!(
             config.advertise, config.listen,
             "advertised where it listens by default"
+        );
+    }
+
+    #[test]
+    fn the_data_path_shares_the_cores_as_the_file_or_flag_says() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ckptd.toml");
+        let with = |text: &str, flags: &[&str]| {
+            std::fs::write(&path, text).unwrap();
+            let mut args = vec!["--config", path.to_str().unwrap()];
+            args.extend_from_slice(REQUIRED);
+            args.extend_from_slice(flags);
+            Config::resolve(&cli(&args)).map(|config| config.data_cpu)
+        };
+        assert_eq!(
+            with("data_cpu = \"shared\"\n", &[]).unwrap(),
+            DataCpu::Shared
+        );
+        assert_eq!(
+            with("data_cpu = \"shared\"\n", &["--data-cpu", "idle"]).unwrap(),
+            DataCpu::Idle
+        );
+        let error = with("data_cpu = \"low\"\n", &[]).unwrap_err().to_string();
+        assert!(
+            error.contains("data_cpu") || error.contains("unknown variant"),
+            "{error}"
         );
     }
 

@@ -72,7 +72,17 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
                 chunks: Vec::new(),
                 blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
             };
-            let result = replica::receive(daemon, &mut stream, meta, chunk_bytes, rollback).await;
+            let (mut stream, result) = daemon
+                .on_data_path({
+                    let daemon = daemon.clone();
+                    async move {
+                        let result =
+                            replica::receive(&daemon, &mut stream, meta, chunk_bytes, rollback)
+                                .await;
+                        (stream, result)
+                    }
+                })
+                .await;
             let ack = match &result {
                 Ok(()) => Message::Ack {
                     ok: true,

@@ -79,10 +79,18 @@ struct Job {
     rollback: RollbackMark,
 }
 
-/// Hashes and replicates one snapshot, then reports it to the leader.
+/// Hashes and replicates one snapshot on the data path, then reports it to the leader.
 async fn process(daemon: Arc<Daemon>, job: Job) {
     let started = Instant::now();
-    let result = replicate(&daemon, &job).await;
+    let (job, result) = daemon
+        .on_data_path({
+            let daemon = daemon.clone();
+            async move {
+                let result = replicate(&daemon, &job).await;
+                (job, result)
+            }
+        })
+        .await;
     let mut ranks = daemon.ranks.lock().await;
     let Some(state) = ranks.get_mut(&job.rank) else {
         return;
@@ -363,42 +371,49 @@ async fn upload_inner(
             replace_base,
         )
     };
-    let started = Instant::now();
-    let timeline = daemon.run.current_timeline().await?;
-    let key = StepKey::new(snap.step, timeline);
-    let source: Arc<dyn ByteSource> = MappedFile::open(&path)?;
-    let (copy, bases) = if replace_base {
-        open_base(rank, &dir.join(BASE_FILE), slot_bytes, &tensors, old_base)?
-    } else {
-        (None, None)
+    // The rest takes no lock of the daemon's: all of it runs on the data path.
+    let store = {
+        let daemon = daemon.clone();
+        async move {
+            let started = Instant::now();
+            let timeline = daemon.run.current_timeline().await?;
+            let key = StepKey::new(snap.step, timeline);
+            let source: Arc<dyn ByteSource> = MappedFile::open(&path)?;
+            let (copy, bases) = if replace_base {
+                open_base(rank, &dir.join(BASE_FILE), slot_bytes, &tensors, old_base)?
+            } else {
+                (None, None)
+            };
+            let mut shard = SourcedShard::from_regions(
+                key,
+                rank,
+                world_size,
+                &tensors,
+                &source,
+                blobs_of(&snap.blobs),
+            );
+            shard.copy = copy.clone().map(|copy| copy as Arc<dyn RawCopy>);
+            let manifest = daemon
+                .run
+                .write_shard_sourced(shard, bases.as_ref(), &Counting(&daemon.metrics))
+                .await?;
+            daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);
+            daemon
+                .metrics
+                .upload_bytes_per_second
+                .set(manifest.raw_bytes() as f64 / started.elapsed().as_secs_f64().max(1e-9));
+            tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), uploaded = manifest.uploaded_bytes, seconds = started.elapsed().as_secs_f64(), "shard stored");
+            // Every tensor chunk was copied from the bytes its name was hashed from, so the next
+            // upload trusts the base without hashing it (`checked`).
+            let base = copy.filter(|copy| copy.complete()).map(|_| Base {
+                step: snap.step,
+                chunks: manifest.tensors.into_iter().map(|t| t.chunks).collect(),
+                checked: true,
+            });
+            Ok((key, base))
+        }
     };
-    let mut shard = SourcedShard::from_regions(
-        key,
-        rank,
-        world_size,
-        &tensors,
-        &source,
-        blobs_of(&snap.blobs),
-    );
-    shard.copy = copy.clone().map(|copy| copy as Arc<dyn RawCopy>);
-    let manifest = daemon
-        .run
-        .write_shard_sourced(shard, bases.as_ref(), &Counting(&daemon.metrics))
-        .await?;
-    daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);
-    daemon
-        .metrics
-        .upload_bytes_per_second
-        .set(manifest.raw_bytes() as f64 / started.elapsed().as_secs_f64().max(1e-9));
-    tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), uploaded = manifest.uploaded_bytes, seconds = started.elapsed().as_secs_f64(), "shard stored");
-    // Every tensor chunk was copied from the bytes its name was hashed from, so the next
-    // upload trusts the base without hashing it (`checked`).
-    let base = copy.filter(|copy| copy.complete()).map(|_| Base {
-        step: snap.step,
-        chunks: manifest.tensors.into_iter().map(|t| t.chunks).collect(),
-        checked: true,
-    });
-    Ok((key, base))
+    daemon.on_data_path(store).await
 }
 
 /// Opens `rank`'s delta-base file for an upload to copy the new base over, and offers the

@@ -92,6 +92,7 @@ pub async fn follower(
             forgotten: Default::default(),
         }),
         forgetting: Default::default(),
+        data: tokio::runtime::Handle::current(),
         cfg,
     });
     (daemon, from_daemon, ended)

@@ -226,7 +226,10 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
         Message::UploadReplica {
             run: r, rank, step, ..
         } if r == *run => {
-            tokio::spawn(pipeline::upload_replica(daemon.clone(), rank, step));
+            // It takes none of the daemon's locks: all of it runs on the data path.
+            daemon
+                .data
+                .spawn(pipeline::upload_replica(daemon.clone(), rank, step));
         }
         Message::RolledBack {
             run: r,
