@@ -88,15 +88,24 @@ pub struct Daemon {
     /// This daemon's state in shm (`NodeHello::instance`), and the last rollback it forgot,
     /// kept there as it changes.
     pub identity: std::sync::Mutex<identity::Identity>,
-    /// Held while a rollback's snapshots and replicas are forgotten and recorded, so that
-    /// rollbacks are recorded in order; true once one of them could not be forgotten, after
-    /// which none is recorded (a restarted daemon is told them all again).
+    /// Held while a rollback's replicas are forgotten and the rollback recorded (its
+    /// snapshots were forgotten on the leader's link, in order); true once one of them could
+    /// not be forgotten, after which none is recorded (a restarted daemon is told them all
+    /// again).
     pub forgetting: Arc<Mutex<bool>>,
+    /// The last rollback's forgetting task, off the leader's link: the next one waits for it
+    /// there, so that they run (and take `forgetting`) in order without the link waiting.
+    pub forget_tail: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// The runtime of the data path (hashing and replicating snapshots, receiving replicas,
     /// uploads): threads of its own, under `SCHED_IDLE` unless `data_cpu = "shared"`, so
     /// that the control path's threads (the ranks' requests, heartbeats, the leader's books)
     /// keep their share of the cores.
     pub data: tokio::runtime::Handle,
+    /// The run's store as the data path uses it: opened on [`Daemon::data`], so that the
+    /// connections it opens (S3) are driven by that runtime and used by the data path alone;
+    /// the control path's requests (a leader's lease, commits) go through [`Daemon::run`],
+    /// whose connections never wait for idle time.
+    pub data_run: RunStore,
 }
 
 impl Daemon {
@@ -118,8 +127,8 @@ impl Daemon {
     ) -> T {
         match self.data.spawn(work).await {
             Ok(value) => value,
-            // A panic is the caller's, as if `work` had run in its task. Cancelled is only
-            // possible once the control runtime has stopped (the data runtime stops after).
+            // A panic is the caller's, as if `work` had run in its task. Cancelled: the data
+            // runtime shut down as the daemon exits, and the caller goes with it.
             Err(error) => std::panic::resume_unwind(
                 error
                     .try_into_panic()
@@ -265,17 +274,20 @@ pub async fn run(cfg: Config, data: tokio::runtime::Handle) -> Result<()> {
     })?;
     // Before a leader claims its epoch: a daemon that cannot start must not hold one.
     let identity = identity::load_or_create(&identity::dir(&cfg))?;
-    let store = Store::open(
-        &cfg.store,
-        OpenMode::CreateIfMissing,
-        StoreOptions {
-            upload_concurrency: cfg.upload_concurrency,
-            ..StoreOptions::default()
-        },
-    )
-    .await
-    .map_err(|e| ConfigError(format!("cannot use store {}: {e}", cfg.store)))?;
-    let run = store.run(&cfg.run);
+    let open = {
+        let (url, upload_concurrency) = (cfg.store.clone(), cfg.upload_concurrency);
+        move || async move {
+            let options = StoreOptions {
+                upload_concurrency,
+                ..StoreOptions::default()
+            };
+            Store::open(&url, OpenMode::CreateIfMissing, options)
+                .await
+                .map_err(|e| ConfigError(format!("cannot use store {url}: {e}")))
+        }
+    };
+    let run = open.clone()().await?.run(&cfg.run);
+    let data_run = data.spawn(open()).await??.run(&cfg.run);
     let metrics = Arc::new(Metrics::new());
     if let Some(address) = cfg.metrics {
         let bound = metrics::serve(address, metrics.clone())
@@ -321,6 +333,8 @@ pub async fn run(cfg: Config, data: tokio::runtime::Handle) -> Result<()> {
         identity: std::sync::Mutex::new(identity),
         forgetting: Default::default(),
         data,
+        data_run,
+        forget_tail: Default::default(),
     });
     if daemon.cfg.buddy.is_none() {
         tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");

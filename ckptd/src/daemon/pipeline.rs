@@ -376,7 +376,7 @@ async fn upload_inner(
         let daemon = daemon.clone();
         async move {
             let started = Instant::now();
-            let timeline = daemon.run.current_timeline().await?;
+            let timeline = daemon.data_run.current_timeline().await?;
             let key = StepKey::new(snap.step, timeline);
             let source: Arc<dyn ByteSource> = MappedFile::open(&path)?;
             let (copy, bases) = if replace_base {
@@ -394,7 +394,7 @@ async fn upload_inner(
             );
             shard.copy = copy.clone().map(|copy| copy as Arc<dyn RawCopy>);
             let manifest = daemon
-                .run
+                .data_run
                 .write_shard_sourced(shard, bases.as_ref(), &Counting(&daemon.metrics))
                 .await?;
             daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);
@@ -488,7 +488,7 @@ async fn upload_replica_inner(
         .ok_or_else(|| anyhow!("no replica of rank {rank} step {step} here"))?;
     verify_slot(&data, meta.slot_bytes, &meta.chunks).await?;
     let started = Instant::now();
-    let key = StepKey::new(step, daemon.run.current_timeline().await?);
+    let key = StepKey::new(step, daemon.data_run.current_timeline().await?);
     let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&data)?);
     let shard = SourcedShard::from_regions(
         key,
@@ -499,7 +499,7 @@ async fn upload_replica_inner(
         blobs_of(&meta.blobs),
     );
     let manifest = daemon
-        .run
+        .data_run
         .write_shard_sourced(shard, None, &Counting(&daemon.metrics))
         .await?;
     daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);

@@ -92,8 +92,19 @@ pub async fn follower(
             forgotten: Default::default(),
         }),
         forgetting: Default::default(),
-        data: tokio::runtime::Handle::current(),
+        data: data_path().clone(),
+        data_run: store.run(&cfg.run),
+        forget_tail: Default::default(),
         cfg,
     });
     (daemon, from_daemon, ended)
+}
+
+/// A data-path runtime of its own for the tests' daemons, as `ckptd` has, so that the data
+/// path's work crosses runtimes as it does there; kept for the process (a runtime may not be
+/// dropped in the tests' async contexts). `Shared`: the tests' other threads must not starve it.
+fn data_path() -> &'static tokio::runtime::Handle {
+    static DATA: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    DATA.get_or_init(|| super::data_runtime(super::DataCpu::Shared).expect("a runtime"))
+        .handle()
 }

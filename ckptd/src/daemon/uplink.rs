@@ -242,9 +242,6 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                 "the supervisor rolled the run back; forgetting later snapshots"
             );
             let applied = RollbackMark { epoch, seq };
-            // The rollbacks are forgotten and recorded one after the other, in order: a mark
-            // recorded says every rollback up to it was forgotten.
-            let mut turn = daemon.forgetting.clone().lock_owned().await;
             let mut ranks = daemon.ranks.lock().await;
             let mut forgot = true;
             for state in ranks.values_mut() {
@@ -261,8 +258,17 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
             }
             drop(ranks);
             // Off the link: a replica being received (from a buddy that may stall) ends first.
+            // The rollbacks' replicas are forgotten and recorded one after the other, in
+            // order (each task waits for the one before): a mark recorded says every
+            // rollback up to it was forgotten.
+            let mut tail = daemon.forget_tail.lock().expect("not poisoned");
+            let before = tail.take();
             let daemon = daemon.clone();
-            tokio::spawn(async move {
+            *tail = Some(tokio::spawn(async move {
+                if let Some(before) = before {
+                    let _ = before.await;
+                }
+                let mut turn = daemon.forgetting.clone().lock_owned().await;
                 if let Err(error) = super::replica::forget_after(&daemon, to).await {
                     forgot = false;
                     tracing::error!(error = %format!("{error:#}"), "cannot forget rolled-back replicas");
@@ -283,7 +289,7 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                         }
                     }
                 }
-            });
+            }));
         }
         Message::RunEnded {
             run: r,
