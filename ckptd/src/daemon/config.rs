@@ -15,10 +15,10 @@ pub use crate::logging::LogFormat;
 #[derive(Clone, Copy, Debug, Default, ValueEnum, Deserialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DataCpu {
-    /// `SCHED_IDLE`: on the cores' idle time. A rank that wakes takes its core back at once
-    /// (the kernel still gives idle threads a sliver of a busy core); on a node whose ranks
-    /// keep every core busy, snapshots and uploads wait for idle time (more snapshots
-    /// skipped, durable steps later).
+    /// `SCHED_IDLE`: below the ranks. A rank that wakes takes its core back at once, though
+    /// the kernel shares the CPU between scheduling groups (sessions, cgroups) first; on a
+    /// node whose ranks keep every core busy, snapshots and uploads get less time (more
+    /// snapshots skipped, durable steps later).
     #[default]
     Idle,
     /// `SCHED_BATCH`, an equal share beside the ranks (which then wait for a core the data

@@ -218,13 +218,14 @@ fn data_runtime(cpu: DataCpu) -> std::io::Result<tokio::runtime::Runtime> {
         .build()
 }
 
-/// Puts the calling thread under `SCHED_IDLE`: it runs when its core has nothing else to run,
-/// and a task of any other policy that wakes there takes the core at once. On 2 cores shared
-/// by two ranks and two daemons (a snapshot per step, 326 MB per rank, six 10-step runs each
-/// way, interleaved), the ranks waited 4.1-6.5 s in all for a CPU over a run instead of
-/// 8.8-10.4 s with the data path under `SCHED_BATCH`, and ran in 10.3-15.3 s instead of
-/// 12.4-14.4, while the daemons, with less CPU, took 4-6 of the 10 snapshots instead of all.
-/// Unprivileged; a kernel that refuses leaves the policy as it was.
+/// Puts the calling thread under `SCHED_IDLE`: within its scheduling group it runs when
+/// nothing else there wants the core, and a task of any other policy that wakes on its core
+/// takes the core at once (the CPU is shared between groups first, which this leaves as it
+/// is). On 2 cores shared by two ranks and two daemons (a snapshot per step, 326 MB per rank,
+/// six 10-step runs each way, interleaved), the ranks waited 4.1-6.5 s in all for a CPU over
+/// a run instead of 8.8-10.4 s with the data path under `SCHED_BATCH`, and ran in 10.3-15.3 s
+/// instead of 12.4-14.4, while the daemons, with less CPU, took 4-6 of the 10 snapshots
+/// instead of all. Unprivileged; a kernel that refuses leaves the policy as it was.
 fn idle_this_thread() {
     static WARNED: std::sync::Once = std::sync::Once::new();
     let param = libc::sched_param { sched_priority: 0 };
