@@ -89,9 +89,9 @@ pub struct Daemon {
     /// kept there as it changes.
     pub identity: std::sync::Mutex<identity::Identity>,
     /// Held while a rollback's replicas are forgotten and the rollback recorded (its
-    /// snapshots were forgotten on the leader's link, in order); true once one of them could
-    /// not be forgotten, after which none is recorded (a restarted daemon is told them all
-    /// again).
+    /// snapshots were forgotten on the leader's link, in order; [`Daemon::forget_tail`]
+    /// orders the tasks, so it is not contended); true once one of them could not be
+    /// forgotten, after which none is recorded (a restarted daemon is told them all again).
     pub forgetting: Arc<Mutex<bool>>,
     /// The last rollback's forgetting task, off the leader's link: the next one waits for it
     /// there, so that they run (and take `forgetting`) in order without the link waiting.
@@ -101,10 +101,10 @@ pub struct Daemon {
     /// that the control path's threads (the ranks' requests, heartbeats, the leader's books)
     /// keep their share of the cores.
     pub data: tokio::runtime::Handle,
-    /// The run's store as the data path uses it: opened on [`Daemon::data`], so that the
-    /// connections it opens (S3) are driven by that runtime and used by the data path alone;
-    /// the control path's requests (a leader's lease, commits) go through [`Daemon::run`],
-    /// whose connections never wait for idle time.
+    /// The run's store as the data path uses it: a handle of its own, with its own pool of
+    /// connections (S3), which the data path alone uses, so they are opened and driven on
+    /// [`Daemon::data`]; the control path's requests (a leader's lease, commits) go through
+    /// [`Daemon::run`], whose connections never wait for idle time.
     pub data_run: RunStore,
 }
 
@@ -275,20 +275,22 @@ pub async fn run(cfg: Config, data: tokio::runtime::Handle) -> Result<()> {
     })?;
     // Before a leader claims its epoch: a daemon that cannot start must not hold one.
     let identity = identity::load_or_create(&identity::dir(&cfg))?;
-    let open = {
-        let (url, upload_concurrency) = (cfg.store.clone(), cfg.upload_concurrency);
-        move || async move {
-            let options = StoreOptions {
-                upload_concurrency,
-                ..StoreOptions::default()
-            };
+    let open = |check_reachable| {
+        let options = StoreOptions {
+            upload_concurrency: cfg.upload_concurrency,
+            check_reachable,
+            ..StoreOptions::default()
+        };
+        let url = cfg.store.clone();
+        async move {
             Store::open(&url, OpenMode::CreateIfMissing, options)
                 .await
                 .map_err(|e| ConfigError(format!("cannot use store {url}: {e}")))
         }
     };
-    let run = open.clone()().await?.run(&cfg.run);
-    let data_run = data.spawn(open()).await??.run(&cfg.run);
+    let run = open(true).await?.run(&cfg.run);
+    // Checked just above; its connections are made where the data path uses it.
+    let data_run = open(false).await?.run(&cfg.run);
     let metrics = Arc::new(Metrics::new());
     if let Some(address) = cfg.metrics {
         let bound = metrics::serve(address, metrics.clone())

@@ -265,8 +265,11 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
             let before = tail.take();
             let daemon = daemon.clone();
             *tail = Some(tokio::spawn(async move {
+                // One that panicked may not have forgotten all of its rollback.
                 if let Some(before) = before {
-                    let _ = before.await;
+                    if before.await.is_err() {
+                        forgot = false;
+                    }
                 }
                 let mut turn = daemon.forgetting.clone().lock_owned().await;
                 if let Err(error) = super::replica::forget_after(&daemon, to).await {
