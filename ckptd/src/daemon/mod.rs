@@ -88,14 +88,12 @@ pub struct Daemon {
     /// This daemon's state in shm (`NodeHello::instance`), and the last rollback it forgot,
     /// kept there as it changes.
     pub identity: std::sync::Mutex<identity::Identity>,
-    /// Held while a rollback's replicas are forgotten and the rollback recorded (its
-    /// snapshots were forgotten on the leader's link, in order; [`Daemon::forget_tail`]
-    /// orders the tasks, so it is not contended); true once one of them could not be
-    /// forgotten, after which none is recorded (a restarted daemon is told them all again).
-    pub forgetting: Arc<Mutex<bool>>,
-    /// The last rollback's forgetting task, off the leader's link: the next one waits for it
-    /// there, so that they run (and take `forgetting`) in order without the link waiting.
-    pub forget_tail: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// The last rollback's task that forgets its replicas and records it, off the leader's
+    /// link (its snapshots were forgotten on the link, in order): the next one waits for it,
+    /// so they run in order without the link waiting. It says whether every rollback so far
+    /// was forgotten; once one could not be, none is recorded (a restarted daemon is told them
+    /// all again).
+    pub forget_tail: std::sync::Mutex<Option<tokio::task::JoinHandle<bool>>>,
     /// The runtime of the data path (hashing and replicating snapshots, receiving replicas,
     /// uploads): threads of its own, under `SCHED_IDLE` unless `data_cpu = "shared"`, so
     /// that the control path's threads (the ranks' requests, heartbeats, the leader's books)
@@ -334,7 +332,6 @@ pub async fn run(cfg: Config, data: tokio::runtime::Handle) -> Result<()> {
         heartbeat_now: tokio::sync::Notify::new(),
         rollback: std::sync::Mutex::new(identity.forgotten),
         identity: std::sync::Mutex::new(identity),
-        forgetting: Default::default(),
         data,
         data_run,
         forget_tail: Default::default(),

@@ -343,7 +343,7 @@ async fn upload_inner(
     rank: Rank,
     snap: Snap,
 ) -> Result<(StepKey, Option<Base>)> {
-    let (path, dir, tensors, world_size, slot_bytes, old_base, replace_base) = {
+    let shard = {
         let mut ranks = daemon.ranks.lock().await;
         let state = ranks
             .get_mut(&rank)
@@ -361,59 +361,88 @@ async fn upload_inner(
                     false
                 }
             };
-        (
-            state.slot_path(snap.slot),
-            state.dir.clone(),
-            state.tensors.clone(),
-            state.world_size,
-            state.slot_bytes,
+        SlotShard {
+            rank,
+            path: state.slot_path(snap.slot),
+            dir: state.dir.clone(),
+            tensors: state.tensors.clone(),
+            world_size: state.world_size,
+            slot_bytes: state.slot_bytes,
             old_base,
             replace_base,
-        )
-    };
-    // The rest takes no lock of the daemon's: all of it runs on the data path.
-    let store = {
-        let daemon = daemon.clone();
-        async move {
-            let started = Instant::now();
-            let timeline = daemon.data_run.current_timeline().await?;
-            let key = StepKey::new(snap.step, timeline);
-            let source: Arc<dyn ByteSource> = MappedFile::open(&path)?;
-            let (copy, bases) = if replace_base {
-                open_base(rank, &dir.join(BASE_FILE), slot_bytes, &tensors, old_base)?
-            } else {
-                (None, None)
-            };
-            let mut shard = SourcedShard::from_regions(
-                key,
-                rank,
-                world_size,
-                &tensors,
-                &source,
-                blobs_of(&snap.blobs),
-            );
-            shard.copy = copy.clone().map(|copy| copy as Arc<dyn RawCopy>);
-            let manifest = daemon
-                .data_run
-                .write_shard_sourced(shard, bases.as_ref(), &Counting(&daemon.metrics))
-                .await?;
-            daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);
-            daemon
-                .metrics
-                .upload_bytes_per_second
-                .set(manifest.raw_bytes() as f64 / started.elapsed().as_secs_f64().max(1e-9));
-            tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), uploaded = manifest.uploaded_bytes, seconds = started.elapsed().as_secs_f64(), "shard stored");
-            // Every tensor chunk was copied from the bytes its name was hashed from, so the next
-            // upload trusts the base without hashing it (`checked`).
-            let base = copy.filter(|copy| copy.complete()).map(|_| Base {
-                step: snap.step,
-                chunks: manifest.tensors.into_iter().map(|t| t.chunks).collect(),
-                checked: true,
-            });
-            Ok((key, base))
         }
     };
-    daemon.on_data_path(store).await
+    // The rest takes no lock of the daemon's: all of it runs on the data path.
+    daemon
+        .on_data_path(store_slot(daemon.clone(), shard, snap))
+        .await
+}
+
+/// What an upload read from its rank's state, under the lock, to store the slot by.
+struct SlotShard {
+    rank: Rank,
+    path: PathBuf,
+    dir: PathBuf,
+    tensors: Vec<SlotTensor>,
+    world_size: u32,
+    slot_bytes: u64,
+    old_base: Option<Base>,
+    /// Whether the upload encodes against the old base and writes the new one over it.
+    replace_base: bool,
+}
+
+/// The part of [`upload_inner`] that runs on the data path.
+async fn store_slot(
+    daemon: Arc<Daemon>,
+    shard: SlotShard,
+    snap: Snap,
+) -> Result<(StepKey, Option<Base>)> {
+    let SlotShard {
+        rank,
+        path,
+        dir,
+        tensors,
+        world_size,
+        slot_bytes,
+        old_base,
+        replace_base,
+    } = shard;
+    let started = Instant::now();
+    let timeline = daemon.data_run.current_timeline().await?;
+    let key = StepKey::new(snap.step, timeline);
+    let source: Arc<dyn ByteSource> = MappedFile::open(&path)?;
+    let (copy, bases) = if replace_base {
+        open_base(rank, &dir.join(BASE_FILE), slot_bytes, &tensors, old_base)?
+    } else {
+        (None, None)
+    };
+    let mut shard = SourcedShard::from_regions(
+        key,
+        rank,
+        world_size,
+        &tensors,
+        &source,
+        blobs_of(&snap.blobs),
+    );
+    shard.copy = copy.clone().map(|copy| copy as Arc<dyn RawCopy>);
+    let manifest = daemon
+        .data_run
+        .write_shard_sourced(shard, bases.as_ref(), &Counting(&daemon.metrics))
+        .await?;
+    daemon.metrics.bytes_stored.inc_by(manifest.uploaded_bytes);
+    daemon
+        .metrics
+        .upload_bytes_per_second
+        .set(manifest.raw_bytes() as f64 / started.elapsed().as_secs_f64().max(1e-9));
+    tracing::info!(rank, step = %key, raw = manifest.raw_bytes(), uploaded = manifest.uploaded_bytes, seconds = started.elapsed().as_secs_f64(), "shard stored");
+    // Every tensor chunk was copied from the bytes its name was hashed from, so the next
+    // upload trusts the base without hashing it (`checked`).
+    let base = copy.filter(|copy| copy.complete()).map(|_| Base {
+        step: snap.step,
+        chunks: manifest.tensors.into_iter().map(|t| t.chunks).collect(),
+        checked: true,
+    });
+    Ok((key, base))
 }
 
 /// Opens `rank`'s delta-base file for an upload to copy the new base over, and offers the

@@ -91,7 +91,6 @@ pub async fn follower(
             instance: 1,
             forgotten: Default::default(),
         }),
-        forgetting: Default::default(),
         data: data_path().clone(),
         data_run: store.run(&cfg.run),
         forget_tail: Default::default(),

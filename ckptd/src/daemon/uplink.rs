@@ -259,27 +259,23 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
             drop(ranks);
             // Off the link: a replica being received (from a buddy that may stall) ends first.
             // The rollbacks' replicas are forgotten and recorded one after the other, in
-            // order (each task waits for the one before): a mark recorded says every
-            // rollback up to it was forgotten.
+            // order (each task waits for the one before and takes its verdict): a mark
+            // recorded says every rollback up to it was forgotten.
             let mut tail = daemon.forget_tail.lock().expect("not poisoned");
             let before = tail.take();
             let daemon = daemon.clone();
             *tail = Some(tokio::spawn(async move {
                 // One that panicked may not have forgotten all of its rollback.
                 if let Some(before) = before {
-                    if before.await.is_err() {
-                        forgot = false;
-                    }
+                    forgot &= before.await.unwrap_or(false);
                 }
-                let mut turn = daemon.forgetting.clone().lock_owned().await;
                 if let Err(error) = super::replica::forget_after(&daemon, to).await {
                     forgot = false;
                     tracing::error!(error = %format!("{error:#}"), "cannot forget rolled-back replicas");
                 }
                 // Only once all of it, and all of every rollback before it, is gone: a daemon
                 // restarted before says the mark from before, and is told again.
-                *turn |= !forgot;
-                if !*turn {
+                if forgot {
                     let mut identity = daemon.identity.lock().expect("not poisoned");
                     let recorded = super::identity::Identity {
                         forgotten: identity.forgotten.max(applied),
@@ -292,6 +288,7 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
                         }
                     }
                 }
+                forgot
             }));
         }
         Message::RunEnded {
