@@ -514,6 +514,62 @@ fn lost_ranks_and_a_lost_node_restore_from_t0_and_t1_bit_for_bit() {
     ctl.expect(0, &["verify", "lossy", "--all", "--read-data"]);
 }
 
+/// Threads that keep every core busy until dropped, as ranks that busy-poll MPI (or more
+/// ranks than cores) do.
+struct BusyCores {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl BusyCores {
+    fn start() -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+        let threads = (0..cores)
+            .map(|_| {
+                let stop = stop.clone();
+                std::thread::spawn(move || {
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        std::hint::spin_loop();
+                    }
+                })
+            })
+            .collect();
+        Self { stop, threads }
+    }
+}
+
+impl Drop for BusyCores {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for thread in self.threads.drain(..) {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// On a node whose cores are all kept busy, the daemons' default still hashes and
+/// replicates every snapshot in time: a rank lost at step 9 restores a recent step from
+/// memory. With the data path under `SCHED_IDLE` (the default once), the daemons got almost
+/// no CPU and the ranks came back from step 1.
+#[test]
+fn with_every_core_busy_a_lost_rank_still_restores_a_recent_step() {
+    let (_guard, dir) = prepared();
+    let store = format!("file://{}", dir.join("store").display());
+    let cluster = Cluster::start(&dir, "busy", &store, 2, &Settings::default(), Vec::new());
+    let busy = BusyCores::start();
+    kill_rank_at(
+        &cluster,
+        &trainer_args(&dir, "busy", &store, 100_000, "skip"),
+        9,
+    );
+    let said = cluster.train(&trainer_args(&dir, "busy", &store, 12, "skip"));
+    drop(busy);
+    let resumed = resumed_step(&said, "t0");
+    println!("every core busy, killed at step 9; resumed from step {resumed} (T0)");
+    assert!(resumed >= 4, "{said}\n{}", cluster.logs());
+}
+
 /// Pipeline parallel under the daemons, one stage per node: a killed rank's world restores
 /// from the nodes' memory (T0) and continues bit for bit; relaunched in another layout (data
 /// parallel over the same micro-batches), the daemons' memory no longer fits the ranks and

@@ -16,13 +16,16 @@ pub use crate::logging::LogFormat;
 #[serde(rename_all = "lowercase")]
 pub enum DataCpu {
     /// `SCHED_IDLE`: below the ranks. A rank that wakes takes its core back at once, though
-    /// the kernel shares the CPU between scheduling groups (sessions, cgroups) first; on a
-    /// node whose ranks keep every core busy, snapshots and uploads get less time (more
-    /// snapshots skipped, durable steps later).
-    #[default]
+    /// the kernel shares the CPU between scheduling groups (sessions, cgroups) first. On a
+    /// node whose ranks keep every core busy (busy-polling MPI, more ranks than cores) the
+    /// data path gets almost no CPU: snapshots are skipped or wait, and a rank lost then
+    /// restores from an old step (on 2 cores kept busy, step 1 of 9). For nodes with idle
+    /// cores only.
     Idle,
     /// `SCHED_BATCH`, an equal share beside the ranks (which then wait for a core the data
-    /// path holds: tens of milliseconds on an oversubscribed node).
+    /// path holds: tens of milliseconds on an oversubscribed node), so every snapshot is
+    /// hashed and replicated however busy the cores are.
+    #[default]
     Shared,
 }
 
@@ -582,7 +585,7 @@ mod tests {
         );
         assert_eq!(config.socket_mode, 0o660);
         assert_eq!(config.upload_concurrency, 4);
-        assert_eq!(config.data_cpu, DataCpu::Idle);
+        assert_eq!(config.data_cpu, DataCpu::Shared);
         assert!(config.delta && !config.lead && config.buddy.is_none());
     }
 
@@ -627,13 +630,10 @@ mod tests {
             args.extend_from_slice(flags);
             Config::resolve(&cli(&args)).map(|config| config.data_cpu)
         };
+        assert_eq!(with("data_cpu = \"idle\"\n", &[]).unwrap(), DataCpu::Idle);
         assert_eq!(
-            with("data_cpu = \"shared\"\n", &[]).unwrap(),
+            with("data_cpu = \"idle\"\n", &["--data-cpu", "shared"]).unwrap(),
             DataCpu::Shared
-        );
-        assert_eq!(
-            with("data_cpu = \"shared\"\n", &["--data-cpu", "idle"]).unwrap(),
-            DataCpu::Idle
         );
         let error = with("data_cpu = \"low\"\n", &[]).unwrap_err().to_string();
         assert!(

@@ -95,9 +95,9 @@ pub struct Daemon {
     /// all again).
     pub forget_tail: std::sync::Mutex<Option<tokio::task::JoinHandle<bool>>>,
     /// The runtime of the data path (hashing and replicating snapshots, receiving replicas,
-    /// uploads): threads of its own, under `SCHED_IDLE` unless `data_cpu = "shared"`, so
-    /// that the control path's threads (the ranks' requests, heartbeats, the leader's books)
-    /// keep their share of the cores.
+    /// uploads): threads of its own, under `SCHED_IDLE` if `data_cpu = "idle"`, so that
+    /// the control path's threads (the ranks' requests, heartbeats, the leader's books)
+    /// keep their share of the cores whatever the data path's policy.
     pub data: tokio::runtime::Handle,
     /// The run's store as the data path uses it: a handle of its own, with its own pool of
     /// connections (S3), which the data path alone uses, so they are opened and driven on
