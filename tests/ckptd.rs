@@ -548,26 +548,66 @@ impl Drop for BusyCores {
     }
 }
 
-/// On a node whose cores are all kept busy, the daemons' default still hashes and
-/// replicates every snapshot in time: a rank lost at step 9 restores a recent step from
-/// memory. With the data path under `SCHED_IDLE` (the default once), the daemons got almost
+/// On a node whose cores are all kept busy, the daemons still hash and replicate every
+/// snapshot in time: a rank lost at step 9 restores a recent step from memory. With the data
+/// path under `SCHED_IDLE` and nothing to raise it (the default once), the daemons got almost
 /// no CPU and the ranks came back from step 1.
-#[test]
-fn with_every_core_busy_a_lost_rank_still_restores_a_recent_step() {
+/// Returns how many times the daemons raised their data path, and their logs.
+fn with_every_core_busy_a_lost_rank_restores_a_recent_step(
+    run: &str,
+    flags: &[&str],
+) -> (f64, String) {
     let (_guard, dir) = prepared();
     let store = format!("file://{}", dir.join("store").display());
-    let cluster = Cluster::start(&dir, "busy", &store, 2, &Settings::default(), Vec::new());
+    let settings = Settings {
+        extra: flags.iter().map(|flag| flag.to_string()).collect(),
+        ..Settings::default()
+    };
+    let cluster = Cluster::start(&dir, run, &store, 2, &settings, Vec::new());
     let busy = BusyCores::start();
     kill_rank_at(
         &cluster,
-        &trainer_args(&dir, "busy", &store, 100_000, "skip"),
+        &trainer_args(&dir, run, &store, 100_000, "skip"),
         9,
     );
-    let said = cluster.train(&trainer_args(&dir, "busy", &store, 12, "skip"));
+    let said = cluster.train(&trainer_args(&dir, run, &store, 12, "skip"));
     drop(busy);
     let resumed = resumed_step(&said, "t0");
-    println!("every core busy, killed at step 9; resumed from step {resumed} (T0)");
-    assert!(resumed >= 4, "{said}\n{}", cluster.logs());
+    let raised: f64 = (0..2)
+        .map(|node| cluster.metric(node, "lazarus_ckptd_data_path_raised_total"))
+        .sum();
+    println!(
+        "every core busy, {flags:?}: killed at step 9, resumed from step {resumed} (T0); the data path raised {raised} times"
+    );
+    let logs = cluster.logs();
+    assert!(resumed >= 4, "{said}\n{logs}");
+    (raised, logs)
+}
+
+#[test]
+fn with_every_core_busy_a_lost_rank_still_restores_a_recent_step() {
+    let (raised, _) = with_every_core_busy_a_lost_rank_restores_a_recent_step("busy", &[]);
+    assert_eq!(raised, 0.0, "the default's data path is never lowered");
+}
+
+/// The same under `data_cpu = "idle"`: the valve raises the data path once its work has
+/// waited past the grace.
+#[test]
+fn with_every_core_busy_an_idle_data_path_is_raised_in_time() {
+    let (raised, logs) = with_every_core_busy_a_lost_rank_restores_a_recent_step(
+        "busy-idle",
+        &["--data-cpu", "idle"],
+    );
+    if logs.contains("running it as \"shared\"") {
+        // Without CAP_SYS_NICE the daemons never lower what they could not raise again.
+        println!("the daemons may not leave SCHED_IDLE here: they ran the data path as shared");
+        assert_eq!(raised, 0.0);
+    } else {
+        assert!(
+            raised > 0.0,
+            "the data path waited for idle time that never came"
+        );
+    }
 }
 
 /// Pipeline parallel under the daemons, one stage per node: a killed rank's world restores

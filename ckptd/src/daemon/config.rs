@@ -16,11 +16,11 @@ pub use crate::logging::LogFormat;
 #[serde(rename_all = "lowercase")]
 pub enum DataCpu {
     /// `SCHED_IDLE`: below the ranks. A rank that wakes takes its core back at once, though
-    /// the kernel shares the CPU between scheduling groups (sessions, cgroups) first. On a
-    /// node whose ranks keep every core busy (busy-polling MPI, more ranks than cores) the
-    /// data path gets almost no CPU: snapshots are skipped or wait, and a rank lost then
-    /// restores from an old step (on 2 cores kept busy, step 1 of 9). For nodes with idle
-    /// cores only.
+    /// the kernel shares the CPU between scheduling groups (sessions, cgroups) first. Once any
+    /// of the data path's work has waited 100 ms for idle time (ranks that keep every core
+    /// busy, by busy-polling MPI or with more ranks than cores), the data path is raised to
+    /// `SCHED_BATCH` until it has nothing in hand. Raising needs `CAP_SYS_NICE` (or an
+    /// `RLIMIT_NICE` of 20); without it the daemon says so and runs as `Shared`.
     Idle,
     /// `SCHED_BATCH`, an equal share beside the ranks (which then wait for a core the data
     /// path holds: tens of milliseconds on an oversubscribed node), so every snapshot is

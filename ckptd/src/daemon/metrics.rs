@@ -27,6 +27,7 @@ pub struct Metrics {
     pub stall_seconds: Histogram,
     pub snapshots: Counter,
     pub snapshots_skipped: Counter,
+    pub data_path_raised: Counter,
     pub durable_skipped: Counter,
     pub durable_deferred: Counter,
     pub commits_given_up: Counter,
@@ -65,6 +66,7 @@ impl Metrics {
             stall_seconds: Histogram::new(exponential_buckets(1e-5, 4.0, 12)),
             snapshots: Counter::default(),
             snapshots_skipped: Counter::default(),
+            data_path_raised: Counter::default(),
             durable_skipped: Counter::default(),
             durable_deferred: Counter::default(),
             commits_given_up: Counter::default(),
@@ -110,6 +112,11 @@ impl Metrics {
             "snapshots_skipped",
             "Snapshots a rank skipped because this daemon was still busy",
             m.snapshots_skipped.clone(),
+        );
+        registry.register(
+            "data_path_raised",
+            "Times the data path, under data_cpu = idle, waited past its grace for idle time and was raised to the ranks' share",
+            m.data_path_raised.clone(),
         );
         registry.register(
             "durable_steps_skipped",

@@ -15,6 +15,7 @@
 
 pub mod config;
 pub mod crash;
+pub mod data_path;
 pub mod election;
 pub mod framing;
 pub mod identity;
@@ -94,11 +95,12 @@ pub struct Daemon {
     /// was forgotten; once one could not be, none is recorded (a restarted daemon is told them
     /// all again).
     pub forget_tail: std::sync::Mutex<Option<tokio::task::JoinHandle<bool>>>,
-    /// The runtime of the data path (hashing and replicating snapshots, receiving replicas,
-    /// uploads): threads of its own, under `SCHED_IDLE` if `data_cpu = "idle"`, so that
-    /// the control path's threads (the ranks' requests, heartbeats, the leader's books)
-    /// keep their share of the cores whatever the data path's policy.
-    pub data: tokio::runtime::Handle,
+    /// The data path (hashing and replicating snapshots, receiving replicas, uploads): a
+    /// runtime of its own, its threads under `SCHED_IDLE` if `data_cpu = "idle"` (raised
+    /// while its work waits too long), so that the control path's threads (the ranks'
+    /// requests, heartbeats, the leader's books) keep their share of the cores whatever the
+    /// data path's policy.
+    pub data: data_path::DataPath,
     /// The run's store as the data path uses it: a handle of its own, with its own pool of
     /// connections (S3), which the data path alone uses, so they are opened and driven on
     /// [`Daemon::data`]; the control path's requests (a leader's lease, commits) go through
@@ -123,16 +125,7 @@ impl Daemon {
         &self,
         work: impl std::future::Future<Output = T> + Send + 'static,
     ) -> T {
-        match self.data.spawn(work).await {
-            Ok(value) => value,
-            // A panic is the caller's, as if `work` had run in its task. Cancelled: the data
-            // runtime shut down as the daemon exits, and the caller goes with it.
-            Err(error) => std::panic::resume_unwind(
-                error
-                    .try_into_panic()
-                    .unwrap_or_else(|error| Box::new(error.to_string())),
-            ),
-        }
+        self.data.run(work).await
     }
 
     /// How long the leader has been silent on this node's link.
@@ -175,17 +168,17 @@ pub fn main(cli: Cli) -> ExitCode {
         .max_blocking_threads(8)
         .enable_all()
         .build()
-        .and_then(|control| Ok((control, data_runtime(data_cpu)?)));
-    let (runtime, data) = match runtimes {
+        .and_then(|control| Ok((control, data_path::DataPath::start(data_cpu)?)));
+    let (runtime, (data_runtime, data)) = match runtimes {
         Ok(runtimes) => runtimes,
         Err(error) => {
             eprintln!("ckptd: cannot start: {error}");
             return ExitCode::from(1);
         }
     };
-    let result = runtime.block_on(run(cfg, data.handle().clone()));
+    let result = runtime.block_on(run(cfg, data));
     // Uploads in flight were given their time in `run`; what is left is dropped.
-    data.shutdown_background();
+    data_runtime.shutdown_background();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
@@ -196,46 +189,6 @@ pub fn main(cli: Cli) -> ExitCode {
                     .is_some();
             ExitCode::from(if usage { 2 } else { 1 })
         }
-    }
-}
-
-/// The data path's runtime ([`Daemon::data`]). Hashing, encoding and file IO run on its
-/// blocking threads; a few keep 2 cores busy, and fewer threads keep fewer malloc arenas
-/// holding freed chunk buffers.
-fn data_runtime(cpu: DataCpu) -> std::io::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .max_blocking_threads(8)
-        .thread_name("ckptd-data")
-        .on_thread_start(move || {
-            if cpu == DataCpu::Idle {
-                idle_this_thread();
-            }
-        })
-        .enable_all()
-        .build()
-}
-
-/// Puts the calling thread under `SCHED_IDLE`: within its scheduling group it runs when
-/// nothing else there wants the core, and a task of any other policy that wakes on its core
-/// takes the core at once (the CPU is shared between groups first, which this leaves as it
-/// is). On 2 cores shared by two ranks and two daemons (a snapshot per step, 326 MB per rank,
-/// six 10-step runs each way, interleaved), the ranks waited 4.1-6.5 s in all for a CPU over
-/// a run instead of 8.8-10.4 s with the data path under `SCHED_BATCH`, and ran in 10.3-15.3 s
-/// instead of 12.4-14.4, while the daemons, with less CPU, took 4-6 of the 10 snapshots
-/// instead of all. Unprivileged; a kernel that refuses leaves the policy as it was.
-fn idle_this_thread() {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sched_setscheduler reads the one valid `sched_param` passed; pid 0 is the
-    // calling thread.
-    #[allow(unsafe_code)]
-    let result = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) };
-    if result != 0 {
-        let error = std::io::Error::last_os_error();
-        WARNED.call_once(|| {
-            tracing::warn!(%error, "could not run the data path under SCHED_IDLE: it shares the cores with the ranks");
-        });
     }
 }
 
@@ -262,7 +215,7 @@ fn yield_to_the_ranks() {
 }
 
 /// Runs the daemon until SIGTERM or SIGINT.
-pub async fn run(cfg: Config, data: tokio::runtime::Handle) -> Result<()> {
+pub async fn run(cfg: Config, data: data_path::DataPath) -> Result<()> {
     let key = JobKey::from_file(&cfg.key_file)?;
     framing::set_source_ip(cfg.listen.ip());
     std::fs::create_dir_all(&cfg.shm_dir).map_err(|e| {
@@ -349,6 +302,9 @@ pub async fn run(cfg: Config, data: tokio::runtime::Handle) -> Result<()> {
         socket = %daemon.cfg.socket.display(),
         "ckptd ready"
     );
+    if let Some(valve) = daemon.data.valve(daemon.metrics.data_path_raised.clone()) {
+        tokio::spawn(valve);
+    }
     tokio::spawn(peer::serve(daemon.clone(), listener));
     tokio::spawn(local::serve(daemon.clone(), unix));
     // A leader's books exist before its own node links to it.
@@ -413,34 +369,4 @@ pub async fn run(cfg: Config, data: tokio::runtime::Handle) -> Result<()> {
         );
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The scheduling policy of the thread that runs this.
-    fn policy() -> i32 {
-        // SAFETY: sched_getscheduler reads nothing of ours; pid 0 is the calling thread.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::sched_getscheduler(0)
-        }
-    }
-
-    #[test]
-    fn the_data_path_runs_under_sched_idle_unless_shared() {
-        let here = policy();
-        assert_ne!(here, libc::SCHED_IDLE, "the test thread starts unlowered");
-        for (cpu, expected) in [(DataCpu::Idle, libc::SCHED_IDLE), (DataCpu::Shared, here)] {
-            let runtime = data_runtime(cpu).unwrap();
-            let (worker, blocking) = runtime.block_on(async {
-                let worker = tokio::spawn(async { policy() }).await.unwrap();
-                let blocking = tokio::task::spawn_blocking(policy).await.unwrap();
-                (worker, blocking)
-            });
-            assert_eq!((worker, blocking), (expected, expected), "{cpu:?}");
-        }
-        assert_eq!(policy(), here, "the calling thread keeps its policy");
-    }
 }

@@ -91,7 +91,7 @@ pub async fn follower(
             instance: 1,
             forgotten: Default::default(),
         }),
-        data: data_path().clone(),
+        data: super::data_path::DataPath::on(data_path().clone()),
         data_run: store.run(&cfg.run),
         forget_tail: Default::default(),
         cfg,
@@ -104,6 +104,10 @@ pub async fn follower(
 /// dropped in the tests' async contexts). `Shared`: the tests' other threads must not starve it.
 fn data_path() -> &'static tokio::runtime::Handle {
     static DATA: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
-    DATA.get_or_init(|| super::data_runtime(super::DataCpu::Shared).expect("a runtime"))
-        .handle()
+    DATA.get_or_init(|| {
+        super::data_path::DataPath::start(super::DataCpu::Shared)
+            .expect("a runtime")
+            .0
+    })
+    .handle()
 }
