@@ -16,15 +16,16 @@ pub use crate::logging::LogFormat;
 #[serde(rename_all = "lowercase")]
 pub enum DataCpu {
     /// `SCHED_IDLE`: below the ranks. A rank that wakes takes its core back at once, though
-    /// the kernel shares the CPU between scheduling groups (sessions, cgroups) first. Once any
-    /// of the data path's work has waited 100 ms for idle time (ranks that keep every core
-    /// busy, by busy-polling MPI or with more ranks than cores), the data path is raised to
-    /// `SCHED_BATCH` until it has nothing in hand. Raising needs `CAP_SYS_NICE` (or an
-    /// `RLIMIT_NICE` of 20); without it the daemon says so and runs as `Shared`.
+    /// the kernel shares the CPU between scheduling groups (sessions, cgroups) first. Once
+    /// the data path's threads have waited 100 ms in all for a CPU while it has work in hand
+    /// (ranks that keep every core busy, by busy-polling MPI or with more ranks than cores),
+    /// they are raised to `SCHED_BATCH` until it has nothing in hand. Raising needs
+    /// `CAP_SYS_NICE` (or an `RLIMIT_NICE` that allows nice 0); without it the daemon says so
+    /// and runs as `Shared`.
     Idle,
     /// `SCHED_BATCH`, an equal share beside the ranks (which then wait for a core the data
-    /// path holds: tens of milliseconds on an oversubscribed node), so every snapshot is
-    /// hashed and replicated however busy the cores are.
+    /// path holds: tens of milliseconds on an oversubscribed node), so the data path keeps
+    /// its share however busy the cores are.
     #[default]
     Shared,
 }

@@ -2,49 +2,61 @@
 //! and how its threads share the node's cores with the ranks ([`DataCpu`]).
 //!
 //! Under `DataCpu::Idle` the threads start under `SCHED_IDLE`, and a valve keeps that from
-//! starving them: once any of the data path's work has been in hand longer than
-//! [`IDLE_GRACE`], every thread of the runtime is raised to `SCHED_BATCH` (the ranks' equal),
-//! and lowered again once the data path has nothing in hand. On a node with idle cores the
-//! data path keeps up and stays below the ranks; on one whose ranks keep every core busy, it
-//! takes its share after the grace until it has caught up, instead of leaving the node to
-//! restore from a step long gone. (Lowered as soon as its oldest work is within the grace, it
-//! waited the grace again for every snapshot, and a rank lost at step 9 of a run on busy
-//! cores restored step 1.) The kernel lets a thread leave
-//! `SCHED_IDLE` only with `CAP_SYS_NICE` (or an `RLIMIT_NICE` of 20); a daemon without either
-//! runs the data path under `SCHED_BATCH` from the start, as `DataCpu::Shared`, and says so.
+//! starving them. While the data path has work in hand, a thread of its own (`ckptd-valve`,
+//! under the daemon's `SCHED_BATCH`) adds up how long the data path's threads have waited,
+//! runnable, for a CPU (the kernel's run-queue delay per thread); once that passes
+//! [`IDLE_GRACE`], it raises every thread of the runtime to `SCHED_BATCH` (the ranks' equal)
+//! until the data path has nothing in hand, then lowers them again. On a node with idle cores
+//! the data path's threads do not wait and it stays below the ranks; on one whose ranks keep
+//! every core busy it takes its share after the grace, instead of leaving the node to restore
+//! from a step long gone. (With the raise ended as soon as the oldest work was within the
+//! grace, every snapshot waited the grace again, and a rank lost at step 9 of a run on busy
+//! cores restored step 1.)
+//!
+//! The kernel lets a thread leave `SCHED_IDLE` only with `CAP_SYS_NICE` (in the initial user
+//! namespace) or an `RLIMIT_NICE` that allows its nice value (20 at nice 0); a daemon with
+//! neither runs the data path under `SCHED_BATCH` from the start, as `DataCpu::Shared`, and
+//! says so. Nothing on the control path takes a lock a data-path thread may hold: work is
+//! counted in and out with an atomic, and the valve only tries the threads' lock.
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
 
 use prometheus_client::metrics::counter::Counter;
 use tokio::runtime::{Handle, Runtime};
 
 use super::DataCpu;
 
-/// How long the data path's work waits for idle time before the valve raises it.
+/// How long, in all, the data path's threads may wait for a CPU in one spell of work before
+/// the valve raises them.
 pub const IDLE_GRACE: Duration = Duration::from_millis(100);
+/// How often the valve looks while work is in hand.
+const TICK: Duration = Duration::from_millis(20);
+/// How long the valve sleeps with nothing in hand, unless work comes.
+const IDLE_LOOK: Duration = Duration::from_secs(1);
 
 /// The data path's runtime, as the daemon's tasks hand it work.
 #[derive(Clone, Debug)]
 pub struct DataPath {
     handle: Handle,
-    /// Under `DataCpu::Idle`: what raises the threads when work waits too long.
+    /// Under `DataCpu::Idle`: what raises the threads when they wait too long.
     valve: Option<Arc<Valve>>,
 }
 
 impl DataPath {
     /// The data path's runtime: 2 workers, and up to 8 blocking threads for hashing, encoding
     /// and file IO (a few keep 2 cores busy, and fewer threads keep fewer malloc arenas
-    /// holding freed chunk buffers), lowered as `cpu` says.
+    /// holding freed chunk buffers), lowered as `cpu` says. Under `DataCpu::Idle` the valve
+    /// starts with [`DataPath::open_valve`].
     pub fn start(cpu: DataCpu) -> std::io::Result<(Runtime, DataPath)> {
         let valve = match cpu {
             DataCpu::Idle if can_leave_idle() => Some(Arc::new(Valve::default())),
             DataCpu::Idle => {
                 tracing::warn!(
-                    "data_cpu = \"idle\" needs CAP_SYS_NICE (or an RLIMIT_NICE of 20) to raise the data path when the ranks leave it no idle time; running it as \"shared\""
+                    "data_cpu = \"idle\" needs CAP_SYS_NICE (or an RLIMIT_NICE that allows nice 0) to raise the data path when the ranks leave it no idle time; running it as \"shared\""
                 );
                 None
             }
@@ -104,32 +116,35 @@ impl DataPath {
         &self,
         work: impl Future<Output = T> + Send + 'static,
     ) -> tokio::task::JoinHandle<T> {
-        // Work is in hand from now until it is done (or dropped at exit).
-        let waiting = self.valve.as_ref().map(Valve::waiting);
+        // In hand from now until it is done (or dropped at exit).
+        let in_hand = self.valve.as_ref().map(Valve::handed_over);
         self.handle.spawn(async move {
-            let _waiting = waiting;
+            let _in_hand = in_hand;
             work.await
         })
     }
 
-    /// The valve's loop, to run on the control path's runtime (a loop on the data path's
-    /// would wait for the idle time it is there to do without); `None` unless the data path
-    /// runs under `SCHED_IDLE`. Each raise counts in `raised`.
-    pub fn valve(&self, raised: Counter) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.valve.clone().map(|valve| valve.watch(raised))
+    /// Starts the valve's thread, under `DataCpu::Idle` (once; a later call does nothing).
+    /// Each raise counts in `raised`.
+    pub fn open_valve(&self, raised: Counter) -> std::io::Result<()> {
+        match &self.valve {
+            Some(valve) => valve.open(raised),
+            None => Ok(()),
+        }
     }
 }
 
-/// The data path's threads and the work they have in hand, for raising the threads while
-/// work waits too long.
+/// The data path's threads and the work it has in hand, for raising the threads while they
+/// wait too long.
 #[derive(Debug, Default)]
 struct Valve {
+    /// Taken by the data path's threads as they start and stop, and tried by the valve.
     threads: Mutex<Threads>,
-    /// When each piece of work in hand was handed over, by a number of its own.
-    waiting: Mutex<HashMap<u64, Instant>>,
-    next: AtomicU64,
-    /// Work was handed over or finished.
-    changed: tokio::sync::Notify,
+    /// Work handed over and not yet done.
+    in_hand: AtomicUsize,
+    opened: AtomicBool,
+    /// The valve's thread, woken when work comes to an empty data path.
+    watcher: OnceLock<std::thread::Thread>,
 }
 
 #[derive(Debug, Default)]
@@ -139,51 +154,67 @@ struct Threads {
 }
 
 /// Work in hand on the data path, from hand-over until it is done or dropped.
-struct Waiting {
-    valve: Arc<Valve>,
-    id: u64,
+struct InHand(Arc<Valve>);
+
+impl Drop for InHand {
+    fn drop(&mut self) {
+        // No wake-up from here (perhaps a thread under SCHED_IDLE): the valve looks every
+        // tick while work is in hand.
+        self.0.in_hand.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
-impl Drop for Waiting {
-    fn drop(&mut self) {
-        self.valve
-            .waiting
-            .lock()
-            .expect("not poisoned")
-            .remove(&self.id);
-        self.valve.changed.notify_one();
+/// One spell of work in hand while lowered: each thread's run-queue delay as last read,
+/// and the delay added up since the spell began.
+#[derive(Debug, Default)]
+struct Spell {
+    last: HashMap<libc::pid_t, u64>,
+    waited_ns: u64,
+}
+
+impl Spell {
+    /// Adds the delays read now; a thread first seen in this spell counts from its start.
+    fn add(&mut self, delays: impl IntoIterator<Item = (libc::pid_t, u64)>, first: bool) {
+        for (id, delay) in delays {
+            let before = self.last.insert(id, delay);
+            if !first {
+                self.waited_ns += delay.saturating_sub(before.unwrap_or(0));
+            }
+        }
     }
 }
 
 impl Valve {
-    fn waiting(self: &Arc<Self>) -> Waiting {
-        let id = self.next.fetch_add(1, Ordering::Relaxed);
-        self.waiting
-            .lock()
-            .expect("not poisoned")
-            .insert(id, Instant::now());
-        self.changed.notify_one();
-        Waiting {
-            valve: self.clone(),
-            id,
+    fn handed_over(self: &Arc<Self>) -> InHand {
+        if self.in_hand.fetch_add(1, Ordering::AcqRel) == 0 {
+            if let Some(watcher) = self.watcher.get() {
+                watcher.unpark();
+            }
         }
+        InHand(self.clone())
     }
 
     /// A thread of the data runtime starts: it takes the policy the others have now.
     fn joined(&self) {
-        let mut threads = self.threads.lock().expect("not poisoned");
-        // SAFETY: gettid has no preconditions.
-        #[allow(unsafe_code)]
-        let id = unsafe { libc::gettid() };
-        set_policy(id, threads.raised);
-        threads.ids.push(id);
+        let id = this_thread_id();
+        let raised = {
+            let mut threads = self.threads.lock().expect("not poisoned");
+            threads.ids.push(id);
+            threads.raised
+        };
+        // Set outside the lock (this thread may already be under SCHED_IDLE, inherited), then
+        // made right under it if the valve turned meanwhile.
+        set_policy(id, raised);
+        let threads = self.threads.lock().expect("not poisoned");
+        if threads.raised != raised {
+            set_policy(id, threads.raised);
+        }
     }
 
-    /// A thread of the data runtime stops (before it exits, so its id is not yet reused).
+    /// A thread of the data runtime stops (on the thread, before it exits, so its id is not
+    /// yet reused).
     fn left(&self) {
-        // SAFETY: gettid has no preconditions.
-        #[allow(unsafe_code)]
-        let id = unsafe { libc::gettid() };
+        let id = this_thread_id();
         self.threads
             .lock()
             .expect("not poisoned")
@@ -191,59 +222,83 @@ impl Valve {
             .retain(|&other| other != id);
     }
 
-    /// Raises or lowers every thread, if they are not so already. Whether it raised them.
-    fn raise(&self, raise: bool) -> bool {
-        let mut threads = self.threads.lock().expect("not poisoned");
-        if threads.raised == raise {
-            return false;
+    fn open(self: &Arc<Self>, raised: Counter) -> std::io::Result<()> {
+        if self.opened.swap(true, Ordering::AcqRel) {
+            return Ok(());
         }
-        threads.raised = raise;
-        for &id in &threads.ids {
-            set_policy(id, raise);
-        }
-        raise
+        let valve = Arc::downgrade(self);
+        let thread = std::thread::Builder::new()
+            .name("ckptd-valve".into())
+            .spawn(move || watch(valve, raised))?;
+        let _ = self.watcher.set(thread.thread().clone());
+        // Work handed over before the watcher was known.
+        thread.thread().unpark();
+        Ok(())
     }
 
-    /// Raises the threads once any work in hand was handed over more than [`IDLE_GRACE`] ago,
-    /// and lowers them once nothing is in hand; wakes when work comes or goes, or when the
-    /// oldest in hand passes the grace.
-    async fn watch(self: Arc<Self>, raised: Counter) {
-        loop {
-            let oldest = self
-                .waiting
-                .lock()
-                .expect("not poisoned")
-                .values()
-                .min()
-                .copied();
-            let due = oldest.map(|since| since + IDLE_GRACE);
-            let overdue = due.is_some_and(|due| due <= Instant::now());
-            let raise = match oldest {
-                None => Some(false),
-                Some(_) if overdue => Some(true),
-                // Work within its grace: raised threads stay so until the data path is empty.
-                Some(_) => None,
-            };
-            if raise.is_some_and(|raise| self.raise(raise)) {
-                raised.inc();
-                tracing::debug!("data path raised to SCHED_BATCH: its work waited over the grace");
+    /// One look: lowers the threads when nothing is in hand; while work is, adds up their
+    /// waits and raises them past the grace. Returns how long to sleep.
+    fn look(&self, spell: &mut Option<Spell>, raised: &Counter) -> Duration {
+        // A data-path thread holding the lock is starting or stopping: look again soon.
+        let Ok(mut threads) = self.threads.try_lock() else {
+            return TICK;
+        };
+        if self.in_hand.load(Ordering::Acquire) == 0 {
+            *spell = None;
+            if threads.raised && !threads.set_all(false) {
+                return TICK;
             }
-            match due.filter(|_| !overdue) {
-                Some(due) => {
-                    tokio::select! {
-                        () = self.changed.notified() => {}
-                        () = tokio::time::sleep_until(due.into()) => {}
-                    }
-                }
-                None => self.changed.notified().await,
-            }
+            return IDLE_LOOK;
         }
+        if threads.raised {
+            return TICK;
+        }
+        let delays: Vec<(libc::pid_t, u64)> = threads
+            .ids
+            .iter()
+            .map(|&id| (id, run_delay_ns(id)))
+            .collect();
+        let first = spell.is_none();
+        let spell = spell.get_or_insert_with(Spell::default);
+        spell.add(delays, first);
+        if spell.waited_ns >= IDLE_GRACE.as_nanos() as u64 && threads.set_all(true) {
+            raised.inc();
+            tracing::debug!(
+                waited_ms = spell.waited_ns / 1_000_000,
+                "data path raised to SCHED_BATCH: its threads waited past the grace for a CPU"
+            );
+        }
+        TICK
     }
 }
 
-/// Puts thread `id` under `SCHED_BATCH` (`raise`) or `SCHED_IDLE`. A refusal is logged once:
-/// the thread keeps the policy it had.
-fn set_policy(id: libc::pid_t, raise: bool) {
+impl Threads {
+    /// Raises or lowers every thread; whether all took it (only then is `raised` changed, and
+    /// the valve tries again at its next look otherwise).
+    fn set_all(&mut self, raise: bool) -> bool {
+        let all = self.ids.iter().all(|&id| set_policy(id, raise));
+        if all {
+            self.raised = raise;
+            if !raise {
+                tracing::debug!("data path lowered to SCHED_IDLE: nothing in hand");
+            }
+        }
+        all
+    }
+}
+
+/// The valve's thread: looks while the valve is there (the daemon's data path lives as long
+/// as the process; a test's is dropped).
+fn watch(valve: Weak<Valve>, raised: Counter) {
+    let mut spell = None;
+    while let Some(pause) = valve.upgrade().map(|valve| valve.look(&mut spell, &raised)) {
+        std::thread::park_timeout(pause);
+    }
+}
+
+/// Puts thread `id` under `SCHED_BATCH` (`raise`) or `SCHED_IDLE`; whether the kernel took
+/// it. The first refusal is logged.
+fn set_policy(id: libc::pid_t, raise: bool) -> bool {
     static WARNED: std::sync::Once = std::sync::Once::new();
     let policy = if raise {
         libc::SCHED_BATCH
@@ -260,12 +315,30 @@ fn set_policy(id: libc::pid_t, raise: bool) {
             tracing::warn!(%error, raise, "could not change the data path's scheduling policy");
         });
     }
+    result == 0
+}
+
+/// The calling thread's id (the `gettid` system call: glibc has a wrapper only since 2.30).
+fn this_thread_id() -> libc::pid_t {
+    // SAFETY: gettid takes no arguments and cannot fail.
+    #[allow(unsafe_code)]
+    let id = unsafe { libc::syscall(libc::SYS_gettid) };
+    id as libc::pid_t
+}
+
+/// How long thread `id` of this process has waited, runnable, for a CPU (the second figure
+/// of its `schedstat`), in ns; 0 for a thread gone.
+fn run_delay_ns(id: libc::pid_t) -> u64 {
+    std::fs::read_to_string(format!("/proc/self/task/{id}/schedstat"))
+        .ok()
+        .and_then(|text| text.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
 }
 
 /// Whether a thread of this process may leave `SCHED_IDLE` again: tried on a thread of its
 /// own, which goes idle and back.
 fn can_leave_idle() -> bool {
-    std::thread::spawn(|| {
+    let probe = std::thread::Builder::new().spawn(|| {
         let param = libc::sched_param { sched_priority: 0 };
         // SAFETY: as in `set_policy`; pid 0 is this probe thread.
         #[allow(unsafe_code)]
@@ -273,9 +346,8 @@ fn can_leave_idle() -> bool {
             libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) == 0
                 && libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) == 0
         }
-    })
-    .join()
-    .unwrap_or(false)
+    });
+    probe.is_ok_and(|probe| probe.join().unwrap_or(false))
 }
 
 #[cfg(test)]
@@ -288,6 +360,15 @@ mod tests {
         #[allow(unsafe_code)]
         unsafe {
             libc::sched_getscheduler(0)
+        }
+    }
+
+    /// The scheduling policy of thread `id` of this process.
+    fn policy_of(id: libc::pid_t) -> i32 {
+        // SAFETY: as in `policy`.
+        #[allow(unsafe_code)]
+        unsafe {
+            libc::sched_getscheduler(id)
         }
     }
 
@@ -329,27 +410,22 @@ mod tests {
         assert_eq!(policy(), here, "the calling thread keeps its policy");
     }
 
-    /// With every core kept busy, work on an idle data path is raised after the grace and
-    /// done in about the time it needs (under `SCHED_IDLE` alone, 50 ms of CPU took 17 s: the
-    /// busy threads leave it a fraction of a percent), and the data path is lowered again
-    /// once it has nothing in hand.
+    /// With every core kept busy, work on an idle data path is raised once its threads have
+    /// waited the grace for a CPU, and done in about the time it needs (unraised, 50 ms of
+    /// CPU took 17 s: the busy threads leave it a fraction of a percent); with nothing in
+    /// hand, every thread is lowered again.
     #[test]
     fn work_that_waits_past_the_grace_is_raised_and_then_lowered() {
         let (runtime, data) = DataPath::start(DataCpu::Idle).unwrap();
-        let control = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .enable_all()
-            .build()
-            .unwrap();
         let raised = Counter::default();
-        let Some(valve) = data.valve(raised.clone()) else {
-            let policy = control.block_on(data.run(async { policy() }));
+        let Some(valve) = data.valve.clone() else {
+            let policy = runtime.block_on(data.run(async { policy() }));
             assert_ne!(policy, libc::SCHED_IDLE, "unraisable, so never lowered");
             eprintln!("no CAP_SYS_NICE here: only the fallback to \"shared\" was checked");
             return;
         };
-        control.spawn(valve);
-        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        data.open_valve(raised.clone()).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
         let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
         let busy: Vec<_> = (0..cores)
             .map(|_| {
@@ -361,8 +437,8 @@ mod tests {
                 })
             })
             .collect();
-        let started = Instant::now();
-        let during = control.block_on(data.run(async {
+        let started = std::time::Instant::now();
+        let during = runtime.block_on(data.run(async {
             tokio::task::spawn_blocking(|| {
                 let from = thread_cpu();
                 while thread_cpu() - from < Duration::from_millis(50) {
@@ -374,22 +450,30 @@ mod tests {
             .unwrap()
         }));
         let took = started.elapsed();
-        // Lowered once nothing is in hand: between two pieces of work, so a later one finds
-        // it done.
-        let mut after = control.block_on(data.run(async { policy() }));
-        let waited = Instant::now();
-        while after != libc::SCHED_IDLE && waited.elapsed() < Duration::from_secs(2) {
-            std::thread::sleep(Duration::from_millis(10));
-            after = control.block_on(data.run(async { policy() }));
-        }
+        let raises = raised.get();
         stop.store(true, Ordering::Relaxed);
         for thread in busy {
             thread.join().unwrap();
         }
+        // Nothing in hand now: the valve lowers every thread at its next look.
+        let waited = std::time::Instant::now();
+        let policies = loop {
+            let threads = valve.threads.lock().unwrap();
+            let policies: Vec<i32> = threads.ids.iter().map(|&id| policy_of(id)).collect();
+            if !threads.raised || waited.elapsed() > Duration::from_secs(2) {
+                break policies;
+            }
+            drop(threads);
+            std::thread::sleep(Duration::from_millis(10));
+        };
         assert_eq!(during, libc::SCHED_BATCH, "raised while it worked");
         assert!(took < Duration::from_secs(3), "done in {took:?}");
-        assert_eq!(raised.get(), 1);
-        assert_eq!(after, libc::SCHED_IDLE, "lowered once nothing waited");
+        assert_eq!(raises, 1);
+        assert!(policies.len() >= 2, "{policies:?}");
+        assert!(
+            policies.iter().all(|&p| p == libc::SCHED_IDLE),
+            "lowered: {policies:?}"
+        );
         drop(runtime);
     }
 }

@@ -115,7 +115,7 @@ impl Metrics {
         );
         registry.register(
             "data_path_raised",
-            "Times the data path, under data_cpu = idle, waited past its grace for idle time and was raised to the ranks' share",
+            "Times the data path, under data_cpu = idle, waited past its grace for a CPU and was raised to the ranks' share",
             m.data_path_raised.clone(),
         );
         registry.register(

@@ -302,9 +302,10 @@ pub async fn run(cfg: Config, data: data_path::DataPath) -> Result<()> {
         socket = %daemon.cfg.socket.display(),
         "ckptd ready"
     );
-    if let Some(valve) = daemon.data.valve(daemon.metrics.data_path_raised.clone()) {
-        tokio::spawn(valve);
-    }
+    daemon
+        .data
+        .open_valve(daemon.metrics.data_path_raised.clone())
+        .context("starting the data path's valve")?;
     tokio::spawn(peer::serve(daemon.clone(), listener));
     tokio::spawn(local::serve(daemon.clone(), unix));
     // A leader's books exist before its own node links to it.
