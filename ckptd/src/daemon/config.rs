@@ -17,11 +17,11 @@ pub use crate::logging::LogFormat;
 pub enum DataCpu {
     /// `SCHED_IDLE`: below the ranks. A rank that wakes takes its core back at once, though
     /// the kernel shares the CPU between scheduling groups (sessions, cgroups) first. Once
-    /// the data path's threads have waited 100 ms in all for a CPU while it has work in hand
+    /// the data path's threads have waited about 100 ms for a CPU while it has work in hand
     /// (ranks that keep every core busy, by busy-polling MPI or with more ranks than cores),
-    /// they are raised to `SCHED_BATCH` until it has nothing in hand. Raising needs
-    /// `CAP_SYS_NICE` (or an `RLIMIT_NICE` that allows nice 0); without it the daemon says so
-    /// and runs as `Shared`.
+    /// they are raised to `SCHED_BATCH` for up to a second, or until it has nothing in hand.
+    /// Raising needs `CAP_SYS_NICE` (or an `RLIMIT_NICE` that allows nice 0); without it the
+    /// daemon says so and runs as `Shared`.
     Idle,
     /// `SCHED_BATCH`, an equal share beside the ranks (which then wait for a core the data
     /// path holds: tens of milliseconds on an oversubscribed node), so the data path keeps
