@@ -443,6 +443,23 @@ mod tests {
     /// Held by the tests that keep every core busy or want them not to be: one at a time.
     static CORES: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+    /// An idle data path with its valve open (where it has one), what counts its raises, and
+    /// [`CORES`] held.
+    fn idle_data_path() -> (
+        std::sync::MutexGuard<'static, ()>,
+        Runtime,
+        DataPath,
+        Counter,
+    ) {
+        let cores = CORES
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let (runtime, data) = DataPath::start(DataCpu::Idle).unwrap();
+        let raised = Counter::default();
+        data.open_valve(raised.clone()).unwrap();
+        (cores, runtime, data, raised)
+    }
+
     /// The scheduling policy of the thread that runs this.
     fn policy() -> i32 {
         // SAFETY: sched_getscheduler reads nothing of ours; pid 0 is the calling thread.
@@ -495,16 +512,11 @@ mod tests {
     /// its threads really waited the grace for a CPU (other load on the machine).
     #[test]
     fn work_in_hand_that_does_not_wait_for_a_cpu_is_not_raised() {
-        let _cores = CORES
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let (runtime, data) = DataPath::start(DataCpu::Idle).unwrap();
+        let (_cores, runtime, data, raised) = idle_data_path();
         let Some(valve) = data.valve.clone() else {
             eprintln!("no CAP_SYS_NICE here: nothing to check");
             return;
         };
-        let raised = Counter::default();
-        data.open_valve(raised.clone()).unwrap();
         let delay = || -> u64 {
             valve
                 .ids()
@@ -524,7 +536,7 @@ mod tests {
             .await
             .unwrap()
         }));
-        let waited = Duration::from_nanos(delay() - before);
+        let waited = Duration::from_nanos(delay().saturating_sub(before));
         if raised.get() == 0 {
             assert_eq!(during, libc::SCHED_IDLE);
         } else {
@@ -543,18 +555,13 @@ mod tests {
     /// hand, every thread is lowered again.
     #[test]
     fn work_that_waits_past_the_grace_is_raised_and_then_lowered() {
-        let _cores = CORES
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let (runtime, data) = DataPath::start(DataCpu::Idle).unwrap();
-        let raised = Counter::default();
+        let (_cores, runtime, data, raised) = idle_data_path();
         let Some(valve) = data.valve.clone() else {
             let policy = runtime.block_on(data.run(async { policy() }));
             assert_ne!(policy, libc::SCHED_IDLE, "unraisable, so never lowered");
             eprintln!("no CAP_SYS_NICE here: only the fallback to \"shared\" was checked");
             return;
         };
-        data.open_valve(raised.clone()).unwrap();
         let stop = Arc::new(AtomicBool::new(false));
         // One per CPU this process may run on (a CPU quota would leave some free).
         // SAFETY: sched_getaffinity writes the one zeroed cpu_set_t passed, of its size.
@@ -567,16 +574,23 @@ mod tests {
                 2
             }
         };
+        let spinning = Arc::new(AtomicUsize::new(0));
         let busy: Vec<_> = (0..cores)
             .map(|_| {
-                let stop = stop.clone();
+                let (stop, spinning) = (stop.clone(), spinning.clone());
                 std::thread::spawn(move || {
+                    spinning.fetch_add(1, Ordering::AcqRel);
                     while !stop.load(Ordering::Relaxed) {
                         std::hint::spin_loop();
                     }
                 })
             })
             .collect();
+        // Every core busy before the work comes.
+        while spinning.load(Ordering::Acquire) < cores {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        std::thread::sleep(Duration::from_millis(20));
         let started = std::time::Instant::now();
         let during = runtime.block_on(data.run(async {
             tokio::task::spawn_blocking(|| {
@@ -606,9 +620,14 @@ mod tests {
                 break policies;
             }
         };
-        assert_eq!(during, libc::SCHED_BATCH, "raised while it worked");
-        assert!(took < Duration::from_secs(3), "done in {took:?}");
-        assert_eq!(raises, 1);
+        // Raised while it worked (lowered again to measure after a second raised, where other
+        // load here slows even the raised work).
+        assert!(raises >= 1, "never raised; done in {took:?}");
+        assert!(
+            during == libc::SCHED_BATCH || took > RAISED_FOR,
+            "done unraised in {took:?}"
+        );
+        assert!(took < Duration::from_secs(5), "done in {took:?}");
         assert!(policies.len() >= 2, "{policies:?}");
         assert!(
             policies.iter().all(|&p| p == libc::SCHED_IDLE),
