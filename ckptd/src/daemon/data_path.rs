@@ -89,18 +89,10 @@ impl DataPath {
         Ok((runtime, DataPath { handle, valve }))
     }
 
-    /// Work runs on `handle` as it is, under the policy its threads already have (the tests'
-    /// daemons).
-    #[cfg(test)]
-    pub fn on(handle: Handle) -> Self {
-        Self {
-            handle,
-            valve: None,
-        }
-    }
-
     /// Runs `work` on the data path's runtime and waits for it. A panic is the caller's, as
-    /// if `work` had run in its task.
+    /// if `work` had run in its task. What takes the daemon's locks stays out of `work`: a
+    /// thread under `SCHED_IDLE` holding one would keep every task that wants it waiting
+    /// until a core is idle (or the valve raises it).
     pub async fn run<T: Send + 'static>(
         &self,
         work: impl Future<Output = T> + Send + 'static,
@@ -152,8 +144,7 @@ struct Valve {
     raised: AtomicBool,
     /// Work handed over and not yet done.
     in_hand: AtomicUsize,
-    opened: AtomicBool,
-    /// The valve's thread, woken when work comes to an empty data path.
+    /// The valve's thread, once opened; woken when work comes to an empty data path.
     watcher: OnceLock<std::thread::Thread>,
 }
 
@@ -185,7 +176,7 @@ struct Watch {
 }
 
 /// One thread's scheduling figures, as the valve last read them.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 struct Sched {
     /// CPU time and run-queue delay (`schedstat`), ns.
     ran_ns: u64,
@@ -238,14 +229,13 @@ impl Valve {
     }
 
     fn open(self: &Arc<Self>, raised: Counter) -> std::io::Result<()> {
-        if self.opened.load(Ordering::Acquire) {
+        if self.watcher.get().is_some() {
             return Ok(());
         }
         let valve = Arc::downgrade(self);
         let thread = std::thread::Builder::new()
             .name("ckptd-valve".into())
             .spawn(move || watch(valve, raised))?;
-        self.opened.store(true, Ordering::Release);
         let _ = self.watcher.set(thread.thread().clone());
         // Work handed over before the watcher was known.
         thread.thread().unpark();
@@ -263,13 +253,8 @@ impl Valve {
     /// Puts every thread under the policy the valve wants, where one is not.
     fn enforce(&self) {
         let raise = self.raised.load(Ordering::Acquire);
-        let wanted = if raise {
-            libc::SCHED_BATCH
-        } else {
-            libc::SCHED_IDLE
-        };
         for id in self.ids() {
-            if policy_of(id) != wanted {
+            if policy_of(id) != policy_for(raise) {
                 set_policy(id, raise);
             }
         }
@@ -367,20 +352,33 @@ fn watch(valve: Weak<Valve>, raised: Counter) {
 /// logged; the valve tries again at its next look.
 fn set_policy(id: libc::pid_t, raise: bool) {
     static WARNED: std::sync::Once = std::sync::Once::new();
-    let policy = if raise {
+    if let Err(error) = set_scheduler(id, policy_for(raise)) {
+        WARNED.call_once(|| {
+            tracing::warn!(%error, raise, "could not change the data path's scheduling policy");
+        });
+    }
+}
+
+/// The policy of a raised (`SCHED_BATCH`) or lowered (`SCHED_IDLE`) data thread.
+fn policy_for(raise: bool) -> i32 {
+    if raise {
         libc::SCHED_BATCH
     } else {
         libc::SCHED_IDLE
-    };
+    }
+}
+
+/// Puts thread `id` of this process (0: the calling thread) under `policy`, a
+/// non-real-time one.
+pub(super) fn set_scheduler(id: libc::pid_t, policy: i32) -> std::io::Result<()> {
     let param = libc::sched_param { sched_priority: 0 };
     // SAFETY: sched_setscheduler reads the one valid `sched_param` passed.
     #[allow(unsafe_code)]
     let result = unsafe { libc::sched_setscheduler(id, policy, &param) };
-    if result != 0 {
-        let error = std::io::Error::last_os_error();
-        WARNED.call_once(|| {
-            tracing::warn!(%error, raise, "could not change the data path's scheduling policy");
-        });
+    if result == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -393,12 +391,9 @@ fn policy_of(id: libc::pid_t) -> i32 {
     }
 }
 
-/// The calling thread's id (the `gettid` system call: glibc has a wrapper only since 2.30).
+/// The calling thread's id.
 fn this_thread_id() -> libc::pid_t {
-    // SAFETY: gettid takes no arguments and cannot fail.
-    #[allow(unsafe_code)]
-    let id = unsafe { libc::syscall(libc::SYS_gettid) };
-    id as libc::pid_t
+    rustix::thread::gettid().as_raw_nonzero().get()
 }
 
 /// Thread `id`'s CPU time and run-queue delay in ns (`/proc/self/task/<id>/schedstat`); None
@@ -424,13 +419,8 @@ fn runnable(id: libc::pid_t) -> bool {
 /// run-queue delay the valve goes by: tried on a thread of its own, which goes idle and back.
 fn can_leave_idle() -> bool {
     let probe = std::thread::Builder::new().spawn(|| {
-        let param = libc::sched_param { sched_priority: 0 };
-        // SAFETY: as in `set_policy`; pid 0 is this probe thread.
-        #[allow(unsafe_code)]
-        let left = unsafe {
-            libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) == 0
-                && libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) == 0
-        };
+        let left = set_scheduler(0, libc::SCHED_IDLE).is_ok()
+            && set_scheduler(0, libc::SCHED_BATCH).is_ok();
         left && schedstat(this_thread_id()).is_some_and(|(ran_ns, _)| ran_ns > 0)
     });
     probe.is_ok_and(|probe| probe.join().unwrap_or(false))
@@ -462,24 +452,12 @@ mod tests {
 
     /// The scheduling policy of the thread that runs this.
     fn policy() -> i32 {
-        // SAFETY: sched_getscheduler reads nothing of ours; pid 0 is the calling thread.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::sched_getscheduler(0)
-        }
+        policy_of(0)
     }
 
     /// The CPU time this thread has used.
     fn thread_cpu() -> Duration {
-        let mut now = libc::timespec {
-            tv_sec: 0,
-            tv_nsec: 0,
-        };
-        // SAFETY: clock_gettime writes the one valid timespec passed.
-        #[allow(unsafe_code)]
-        unsafe {
-            libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now);
-        }
+        let now = rustix::time::clock_gettime(rustix::time::ClockId::ThreadCPUTime);
         Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
     }
 
@@ -564,16 +542,7 @@ mod tests {
         };
         let stop = Arc::new(AtomicBool::new(false));
         // One per CPU this process may run on (a CPU quota would leave some free).
-        // SAFETY: sched_getaffinity writes the one zeroed cpu_set_t passed, of its size.
-        #[allow(unsafe_code)]
-        let cores = unsafe {
-            let mut set: libc::cpu_set_t = std::mem::zeroed();
-            if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
-                libc::CPU_COUNT(&set) as usize
-            } else {
-                2
-            }
-        };
+        let cores = rustix::thread::sched_getaffinity(None).map_or(2, |set| set.count() as usize);
         let spinning = Arc::new(AtomicUsize::new(0));
         let busy: Vec<_> = (0..cores)
             .map(|_| {

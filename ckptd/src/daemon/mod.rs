@@ -118,16 +118,6 @@ impl Daemon {
         *self.last_from_leader.lock().expect("not poisoned") = std::time::Instant::now();
     }
 
-    /// Runs `work` on the data path's runtime ([`Daemon::data`]) and waits for it. What takes
-    /// the daemon's locks stays out of `work`: a thread under `SCHED_IDLE` holding one would
-    /// keep every task that wants it waiting until a core is idle.
-    pub async fn on_data_path<T: Send + 'static>(
-        &self,
-        work: impl std::future::Future<Output = T> + Send + 'static,
-    ) -> T {
-        self.data.run(work).await
-    }
-
     /// How long the leader has been silent on this node's link.
     pub fn silent_for(&self) -> std::time::Duration {
         self.last_from_leader
@@ -201,14 +191,10 @@ pub fn main(cli: Cli) -> ExitCode {
 /// maximum over a run was 26-55 ms without it and 0.3-36 ms with it (4 runs each).
 /// Unprivileged; a kernel that refuses leaves the policy as it was.
 fn yield_to_the_ranks() {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: sched_setscheduler reads the one valid `sched_param` passed; pid 0 is this
-    // thread, and the threads started after it inherit the policy.
-    #[allow(unsafe_code)]
-    let result = unsafe { libc::sched_setscheduler(0, libc::SCHED_BATCH, &param) };
-    if result != 0 {
+    // This thread; the threads started after it inherit the policy.
+    if let Err(error) = data_path::set_scheduler(0, libc::SCHED_BATCH) {
         tracing::warn!(
-            error = %std::io::Error::last_os_error(),
+            %error,
             "could not run under SCHED_BATCH: the daemon's wake-ups may preempt training ranks"
         );
     }

@@ -73,7 +73,8 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
                 blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
             };
             let (mut stream, result) = daemon
-                .on_data_path({
+                .data
+                .run({
                     let daemon = daemon.clone();
                     async move {
                         let result =

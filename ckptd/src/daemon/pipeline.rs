@@ -83,7 +83,8 @@ struct Job {
 async fn process(daemon: Arc<Daemon>, job: Job) {
     let started = Instant::now();
     let (job, result) = daemon
-        .on_data_path({
+        .data
+        .run({
             let daemon = daemon.clone();
             async move {
                 let result = replicate(&daemon, &job).await;
@@ -374,7 +375,8 @@ async fn upload_inner(
     };
     // The rest takes no lock of the daemon's: all of it runs on the data path.
     daemon
-        .on_data_path(store_slot(daemon.clone(), shard, snap))
+        .data
+        .run(store_slot(daemon.clone(), shard, snap))
         .await
 }
 

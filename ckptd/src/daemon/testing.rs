@@ -91,7 +91,7 @@ pub async fn follower(
             instance: 1,
             forgotten: Default::default(),
         }),
-        data: super::data_path::DataPath::on(data_path().clone()),
+        data: data_path().clone(),
         data_run: store.run(&cfg.run),
         forget_tail: Default::default(),
         cfg,
@@ -102,12 +102,12 @@ pub async fn follower(
 /// A data-path runtime of its own for the tests' daemons, as `ckptd` has, so that the data
 /// path's work crosses runtimes as it does there; kept for the process (a runtime may not be
 /// dropped in the tests' async contexts). `Shared`: the tests' other threads must not starve it.
-fn data_path() -> &'static tokio::runtime::Handle {
-    static DATA: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
-    DATA.get_or_init(|| {
-        super::data_path::DataPath::start(super::DataCpu::Shared)
-            .expect("a runtime")
-            .0
-    })
-    .handle()
+fn data_path() -> &'static super::data_path::DataPath {
+    static DATA: std::sync::OnceLock<(tokio::runtime::Runtime, super::data_path::DataPath)> =
+        std::sync::OnceLock::new();
+    &DATA
+        .get_or_init(|| {
+            super::data_path::DataPath::start(super::DataCpu::Shared).expect("a runtime")
+        })
+        .1
 }
