@@ -23,7 +23,8 @@
 //! of the daemon's: the threads' ids, the policy it wants and the work in hand are atomics,
 //! and it puts each thread under the policy it wants at every look (a thread that started as
 //! it turned included). Tokio's own scheduler locks are shared with the control path, as for
-//! any work handed between runtimes.
+//! any work handed between runtimes. It reads and sets the threads through [`Kernel`], which
+//! the unit tests make up to test its decisions exactly and without privilege.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -59,7 +60,7 @@ impl DataPath {
     /// starts with [`DataPath::open_valve`].
     pub fn start(cpu: DataCpu) -> std::io::Result<(Runtime, DataPath)> {
         let valve = match cpu {
-            DataCpu::Idle if can_leave_idle() => Some(Arc::new(Valve::default())),
+            DataCpu::Idle if can_leave_idle() => Some(Arc::new(Valve::new(Arc::new(ThisProcess)))),
             DataCpu::Idle => {
                 tracing::warn!(
                     "data_cpu = \"idle\" needs CAP_SYS_NICE (or an RLIMIT_NICE that allows nice 0) and the kernel's run-queue delays (schedstat) to raise the data path when the ranks leave it no idle time; running it as \"shared\""
@@ -135,8 +136,10 @@ impl DataPath {
 /// The data path's threads and the work it has in hand, for raising the threads while they
 /// wait too long. Lock-free: the threads may be under `SCHED_IDLE`, and whatever they held
 /// while starved would stop the valve too.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Valve {
+    /// What the valve reads of the threads and asks of the kernel for them.
+    kernel: Arc<dyn Kernel>,
     /// The data threads' ids, each in a slot of its own (0: free), set as they start and
     /// cleared as they stop.
     ids: [AtomicI32; ID_SLOTS],
@@ -146,6 +149,41 @@ struct Valve {
     in_hand: AtomicUsize,
     /// The valve's thread, once opened; woken when work comes to an empty data path.
     watcher: OnceLock<std::thread::Thread>,
+}
+
+/// What the valve reads of the kernel about a data thread and asks of it: this process's
+/// threads ([`ThisProcess`]), or a test's threads, whose scheduling it makes up.
+trait Kernel: Send + Sync + std::fmt::Debug {
+    /// Thread `id`'s CPU time and run-queue delay in ns; None for a thread gone.
+    fn schedstat(&self, id: libc::pid_t) -> Option<(u64, u64)>;
+    /// Whether thread `id` is runnable (running or waiting for a CPU).
+    fn runnable(&self, id: libc::pid_t) -> bool;
+    /// Thread `id`'s scheduling policy (-1 for a thread gone).
+    fn policy(&self, id: libc::pid_t) -> i32;
+    /// Puts thread `id` under `policy`.
+    fn set_policy(&self, id: libc::pid_t, policy: i32) -> std::io::Result<()>;
+}
+
+/// This process's threads, through `/proc/self/task` and the scheduler's system calls.
+#[derive(Debug)]
+struct ThisProcess;
+
+impl Kernel for ThisProcess {
+    fn schedstat(&self, id: libc::pid_t) -> Option<(u64, u64)> {
+        schedstat(id)
+    }
+
+    fn runnable(&self, id: libc::pid_t) -> bool {
+        runnable(id)
+    }
+
+    fn policy(&self, id: libc::pid_t) -> i32 {
+        policy_of(id)
+    }
+
+    fn set_policy(&self, id: libc::pid_t, policy: i32) -> std::io::Result<()> {
+        set_scheduler(id, policy)
+    }
 }
 
 /// Slots for the data threads' ids: 2 workers and up to 8 blocking threads, with room for
@@ -195,6 +233,16 @@ const ALLOWANCE: u32 = 4;
 const RAISED_FOR: Duration = Duration::from_secs(1);
 
 impl Valve {
+    fn new(kernel: Arc<dyn Kernel>) -> Valve {
+        Valve {
+            kernel,
+            ids: Default::default(),
+            raised: AtomicBool::default(),
+            in_hand: AtomicUsize::default(),
+            watcher: OnceLock::new(),
+        }
+    }
+
     fn handed_over(self: &Arc<Self>) -> InHand {
         if self.in_hand.fetch_add(1, Ordering::AcqRel) == 0 {
             if let Some(watcher) = self.watcher.get() {
@@ -207,7 +255,11 @@ impl Valve {
     /// A thread of the data runtime starts: it takes the policy the valve wants now (the valve
     /// puts it right at its next look if that changes meanwhile).
     fn joined(&self) {
-        let id = this_thread_id();
+        self.join(this_thread_id());
+    }
+
+    /// Thread `id` joins the data runtime, under the policy the valve wants now.
+    fn join(&self, id: libc::pid_t) {
         if !self.ids.iter().any(|slot| {
             slot.compare_exchange(0, id, Ordering::AcqRel, Ordering::Acquire)
                 .is_ok()
@@ -216,13 +268,16 @@ impl Valve {
                 "more data-path threads than the valve has room for: one is not watched"
             );
         }
-        set_policy(id, self.raised.load(Ordering::Acquire));
+        self.put(id, self.raised.load(Ordering::Acquire));
     }
 
     /// A thread of the data runtime stops (on the thread, before it exits, so its id is not
     /// yet reused).
     fn left(&self) {
-        let id = this_thread_id();
+        self.leave(this_thread_id());
+    }
+
+    fn leave(&self, id: libc::pid_t) {
         for slot in &self.ids {
             let _ = slot.compare_exchange(id, 0, Ordering::AcqRel, Ordering::Acquire);
         }
@@ -254,17 +309,27 @@ impl Valve {
     fn enforce(&self) {
         let raise = self.raised.load(Ordering::Acquire);
         for id in self.ids() {
-            if policy_of(id) != policy_for(raise) {
-                set_policy(id, raise);
+            if self.kernel.policy(id) != policy_for(raise) {
+                self.put(id, raise);
             }
+        }
+    }
+
+    /// Puts thread `id` under `SCHED_BATCH` (`raise`) or `SCHED_IDLE`. The first refusal is
+    /// logged; the valve tries again at its next look.
+    fn put(&self, id: libc::pid_t, raise: bool) {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        if let Err(error) = self.kernel.set_policy(id, policy_for(raise)) {
+            WARNED.call_once(|| {
+                tracing::warn!(%error, raise, "could not change the data path's scheduling policy");
+            });
         }
     }
 
     /// One look: lowers the threads when nothing is in hand or they have been raised for
     /// [`RAISED_FOR`]; while work is in hand and they are lowered, adds up their waits for a
     /// CPU and raises them past the grace. Returns how long to sleep.
-    fn look(&self, watch: &mut Watch, raised: &Counter) -> Duration {
-        let now = std::time::Instant::now();
+    fn look(&self, watch: &mut Watch, raised: &Counter, now: std::time::Instant) -> Duration {
         let since = watch.last_look.replace(now).map(|then| now - then);
         let in_hand = self.in_hand.load(Ordering::Acquire) > 0;
         let lower = match watch.raised_at {
@@ -311,14 +376,14 @@ impl Valve {
         watch.threads.retain(|id, _| ids.contains(id));
         let mut waited_ns = 0;
         for id in ids {
-            let Some((ran_ns, delay_ns)) = schedstat(id) else {
+            let Some((ran_ns, delay_ns)) = self.kernel.schedstat(id) else {
                 continue;
             };
             let mut now = Sched {
                 ran_ns,
                 delay_ns,
                 counted_ns: 0,
-                runnable: runnable(id),
+                runnable: self.kernel.runnable(id),
             };
             // First seen: a baseline.
             if let Some(before) = watch.threads.get(&id).copied() {
@@ -343,19 +408,11 @@ impl Valve {
 /// as the process; a test's is dropped).
 fn watch(valve: Weak<Valve>, raised: Counter) {
     let mut watch = Watch::default();
-    while let Some(pause) = valve.upgrade().map(|valve| valve.look(&mut watch, &raised)) {
+    while let Some(pause) = valve
+        .upgrade()
+        .map(|valve| valve.look(&mut watch, &raised, std::time::Instant::now()))
+    {
         std::thread::park_timeout(pause);
-    }
-}
-
-/// Puts thread `id` under `SCHED_BATCH` (`raise`) or `SCHED_IDLE`. The first refusal is
-/// logged; the valve tries again at its next look.
-fn set_policy(id: libc::pid_t, raise: bool) {
-    static WARNED: std::sync::Once = std::sync::Once::new();
-    if let Err(error) = set_scheduler(id, policy_for(raise)) {
-        WARNED.call_once(|| {
-            tracing::warn!(%error, raise, "could not change the data path's scheduling policy");
-        });
     }
 }
 
@@ -603,5 +660,253 @@ mod tests {
             "lowered: {policies:?}"
         );
         drop(runtime);
+    }
+
+    /// A test's data threads: their scheduling figures are what the test says, and their
+    /// policies what the valve last put (or refused, while `refuse` is set).
+    #[derive(Debug, Default)]
+    struct Made {
+        threads: std::sync::Mutex<HashMap<libc::pid_t, MadeThread>>,
+        refuse: AtomicBool,
+    }
+
+    #[derive(Clone, Copy, Debug, Default)]
+    struct MadeThread {
+        ran_ns: u64,
+        delay_ns: u64,
+        runnable: bool,
+        policy: i32,
+    }
+
+    impl Made {
+        fn thread(&self, id: libc::pid_t) -> MadeThread {
+            self.threads
+                .lock()
+                .unwrap()
+                .get(&id)
+                .copied()
+                .unwrap_or_default()
+        }
+
+        fn update(&self, id: libc::pid_t, change: impl FnOnce(&mut MadeThread)) {
+            change(self.threads.lock().unwrap().entry(id).or_default());
+        }
+    }
+
+    impl Kernel for Made {
+        fn schedstat(&self, id: libc::pid_t) -> Option<(u64, u64)> {
+            let thread = self.thread(id);
+            Some((thread.ran_ns, thread.delay_ns))
+        }
+
+        fn runnable(&self, id: libc::pid_t) -> bool {
+            self.thread(id).runnable
+        }
+
+        fn policy(&self, id: libc::pid_t) -> i32 {
+            self.thread(id).policy
+        }
+
+        fn set_policy(&self, id: libc::pid_t, policy: i32) -> std::io::Result<()> {
+            if self.refuse.load(Ordering::Acquire) {
+                return Err(std::io::Error::from_raw_os_error(libc::EPERM));
+            }
+            self.update(id, |thread| thread.policy = policy);
+            Ok(())
+        }
+    }
+
+    /// A valve over made-up threads 1 and 2, looked at on a made-up clock.
+    struct Scene {
+        made: Arc<Made>,
+        valve: Arc<Valve>,
+        watch: Watch,
+        raised: Counter,
+        now: std::time::Instant,
+    }
+
+    impl Scene {
+        fn new() -> Scene {
+            let made = Arc::new(Made::default());
+            let valve = Arc::new(Valve::new(made.clone()));
+            valve.join(1);
+            valve.join(2);
+            Scene {
+                made,
+                valve,
+                watch: Watch::default(),
+                raised: Counter::default(),
+                now: std::time::Instant::now(),
+            }
+        }
+
+        /// A look `after` the last one.
+        fn look(&mut self, after: Duration) {
+            self.now += after;
+            self.valve.look(&mut self.watch, &self.raised, self.now);
+        }
+
+        /// Both threads wait for a CPU through the next `looks` ticks (the first look ever is
+        /// a baseline), each ending in a look.
+        fn starve(&mut self, looks: usize) {
+            for id in [1, 2] {
+                self.made.update(id, |thread| thread.runnable = true);
+            }
+            for _ in 0..looks {
+                self.look(TICK);
+            }
+        }
+
+        fn policies(&self) -> [i32; 2] {
+            [1, 2].map(|id| self.made.thread(id).policy)
+        }
+    }
+
+    const IDLE: [i32; 2] = [libc::SCHED_IDLE; 2];
+    const RAISED: [i32; 2] = [libc::SCHED_BATCH; 2];
+
+    /// Two threads runnable at two looks and not run between have each waited the whole tick:
+    /// 40 ms a look, less the 5 ms allowance from the second on. Past the 100 ms grace at the
+    /// third look after the first that saw them runnable, not before, and then both are raised.
+    #[test]
+    fn threads_starved_past_the_grace_are_raised_at_the_look_that_passes_it() {
+        let mut scene = Scene::new();
+        assert_eq!(scene.policies(), IDLE, "they join lowered");
+        let _in_hand = scene.valve.handed_over();
+        scene.starve(1);
+        scene.starve(2);
+        assert_eq!(scene.watch.waited, Duration::from_millis(75));
+        assert_eq!((scene.raised.get(), scene.policies()), (0, IDLE));
+        scene.starve(1);
+        assert_eq!(
+            (scene.raised.get(), scene.policies()),
+            (1, RAISED),
+            "110 ms"
+        );
+        // Raised, it does not count again.
+        scene.starve(10);
+        assert_eq!(scene.raised.get(), 1);
+    }
+
+    /// Without work in hand the threads' waits are not the data path's: not counted.
+    #[test]
+    fn waits_with_nothing_in_hand_do_not_count() {
+        let mut scene = Scene::new();
+        scene.look(Duration::ZERO);
+        scene.starve(50);
+        assert_eq!((scene.raised.get(), scene.policies()), (0, IDLE));
+        // Work comes: counted from then on, not from before.
+        let _in_hand = scene.valve.handed_over();
+        scene.starve(3);
+        assert_eq!(
+            scene.raised.get(),
+            0,
+            "the first look with work is a baseline"
+        );
+        scene.starve(1);
+        assert_eq!(scene.raised.get(), 1);
+    }
+
+    /// The kernel adds a wait to the run-queue delay only when the thread next runs. What the
+    /// valve counted ahead of it is taken off when it does, not counted twice.
+    #[test]
+    fn a_wait_counted_ahead_of_the_kernel_is_not_counted_again_when_it_shows() {
+        let mut scene = Scene::new();
+        let _in_hand = scene.valve.handed_over();
+        scene.made.update(1, |thread| thread.runnable = true);
+        for _ in 0..5 {
+            scene.look(TICK);
+        }
+        // After the baseline, 4 looks of 20 ms counted ahead for thread 1, less the allowance
+        // of 5 ms at the last 3: 65 ms.
+        assert_eq!(scene.watch.waited, Duration::from_millis(65));
+        // Thread 1 runs, and the kernel shows the 80 ms it waited.
+        scene.made.update(1, |thread| {
+            thread.ran_ns += 1_000_000;
+            thread.delay_ns += 80_000_000;
+            thread.runnable = false;
+        });
+        scene.look(TICK);
+        assert_eq!(scene.watch.waited, Duration::from_millis(60));
+        assert_eq!(
+            scene.raised.get(),
+            0,
+            "counted twice, it would pass the grace"
+        );
+        // A wait the kernel shows beyond what was counted ahead does count.
+        scene.made.update(2, |thread| thread.delay_ns += 50_000_000);
+        scene.look(TICK);
+        assert_eq!(scene.raised.get(), 1);
+    }
+
+    /// Threads that wait a little at every look (wake-ups on idle cores) stay within the
+    /// allowance, however long the work is in hand.
+    #[test]
+    fn short_waits_at_every_look_never_add_up() {
+        let mut scene = Scene::new();
+        let _in_hand = scene.valve.handed_over();
+        scene.look(Duration::ZERO);
+        for _ in 0..1000 {
+            for id in [1, 2] {
+                scene.made.update(id, |thread| {
+                    thread.ran_ns += 5_000_000;
+                    thread.delay_ns += 2_000_000;
+                });
+            }
+            scene.look(TICK);
+        }
+        assert_eq!((scene.raised.get(), scene.policies()), (0, IDLE));
+        assert!(
+            scene.watch.waited <= Duration::from_millis(4),
+            "{:?}",
+            scene.watch.waited
+        );
+    }
+
+    /// Raised threads are lowered when nothing is in hand, or after RAISED_FOR with work still
+    /// in hand, and the valve measures afresh: starved again, they are raised again after a
+    /// whole grace.
+    #[test]
+    fn raised_threads_are_lowered_after_a_while_or_with_nothing_in_hand() {
+        let mut scene = Scene::new();
+        let in_hand = scene.valve.handed_over();
+        scene.starve(4);
+        assert_eq!(scene.policies(), RAISED);
+        let looks = RAISED_FOR.as_millis() / TICK.as_millis();
+        scene.starve(looks as usize - 1);
+        assert_eq!(scene.policies(), RAISED, "within RAISED_FOR");
+        scene.starve(1);
+        assert_eq!(
+            (scene.raised.get(), scene.policies()),
+            (1, IDLE),
+            "after it"
+        );
+        // Lowered with the work still in hand, and measured from nothing (that look is the
+        // baseline).
+        scene.starve(2);
+        assert_eq!(scene.raised.get(), 1, "75 ms");
+        scene.starve(1);
+        assert_eq!((scene.raised.get(), scene.policies()), (2, RAISED));
+        drop(in_hand);
+        scene.look(TICK);
+        assert_eq!(scene.policies(), IDLE, "nothing in hand");
+    }
+
+    /// A change the kernel refuses is tried again at the next look, and a thread that joins
+    /// while the threads are raised starts raised.
+    #[test]
+    fn a_refused_change_is_tried_again_and_a_joining_thread_takes_the_wanted_policy() {
+        let mut scene = Scene::new();
+        let _in_hand = scene.valve.handed_over();
+        scene.made.refuse.store(true, Ordering::Release);
+        scene.starve(4);
+        assert_eq!((scene.raised.get(), scene.policies()), (1, IDLE), "refused");
+        scene.made.refuse.store(false, Ordering::Release);
+        scene.starve(1);
+        assert_eq!(scene.policies(), RAISED, "put right at the next look");
+        scene.valve.join(3);
+        assert_eq!(scene.made.thread(3).policy, libc::SCHED_BATCH);
+        scene.valve.leave(3);
+        assert_eq!(scene.valve.ids(), vec![1, 2]);
     }
 }
