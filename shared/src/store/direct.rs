@@ -1,8 +1,10 @@
 //! Chunk objects written to a `file://` store around the page cache (`O_DIRECT`), durable on
 //! return, published create-only exactly as `object_store`'s local store does it: a staging
 //! file `<name>#<n>` beside the object, fsynced, hard-linked to the object's name (which fails
-//! if the name exists) and removed, then the directory fsynced. Listings skip staging names
-//! and gc sweeps those a killed writer left (`gc.rs`).
+//! if the name exists) and removed, then the directory fsynced, and, the first time this
+//! process puts into that directory, every directory above it up to the store's root (a
+//! directory another writer made may not be durable yet: it can have been killed before it
+//! fsynced it). Listings skip staging names and gc sweeps those a killed writer left (`gc.rs`).
 //!
 //! Why: a buffered write costs the kernel a copy into the page cache and its writeback, and
 //! on 2 cores that was the largest part of a daemon's upload: `dd` of 336 MB took 0.5-0.8 s
@@ -10,16 +12,20 @@
 //! that refuses `O_DIRECT` (an older tmpfs) or the aligned write gets the same bytes written
 //! through the page cache instead; the result is the same file.
 
+use std::collections::BTreeSet;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::Path;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 
 use crate::page_buf::{PageBuf, PAGE};
 
-/// Writes `bytes` as the new file `dest`, durable (file and directory entry) on return.
-/// `Ok(false)` if `dest` already exists: nothing is written over it.
-pub(crate) fn put_new(dest: &Path, bytes: &[u8]) -> std::io::Result<bool> {
+/// Writes `bytes` as the new file `dest` in the store whose directory is `root`, durable
+/// (file and directory entries up to `root`) on return. `Ok(false)` if `dest` already
+/// exists: nothing is written over it, and its entries are made durable all the same (the
+/// writer that linked it may have been killed before it fsynced them).
+pub(crate) fn put_new(root: &Path, dest: &Path, bytes: &[u8]) -> std::io::Result<bool> {
     let (file, staging, direct) = create_staging(dest)?;
     let written = write_all(&file, &staging, bytes, direct)
         .and_then(|()| file.sync_all())
@@ -29,59 +35,70 @@ pub(crate) fn put_new(dest: &Path, bytes: &[u8]) -> std::io::Result<bool> {
             Err(error) => Err(error),
         });
     let _ = std::fs::remove_file(&staging);
-    if written? {
-        let parent = dest.parent().expect("an object's file has a directory");
-        sync_dir(parent)?;
-        return Ok(true);
+    let written = written?;
+    sync_dirs(
+        root,
+        dest.parent().expect("an object's file has a directory"),
+    )?;
+    Ok(written)
+}
+
+/// The directories whose entries, up to the store's root, this process has made durable.
+static DURABLE_DIRS: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+
+/// Fsyncs `dir` (where an object was just linked) and, where this process has not yet, the
+/// directory above it where its entry lies, and so on up to the first one it has (or `root`).
+fn sync_dirs(root: &Path, dir: &Path) -> std::io::Result<()> {
+    sync_dir(dir)?;
+    let durable = || DURABLE_DIRS.lock().unwrap_or_else(|p| p.into_inner());
+    let mut made = Vec::new();
+    let mut entry = dir;
+    while entry != root && !durable().contains(entry) {
+        let Some(above) = entry.parent().filter(|above| above.starts_with(root)) else {
+            break;
+        };
+        sync_dir(above)?;
+        made.push(entry.to_path_buf());
+        entry = above;
     }
-    Ok(false)
+    durable().extend(made);
+    Ok(())
 }
 
 /// Creates a staging file beside `dest` (`dest#1`, `dest#2`, ... whichever is free), and the
-/// directories up to it, each new one fsynced with the directory it was made in. Opened
-/// with `O_DIRECT` where the file system takes it.
-fn create_staging(dest: &Path) -> std::io::Result<(File, std::path::PathBuf, bool)> {
-    let mut direct = true;
+/// directories up to it ([`sync_dirs`] makes them durable). It is created as any file, then
+/// switched to `O_DIRECT` where the file system takes it: opened with the flag, a file system
+/// that refuses it fails the open only after creating the file.
+fn create_staging(dest: &Path) -> std::io::Result<(File, PathBuf, bool)> {
     let mut n = 1u32;
     loop {
         let mut staging = dest.as_os_str().to_owned();
         staging.push(format!("#{n}"));
-        let staging = std::path::PathBuf::from(staging);
-        let mut options = OpenOptions::new();
-        options.write(true).create_new(true);
-        if direct {
-            options.custom_flags(libc::O_DIRECT);
-        }
-        match options.open(&staging) {
-            Ok(file) => return Ok((file, staging, direct)),
+        let staging = PathBuf::from(staging);
+        match OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&staging)
+        {
+            Ok(file) => {
+                let direct = rustix::fs::fcntl_getfl(&file).and_then(|flags| {
+                    rustix::fs::fcntl_setfl(&file, flags | rustix::fs::OFlags::DIRECT)
+                });
+                return match direct {
+                    Ok(()) => Ok((file, staging, true)),
+                    Err(rustix::io::Errno::INVAL) => Ok((file, staging, false)),
+                    Err(error) => {
+                        let _ = std::fs::remove_file(&staging);
+                        Err(error.into())
+                    }
+                };
+            }
             Err(error) if error.kind() == ErrorKind::AlreadyExists => n += 1,
-            Err(error) if error.kind() == ErrorKind::NotFound => create_dirs(dest)?,
-            Err(error) if direct && error.raw_os_error() == Some(libc::EINVAL) => direct = false,
+            Err(error) if error.kind() == ErrorKind::NotFound => {
+                std::fs::create_dir_all(dest.parent().expect("an object's file has a directory"))?
+            }
             Err(error) => return Err(error),
         }
-    }
-}
-
-/// Makes the missing directories above `dest`, fsyncing each new one's parent (where its
-/// entry lies) and the new ones themselves, deepest last.
-fn create_dirs(dest: &Path) -> std::io::Result<()> {
-    let parent = dest.parent().expect("an object's file has a directory");
-    let mut existing = parent;
-    while !existing.exists() {
-        existing = existing
-            .parent()
-            .expect("the store's root exists above every object");
-    }
-    std::fs::create_dir_all(parent)?;
-    let mut dir = parent;
-    loop {
-        sync_dir(dir)?;
-        if dir == existing {
-            return Ok(());
-        }
-        dir = dir
-            .parent()
-            .expect("the store's root exists above every object");
     }
 }
 
@@ -153,9 +170,9 @@ mod tests {
             buffer.extend_from_slice(&bytes);
             let from = &buffer[usize::from(!aligned)..];
             assert_eq!(from.as_ptr().align_offset(PAGE) == 0, aligned);
-            assert!(put_new(&dest, from).unwrap());
+            assert!(put_new(root.path(), &dest, from).unwrap());
             assert_eq!(std::fs::read(&dest).unwrap(), bytes);
-            assert!(!put_new(&dest, b"other").unwrap());
+            assert!(!put_new(root.path(), &dest, b"other").unwrap());
             assert_eq!(std::fs::read(&dest).unwrap(), bytes, "not written over");
             let names: Vec<_> = std::fs::read_dir(dest.parent().unwrap())
                 .unwrap()
@@ -178,6 +195,46 @@ mod tests {
         assert_eq!(std::fs::read(&staging).unwrap(), bytes);
     }
 
+    /// The staging file is switched to `O_DIRECT` where the file system takes it, and where
+    /// one refuses it nothing but the staging file is left (an open with the flag would have
+    /// created the file before failing).
+    #[test]
+    fn the_staging_file_goes_direct_where_the_file_system_takes_it() {
+        let on_disk = tempfile::tempdir().unwrap();
+        let on_tmpfs = Path::new("/dev/shm")
+            .is_dir()
+            .then(|| tempfile::tempdir_in("/dev/shm").unwrap());
+        for root in std::iter::once(&on_disk).chain(&on_tmpfs) {
+            let dest = root.path().join("d/o");
+            let (file, staging, direct) = create_staging(&dest).unwrap();
+            let flags = rustix::fs::fcntl_getfl(&file).unwrap();
+            assert_eq!(flags.contains(rustix::fs::OFlags::DIRECT), direct);
+            let names: Vec<_> = std::fs::read_dir(root.path().join("d"))
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .collect();
+            assert_eq!(names, [staging]);
+        }
+    }
+
+    /// A put makes durable the entries of the directories it is in, up to the store's root,
+    /// once per process: the directories below the root are then known.
+    #[test]
+    fn the_directories_up_to_the_root_are_made_durable_once() {
+        let root = tempfile::tempdir().unwrap();
+        let dest = root.path().join("a/b/c/o");
+        assert!(put_new(root.path(), &dest, &[1u8; 100]).unwrap());
+        let durable = DURABLE_DIRS.lock().unwrap().clone();
+        let known: Vec<_> = ["a", "a/b", "a/b/c"]
+            .map(|dir| durable.contains(&root.path().join(dir)))
+            .to_vec();
+        assert_eq!(known, [true; 3]);
+        assert!(
+            !durable.contains(root.path()),
+            "the root's own entry is not the store's"
+        );
+    }
+
     /// A store on tmpfs (which may or may not take `O_DIRECT`) gets the same file.
     #[test]
     fn a_tmpfs_store_gets_the_same_file() {
@@ -188,7 +245,7 @@ mod tests {
         let root = tempfile::tempdir_in(shm).unwrap();
         let dest = root.path().join("x/y");
         let bytes = vec![5u8; 10_000];
-        assert!(put_new(&dest, &bytes).unwrap());
+        assert!(put_new(root.path(), &dest, &bytes).unwrap());
         assert_eq!(std::fs::read(&dest).unwrap(), bytes);
     }
 }

@@ -354,15 +354,16 @@ impl Store {
         }
     }
 
-    /// The file that holds `path` in a `file://` store, where its name is plain (letters,
-    /// digits, `._-=/`: the store's own names), so that it is the one `object_store` names.
-    fn local_file(&self, path: &Path) -> Option<PathBuf> {
+    /// The store's directory and the file in it that holds `path`, in a `file://` store where
+    /// the name is plain (letters, digits, `._-=/`: the store's own names), so that it is the
+    /// one `object_store` names.
+    fn local_file(&self, path: &Path) -> Option<(PathBuf, PathBuf)> {
         let plain = path
             .as_ref()
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"._-=/".contains(&b));
         let root = self.local_root.as_ref().filter(|_| plain)?;
-        Some(root.join(path.as_ref()))
+        Some((root.clone(), root.join(path.as_ref())))
     }
 
     /// Puts `bytes` at `path`. With `create_only`, fails with `AlreadyExists` mapped to `Ok(false)`
@@ -373,13 +374,13 @@ impl Store {
         bytes: Bytes,
         create_only: bool,
     ) -> Result<bool, StoreError> {
-        if let Some(file) = self
+        if let Some((root, file)) = self
             .local_file(path)
             .filter(|_| create_only && bytes.len() >= DIRECT_PUT_MIN_BYTES)
         {
             self.requests.count_put();
             let written = file.clone();
-            return tokio::task::spawn_blocking(move || direct::put_new(&written, &bytes))
+            return tokio::task::spawn_blocking(move || direct::put_new(&root, &written, &bytes))
                 .await
                 .expect("writing does not panic")
                 .map_err(|cause| StoreError::Io {
