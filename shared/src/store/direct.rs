@@ -36,20 +36,18 @@ pub(crate) fn put_new(root: &Path, dest: &Path, bytes: &[u8]) -> std::io::Result
         });
     let _ = std::fs::remove_file(&staging);
     let written = written?;
-    sync_dirs(
-        root,
-        dest.parent().expect("an object's file has a directory"),
-    )?;
+    let dir = dest.parent().expect("an object's file has a directory");
+    sync_dir(dir)?;
+    sync_above(root, dir)?;
     Ok(written)
 }
 
 /// The directories whose entries, up to the store's root, this process has made durable.
 static DURABLE_DIRS: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
 
-/// Fsyncs `dir` (where an object was just linked) and, where this process has not yet, the
-/// directory above it where its entry lies, and so on up to the first one it has (or `root`).
-fn sync_dirs(root: &Path, dir: &Path) -> std::io::Result<()> {
-    sync_dir(dir)?;
+/// Where this process has not yet, fsyncs the directory above `dir` (where `dir`'s entry
+/// lies), and so on up to the first one it has, or the store's `root`.
+pub(crate) fn sync_above(root: &Path, dir: &Path) -> std::io::Result<()> {
     let durable = || DURABLE_DIRS.lock().unwrap_or_else(|p| p.into_inner());
     let mut made = Vec::new();
     let mut entry = dir;
@@ -66,7 +64,7 @@ fn sync_dirs(root: &Path, dir: &Path) -> std::io::Result<()> {
 }
 
 /// Creates a staging file beside `dest` (`dest#1`, `dest#2`, ... whichever is free), and the
-/// directories up to it ([`sync_dirs`] makes them durable). It is created as any file, then
+/// directories up to it ([`sync_above`] makes them durable). It is created as any file, then
 /// switched to `O_DIRECT` where the file system takes it: opened with the flag, a file system
 /// that refuses it fails the open only after creating the file.
 fn create_staging(dest: &Path) -> std::io::Result<(File, PathBuf, bool)> {

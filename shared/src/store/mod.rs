@@ -412,15 +412,37 @@ impl Store {
             mode,
             ..Default::default()
         };
-        match self
+        let written = match self
             .objects
             .put_opts(path, PutPayload::from_bytes(bytes), options)
             .await
         {
-            Ok(_) => Ok(true),
-            Err(object_store::Error::AlreadyExists { .. }) if create_only => Ok(false),
-            Err(e) => Err(StoreError::backend("put", path, e)),
+            Ok(_) => true,
+            Err(object_store::Error::AlreadyExists { .. }) if create_only => false,
+            Err(e) => return Err(StoreError::backend("put", path, e)),
+        };
+        if let Some((root, file)) = self.local_file(path) {
+            // `object_store` fsyncs the file and the directories it made, not those another
+            // writer made (which may have been killed before its fsyncs), nor, when the name
+            // existed, the directory that holds it.
+            tokio::task::spawn_blocking(move || {
+                let dir = file.parent().expect("an object's file has a directory");
+                let synced = if written {
+                    Ok(())
+                } else {
+                    direct::sync_dir(dir)
+                };
+                synced
+                    .and_then(|()| direct::sync_above(&root, dir))
+                    .map_err(|cause| StoreError::Io {
+                        path: dir.display().to_string(),
+                        cause,
+                    })
+            })
+            .await
+            .expect("fsyncing does not panic")?;
         }
+        Ok(written)
     }
 
     pub(crate) async fn delete(&self, path: &Path) -> Result<(), StoreError> {
