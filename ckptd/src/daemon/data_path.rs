@@ -820,22 +820,24 @@ mod tests {
         // After the baseline, 4 looks of 20 ms counted ahead for thread 1, less the allowance
         // of 5 ms at the last 3: 65 ms.
         assert_eq!(scene.watch.waited, Duration::from_millis(65));
-        // Thread 1 runs, and the kernel shows the 80 ms it waited.
+        // Thread 1 runs, and the kernel shows the 90 ms it waited: the 80 counted ahead and 10
+        // from before the first look that saw it runnable, which count now.
         scene.made.update(1, |thread| {
             thread.ran_ns += 1_000_000;
-            thread.delay_ns += 80_000_000;
+            thread.delay_ns += 90_000_000;
             thread.runnable = false;
         });
         scene.look(TICK);
-        assert_eq!(scene.watch.waited, Duration::from_millis(60));
+        assert_eq!(scene.watch.waited, Duration::from_millis(70));
         assert_eq!(
             scene.raised.get(),
             0,
             "counted twice, it would pass the grace"
         );
-        // A wait the kernel shows beyond what was counted ahead does count.
-        scene.made.update(2, |thread| thread.delay_ns += 50_000_000);
+        // Once caught up, what the kernel shows counts whole.
+        scene.made.update(1, |thread| thread.delay_ns += 40_000_000);
         scene.look(TICK);
+        assert_eq!(scene.watch.waited, Duration::from_millis(105));
         assert_eq!(scene.raised.get(), 1);
     }
 

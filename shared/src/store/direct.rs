@@ -45,13 +45,21 @@ pub(crate) fn put_new(root: &Path, dest: &Path, bytes: &[u8]) -> std::io::Result
 /// The directories whose entries, up to the store's root, this process has made durable.
 static DURABLE_DIRS: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
 
+/// Whether this process has made `dir`'s entry, and those above it up to the store's root,
+/// durable.
+pub(crate) fn known_durable(dir: &Path) -> bool {
+    DURABLE_DIRS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .contains(dir)
+}
+
 /// Where this process has not yet, fsyncs the directory above `dir` (where `dir`'s entry
 /// lies), and so on up to the first one it has, or the store's `root`.
 pub(crate) fn sync_above(root: &Path, dir: &Path) -> std::io::Result<()> {
-    let durable = || DURABLE_DIRS.lock().unwrap_or_else(|p| p.into_inner());
     let mut made = Vec::new();
     let mut entry = dir;
-    while entry != root && !durable().contains(entry) {
+    while entry != root && !known_durable(entry) {
         let Some(above) = entry.parent().filter(|above| above.starts_with(root)) else {
             break;
         };
@@ -59,7 +67,10 @@ pub(crate) fn sync_above(root: &Path, dir: &Path) -> std::io::Result<()> {
         made.push(entry.to_path_buf());
         entry = above;
     }
-    durable().extend(made);
+    DURABLE_DIRS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .extend(made);
     Ok(())
 }
 
