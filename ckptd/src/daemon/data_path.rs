@@ -760,6 +760,11 @@ mod tests {
         fn policies(&self) -> [i32; 2] {
             [1, 2].map(|id| self.made.thread(id).policy)
         }
+
+        /// How many times the valve raised the threads, and their policies now.
+        fn state(&self) -> (u64, [i32; 2]) {
+            (self.raised.get(), self.policies())
+        }
     }
 
     const IDLE: [i32; 2] = [libc::SCHED_IDLE; 2];
@@ -776,13 +781,9 @@ mod tests {
         scene.starve(1);
         scene.starve(2);
         assert_eq!(scene.watch.waited, Duration::from_millis(75));
-        assert_eq!((scene.raised.get(), scene.policies()), (0, IDLE));
+        assert_eq!(scene.state(), (0, IDLE));
         scene.starve(1);
-        assert_eq!(
-            (scene.raised.get(), scene.policies()),
-            (1, RAISED),
-            "110 ms"
-        );
+        assert_eq!(scene.state(), (1, RAISED), "110 ms");
         // Raised, it does not count again.
         scene.starve(10);
         assert_eq!(scene.raised.get(), 1);
@@ -794,7 +795,7 @@ mod tests {
         let mut scene = Scene::new();
         scene.look(Duration::ZERO);
         scene.starve(50);
-        assert_eq!((scene.raised.get(), scene.policies()), (0, IDLE));
+        assert_eq!(scene.state(), (0, IDLE));
         // Work comes: counted from then on, not from before.
         let _in_hand = scene.valve.handed_over();
         scene.starve(3);
@@ -857,7 +858,7 @@ mod tests {
             }
             scene.look(TICK);
         }
-        assert_eq!((scene.raised.get(), scene.policies()), (0, IDLE));
+        assert_eq!(scene.state(), (0, IDLE));
         assert!(
             scene.watch.waited <= Duration::from_millis(4),
             "{:?}",
@@ -878,17 +879,13 @@ mod tests {
         scene.starve(looks as usize - 1);
         assert_eq!(scene.policies(), RAISED, "within RAISED_FOR");
         scene.starve(1);
-        assert_eq!(
-            (scene.raised.get(), scene.policies()),
-            (1, IDLE),
-            "after it"
-        );
+        assert_eq!(scene.state(), (1, IDLE), "after it");
         // Lowered with the work still in hand, and measured from nothing (that look is the
         // baseline).
         scene.starve(2);
         assert_eq!(scene.raised.get(), 1, "75 ms");
         scene.starve(1);
-        assert_eq!((scene.raised.get(), scene.policies()), (2, RAISED));
+        assert_eq!(scene.state(), (2, RAISED));
         drop(in_hand);
         scene.look(TICK);
         assert_eq!(scene.policies(), IDLE, "nothing in hand");
@@ -902,7 +899,7 @@ mod tests {
         let _in_hand = scene.valve.handed_over();
         scene.made.refuse.store(true, Ordering::Release);
         scene.starve(4);
-        assert_eq!((scene.raised.get(), scene.policies()), (1, IDLE), "refused");
+        assert_eq!(scene.state(), (1, IDLE), "refused");
         scene.made.refuse.store(false, Ordering::Release);
         scene.starve(1);
         assert_eq!(scene.policies(), RAISED, "put right at the next look");
