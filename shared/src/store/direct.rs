@@ -36,9 +36,11 @@ pub(crate) fn put_new(root: &Path, dest: &Path, bytes: &[u8]) -> std::io::Result
         });
     let _ = std::fs::remove_file(&staging);
     let written = written?;
-    let dir = dest.parent().expect("an object's file has a directory");
-    sync_dir(dir)?;
-    sync_above(root, dir)?;
+    sync_entries(
+        root,
+        dest.parent().expect("an object's file has a directory"),
+        true,
+    )?;
     Ok(written)
 }
 
@@ -54,9 +56,13 @@ pub(crate) fn known_durable(dir: &Path) -> bool {
         .contains(dir)
 }
 
-/// Where this process has not yet, fsyncs the directory above `dir` (where `dir`'s entry
-/// lies), and so on up to the first one it has, or the store's `root`.
-pub(crate) fn sync_above(root: &Path, dir: &Path) -> std::io::Result<()> {
+/// Makes a put's entries in `dir` durable up to the store's `root`: fsyncs `dir` itself where
+/// `dir_too` (the put's own entry), then, where this process has not yet, the directory above
+/// it (where `dir`'s entry lies), and so on up to the first one it has, or `root`.
+pub(crate) fn sync_entries(root: &Path, dir: &Path, dir_too: bool) -> std::io::Result<()> {
+    if dir_too {
+        sync_dir(dir)?;
+    }
     let mut made = Vec::new();
     let mut entry = dir;
     while entry != root && !known_durable(entry) {
@@ -75,7 +81,7 @@ pub(crate) fn sync_above(root: &Path, dir: &Path) -> std::io::Result<()> {
 }
 
 /// Creates a staging file beside `dest` (`dest#1`, `dest#2`, ... whichever is free), and the
-/// directories up to it ([`sync_above`] makes them durable). It is created as any file, then
+/// directories up to it ([`sync_entries`] makes them durable). It is created as any file, then
 /// switched to `O_DIRECT` where the file system takes it: opened with the flag, a file system
 /// that refuses it fails the open only after creating the file.
 fn create_staging(dest: &Path) -> std::io::Result<(File, PathBuf, bool)> {

@@ -401,7 +401,7 @@ impl Store {
                 .finish()
                 .await
                 .map_err(|e| StoreError::backend("multipart put", path, e))?;
-            return self.sync_above(path, true).await.map(|()| true);
+            return self.sync_entries(path, true).await.map(|()| true);
         }
         let mode = if create_only {
             PutMode::Create
@@ -421,14 +421,14 @@ impl Store {
             Err(object_store::Error::AlreadyExists { .. }) if create_only => false,
             Err(e) => return Err(StoreError::backend("put", path, e)),
         };
-        self.sync_above(path, written).await.map(|()| written)
+        self.sync_entries(path, written).await.map(|()| written)
     }
 
     /// After a put of `path` through `object_store` to a `file://` store, which fsyncs the
     /// file and the directories it made: the directories above it another writer made (which
     /// may have been killed before its fsyncs), and, where the put found the name taken (not
     /// `written`), the directory that holds it.
-    async fn sync_above(&self, path: &Path, written: bool) -> Result<(), StoreError> {
+    async fn sync_entries(&self, path: &Path, written: bool) -> Result<(), StoreError> {
         let Some((root, file)) = self.local_file(path) else {
             return Ok(());
         };
@@ -438,17 +438,10 @@ impl Store {
         }
         let dir = dir.to_path_buf();
         tokio::task::spawn_blocking(move || {
-            let synced = if written {
-                Ok(())
-            } else {
-                direct::sync_dir(&dir)
-            };
-            synced
-                .and_then(|()| direct::sync_above(&root, &dir))
-                .map_err(|cause| StoreError::Io {
-                    path: dir.display().to_string(),
-                    cause,
-                })
+            direct::sync_entries(&root, &dir, !written).map_err(|cause| StoreError::Io {
+                path: dir.display().to_string(),
+                cause,
+            })
         })
         .await
         .expect("fsyncing does not panic")
