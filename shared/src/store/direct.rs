@@ -57,27 +57,37 @@ pub(crate) fn known_durable(dir: &Path) -> bool {
 }
 
 /// Makes a put's entries in `dir` durable up to the store's `root`: fsyncs `dir` itself where
-/// `dir_too` (the put's own entry), then, where this process has not yet, the directory above
-/// it (where `dir`'s entry lies), and so on up to the first one it has, or `root`.
+/// `dir_too` (the put's own entry), then the directories [`unsynced_above`] names.
 pub(crate) fn sync_entries(root: &Path, dir: &Path, dir_too: bool) -> std::io::Result<()> {
     if dir_too {
         sync_dir(dir)?;
     }
     let mut made = Vec::new();
-    let mut entry = dir;
-    while entry != root && !known_durable(entry) {
-        let Some(above) = entry.parent().filter(|above| above.starts_with(root)) else {
-            break;
-        };
-        sync_dir(above)?;
-        made.push(entry.to_path_buf());
-        entry = above;
+    for (entry, above) in unsynced_above(root, dir) {
+        sync_dir(&above)?;
+        made.push(entry);
     }
     DURABLE_DIRS
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .extend(made);
     Ok(())
+}
+
+/// The directories to fsync, in order, for `dir`'s entry and those above it to be durable,
+/// each with the directory whose entry it holds: the one above `dir`, and so on up to the
+/// first directory whose entry this process has made durable, or the store's `root`.
+fn unsynced_above(root: &Path, dir: &Path) -> Vec<(PathBuf, PathBuf)> {
+    let mut unsynced = Vec::new();
+    let mut entry = dir;
+    while entry != root && !known_durable(entry) {
+        let Some(above) = entry.parent().filter(|above| above.starts_with(root)) else {
+            break;
+        };
+        unsynced.push((entry.to_path_buf(), above.to_path_buf()));
+        entry = above;
+    }
+    unsynced
 }
 
 /// Creates a staging file beside `dest` (`dest#1`, `dest#2`, ... whichever is free), and the
@@ -233,21 +243,36 @@ mod tests {
     }
 
     /// A put makes durable the entries of the directories it is in, up to the store's root,
-    /// once per process: the directories below the root are then known.
+    /// once per process: the directories below the root are then known, and a put beside
+    /// them fsyncs only the directories that are new.
     #[test]
     fn the_directories_up_to_the_root_are_made_durable_once() {
         let root = tempfile::tempdir().unwrap();
-        let dest = root.path().join("a/b/c/o");
-        assert!(put_new(root.path(), &dest, &[1u8; 100]).unwrap());
+        let at = |dir: &str| root.path().join(dir);
+        let plan = |dir: &str| -> Vec<(PathBuf, PathBuf)> { unsynced_above(root.path(), &at(dir)) };
+        assert_eq!(
+            plan("a/b/c"),
+            [("a/b/c", "a/b"), ("a/b", "a"), ("a", "")].map(|(e, d)| (at(e), at(d)))
+        );
+        assert!(put_new(root.path(), &at("a/b/c/o"), &[1u8; 100]).unwrap());
         let durable = DURABLE_DIRS.lock().unwrap().clone();
         let known: Vec<_> = ["a", "a/b", "a/b/c"]
-            .map(|dir| durable.contains(&root.path().join(dir)))
+            .map(|dir| durable.contains(&at(dir)))
             .to_vec();
         assert_eq!(known, [true; 3]);
         assert!(
             !durable.contains(root.path()),
             "the root's own entry is not the store's"
         );
+        // Once: nothing above a known directory is fsynced again, and a new directory's
+        // walk stops at the first known one.
+        assert!(plan("a/b/c").is_empty());
+        assert_eq!(
+            plan("a/b/d/e"),
+            [("a/b/d/e", "a/b/d"), ("a/b/d", "a/b")].map(|(e, d)| (at(e), at(d)))
+        );
+        assert!(put_new(root.path(), &at("a/b/d/o"), &[2u8; 100]).unwrap());
+        assert!(plan("a/b/d").is_empty());
     }
 
     /// A store on tmpfs (which may or may not take `O_DIRECT`) gets the same file.
