@@ -280,58 +280,76 @@ unsafe fn product_raw<T: Element>(
     }
 }
 
-/// Proof that a piece of memory was written whole: only [`write_all`] makes one, for the
-/// piece it wrote, and [`Written::then`] joins two that lie end to end.
+/// Proof that a piece of memory was written whole: only [`write_all`] (and
+/// [`write_all_pairs`]) makes one, for the piece it wrote, and [`Written::then`] joins two that
+/// lie end to end. It keeps the piece's borrow for its lifetime `'a`, so nothing can change the
+/// piece after it was written while the proof lives, and a proof of one borrow cannot be
+/// passed off as another's (`'a` is invariant).
 #[must_use]
 #[derive(Debug)]
-pub struct Written {
+pub struct Written<'a> {
     start: *const (),
-    len: usize,
+    bytes: usize,
+    borrow: std::marker::PhantomData<fn(&'a ()) -> &'a ()>,
 }
 
-impl Written {
+impl<'a> Written<'a> {
+    fn of<T>(piece: &'a mut [MaybeUninit<T>]) -> Self {
+        Written {
+            start: piece.as_ptr().cast(),
+            bytes: std::mem::size_of_val(piece),
+            borrow: std::marker::PhantomData,
+        }
+    }
+
     /// The proof for this piece and `next`, which starts where this one ends.
-    pub fn then(self, next: Written) -> Written {
-        if self.len == 0 {
+    pub fn then(self, next: Written<'a>) -> Written<'a> {
+        if self.bytes == 0 {
             return next;
         }
         assert!(
-            next.len == 0 || self.start.wrapping_byte_add(self.len) == next.start,
+            next.bytes == 0 || self.start.wrapping_byte_add(self.bytes) == next.start,
             "written pieces must lie end to end"
         );
         Written {
             start: self.start,
-            len: self.len + next.len,
+            bytes: self.bytes + next.bytes,
+            borrow: std::marker::PhantomData,
         }
     }
 
-    fn covers<T>(&self, piece: &[MaybeUninit<T>]) -> bool {
-        let bytes = std::mem::size_of_val(piece);
-        (bytes == 0 && self.len == 0) || (self.start == piece.as_ptr().cast() && self.len == bytes)
+    /// Whether this proves the piece of `bytes` bytes from `start` written whole.
+    fn covers(&self, (start, bytes): (*const (), usize)) -> bool {
+        self.bytes == bytes && (bytes == 0 || self.start == start)
     }
+}
+
+/// Where a piece lies, as [`Written::covers`] takes it.
+fn extent<T>(piece: &[MaybeUninit<T>]) -> (*const (), usize) {
+    (piece.as_ptr().cast(), std::mem::size_of_val(piece))
 }
 
 /// Writes every element of `piece` from `values`, in order; panics if `values` runs out first.
 #[inline(always)]
-pub fn write_all<T>(piece: &mut [MaybeUninit<T>], values: impl IntoIterator<Item = T>) -> Written {
+pub fn write_all<'a, T>(
+    piece: &'a mut [MaybeUninit<T>],
+    values: impl IntoIterator<Item = T>,
+) -> Written<'a> {
     let mut count = 0;
     for (slot, value) in piece.iter_mut().zip(values) {
         slot.write(value);
         count += 1;
     }
     assert_eq!(count, piece.len(), "a value for every element");
-    Written {
-        start: piece.as_ptr().cast(),
-        len: std::mem::size_of_val(piece),
-    }
+    Written::of(piece)
 }
 
 /// [`write_all`] of two pieces of the same length at once, from pairs of values.
 #[inline(always)]
-pub fn write_all_pairs<T>(
-    (first, second): (&mut [MaybeUninit<T>], &mut [MaybeUninit<T>]),
+pub fn write_all_pairs<'a, T>(
+    (first, second): (&'a mut [MaybeUninit<T>], &'a mut [MaybeUninit<T>]),
     values: impl IntoIterator<Item = (T, T)>,
-) -> (Written, Written) {
+) -> (Written<'a>, Written<'a>) {
     assert_eq!(first.len(), second.len(), "pieces of the same length");
     let mut count = 0;
     for ((a, b), (x, y)) in first.iter_mut().zip(second.iter_mut()).zip(values) {
@@ -340,11 +358,7 @@ pub fn write_all_pairs<T>(
         count += 1;
     }
     assert_eq!(count, first.len(), "a pair of values for every element");
-    let proof = |piece: &[MaybeUninit<T>]| Written {
-        start: piece.as_ptr().cast(),
-        len: std::mem::size_of_val(piece),
-    };
-    (proof(first), proof(second))
+    (Written::of(first), Written::of(second))
 }
 
 /// A vector of `len` elements, written by `fill` in parallel pieces of `piece` elements (the
@@ -357,7 +371,7 @@ pub fn write_all_pairs<T>(
 pub fn par_new_with<T: Element, R: Send>(
     len: usize,
     piece: usize,
-    fill: impl Fn(usize, &mut [MaybeUninit<T>]) -> (Written, R) + Sync,
+    fill: impl for<'a> Fn(usize, &'a mut [MaybeUninit<T>]) -> (Written<'a>, R) + Sync,
 ) -> (Vec<T>, Vec<R>) {
     assert!(piece > 0, "pieces of at least one element");
     let mut out = Vec::with_capacity(len);
@@ -365,14 +379,16 @@ pub fn par_new_with<T: Element, R: Send>(
         .par_chunks_mut(piece)
         .enumerate()
         .map(|(index, piece_out)| {
+            let at = extent(piece_out);
             let (written, result) = fill(index * piece, piece_out);
-            assert!(written.covers(piece_out), "a piece must be written whole");
+            assert!(written.covers(at), "a piece must be written whole");
             result
         })
         .collect();
-    // SAFETY: the pieces cover the first `len` elements, and each was proven written whole
-    // (a `Written` is only made by `write_all`, for the memory it wrote). A piece that was
-    // not fails the assertion above, whose panic drops the vector, still empty, unread.
+    // SAFETY: the pieces cover the first `len` elements, and each was proven written whole:
+    // a `Written` is only made by `write_all` for the memory it wrote, which stays borrowed,
+    // unchangeable, until the proof is checked. A piece that was not fails the assertion
+    // above, whose panic drops the vector, still empty, unread.
     unsafe { out.set_len(len) };
     (out, results)
 }
@@ -381,17 +397,22 @@ pub fn par_new_with<T: Element, R: Send>(
 pub fn par_new<T: Element>(
     len: usize,
     piece: usize,
-    fill: impl Fn(usize, &mut [MaybeUninit<T>]) -> Written + Sync,
+    fill: impl for<'a> Fn(usize, &'a mut [MaybeUninit<T>]) -> Written<'a> + Sync,
 ) -> Vec<T> {
     par_new_with(len, piece, |at, out| (fill(at, out), ())).0
 }
 
 /// Two vectors of `len` elements each, written as [`par_new`] writes one: `fill` gets the
-/// same piece of both.
+/// same piece of both, and returns their proofs in the same order.
 pub fn par_new_pair<T: Element>(
     len: usize,
     piece: usize,
-    fill: impl Fn(usize, &mut [MaybeUninit<T>], &mut [MaybeUninit<T>]) -> (Written, Written) + Sync,
+    fill: impl for<'a> Fn(
+            usize,
+            &'a mut [MaybeUninit<T>],
+            &'a mut [MaybeUninit<T>],
+        ) -> (Written<'a>, Written<'a>)
+        + Sync,
 ) -> (Vec<T>, Vec<T>) {
     assert!(piece > 0, "pieces of at least one element");
     let (mut first, mut second) = (Vec::with_capacity(len), Vec::with_capacity(len));
@@ -400,9 +421,10 @@ pub fn par_new_pair<T: Element>(
         .zip(second.spare_capacity_mut()[..len].par_chunks_mut(piece))
         .enumerate()
         .for_each(|(index, (a, b))| {
+            let (at_a, at_b) = (extent(a), extent(b));
             let (written_a, written_b) = fill(index * piece, a, b);
             assert!(
-                written_a.covers(a) && written_b.covers(b),
+                written_a.covers(at_a) && written_b.covers(at_b),
                 "a piece must be written whole"
             );
         });
@@ -982,17 +1004,21 @@ fn sigmoid<T: SoftmaxRow>(a: T) -> T {
 
 /// `out = silu(gate) * up`, elementwise.
 #[inline(always)]
-fn swiglu_body<T: SoftmaxRow>(out: &mut [MaybeUninit<T>], gate: &[T], up: &[T]) -> Written {
+fn swiglu_body<'a, T: SoftmaxRow>(
+    out: &'a mut [MaybeUninit<T>],
+    gate: &[T],
+    up: &[T],
+) -> Written<'a> {
     write_all(out, gate.iter().zip(up).map(|(a, b)| *a * sigmoid(*a) * *b))
 }
 
 /// The gradients of the gate and up inputs of [`swiglu_body`] given the upstream `grad`.
 #[inline(always)]
-fn swiglu_backward_body<T: SoftmaxRow>(
+fn swiglu_backward_body<'a, T: SoftmaxRow>(
     (gate, up, grad): (&[T], &[T], &[T]),
-    grad_gate: &mut [MaybeUninit<T>],
-    grad_up: &mut [MaybeUninit<T>],
-) -> (Written, Written) {
+    grad_gate: &'a mut [MaybeUninit<T>],
+    grad_up: &'a mut [MaybeUninit<T>],
+) -> (Written<'a>, Written<'a>) {
     let values = gate.iter().zip(up).zip(grad).map(|((a, b), g)| {
         let s = sigmoid(*a);
         (*g * *b * s * (T::ONE + *a * (T::ONE - s)), *g * *a * s)
@@ -1002,27 +1028,31 @@ fn swiglu_backward_body<T: SoftmaxRow>(
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn swiglu_f32_avx2(out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) -> Written {
+fn swiglu_f32_avx2<'a>(out: &'a mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) -> Written<'a> {
     swiglu_body(out, gate, up)
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-fn swiglu_backward_f32_avx2(
+fn swiglu_backward_f32_avx2<'a>(
     inputs: (&[f32], &[f32], &[f32]),
-    grad_gate: &mut [MaybeUninit<f32>],
-    grad_up: &mut [MaybeUninit<f32>],
-) -> (Written, Written) {
+    grad_gate: &'a mut [MaybeUninit<f32>],
+    grad_up: &'a mut [MaybeUninit<f32>],
+) -> (Written<'a>, Written<'a>) {
     swiglu_backward_body(inputs, grad_gate, grad_up)
 }
 
 /// [`SoftmaxRow::swiglu`] over `out`, which is initialised already: every element is
 /// overwritten.
 pub fn swiglu_over<T: SoftmaxRow>(out: &mut [T], gate: &[T], up: &[T]) {
-    // SAFETY: `MaybeUninit<T>` has `T`'s layout, and the body writes only values of `T`
-    // through this view, so every element of `out` is still initialised when it ends.
+    // SAFETY: `MaybeUninit<T>` has `T`'s layout. Whatever `T::swiglu` puts in this view, it
+    // must prove it written whole with values of `T` (checked below), so every element of
+    // `out` is initialised when the view's borrow ends; if it cannot, the panic below leaves
+    // `out` to a caller that unwinds without reading it.
     let view = unsafe { &mut *(out as *mut [T] as *mut [MaybeUninit<T>]) };
-    let _written = T::swiglu(view, gate, up);
+    let at = extent(view);
+    let written = T::swiglu(view, gate, up);
+    assert!(written.covers(at), "the SwiGLU must write its output whole");
 }
 
 /// One AdamW step's constants, in f32 (as the moments and master weights are).
@@ -1182,16 +1212,16 @@ pub trait SoftmaxRow: Element {
             .sum()
     }
     /// `out = silu(gate) * up`, elementwise (the experts' SwiGLU), written whole.
-    fn swiglu(out: &mut [MaybeUninit<Self>], gate: &[Self], up: &[Self]) -> Written {
+    fn swiglu<'a>(out: &'a mut [MaybeUninit<Self>], gate: &[Self], up: &[Self]) -> Written<'a> {
         swiglu_body(out, gate, up)
     }
     /// The gradients of [`SoftmaxRow::swiglu`]'s `gate` and `up` given the upstream gradient:
     /// `inputs` is `(gate, up, grad)`.
-    fn swiglu_backward(
+    fn swiglu_backward<'a>(
         inputs: (&[Self], &[Self], &[Self]),
-        grad_gate: &mut [MaybeUninit<Self>],
-        grad_up: &mut [MaybeUninit<Self>],
-    ) -> (Written, Written) {
+        grad_gate: &'a mut [MaybeUninit<Self>],
+        grad_up: &'a mut [MaybeUninit<Self>],
+    ) -> (Written<'a>, Written<'a>) {
         swiglu_backward_body(inputs, grad_gate, grad_up)
     }
     /// Process-wide scratch buffers for big temporaries (the loss's logits and the transpose
@@ -1309,7 +1339,7 @@ impl SoftmaxRow for f32 {
         triple_dot(a, b, c)
     }
 
-    fn swiglu(out: &mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) -> Written {
+    fn swiglu<'a>(out: &'a mut [MaybeUninit<f32>], gate: &[f32], up: &[f32]) -> Written<'a> {
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU was just checked to support AVX2.
@@ -1318,11 +1348,11 @@ impl SoftmaxRow for f32 {
         swiglu_body(out, gate, up)
     }
 
-    fn swiglu_backward(
+    fn swiglu_backward<'a>(
         inputs: (&[f32], &[f32], &[f32]),
-        grad_gate: &mut [MaybeUninit<f32>],
-        grad_up: &mut [MaybeUninit<f32>],
-    ) -> (Written, Written) {
+        grad_gate: &'a mut [MaybeUninit<f32>],
+        grad_up: &'a mut [MaybeUninit<f32>],
+    ) -> (Written<'a>, Written<'a>) {
         #[cfg(target_arch = "x86_64")]
         if has_avx2() {
             // SAFETY: the CPU was just checked to support AVX2.
@@ -1546,26 +1576,48 @@ mod tests {
         assert!(par_new::<f32>(0, 4, |_, out| write_all(out, [])).is_empty());
     }
 
-    /// A piece left short, a proof of other memory, and proofs that do not lie end to end
-    /// are refused: nothing unwritten is ever returned.
+    /// A piece left short, a proof of part of the piece or of the other vector's piece, and
+    /// proofs that do not lie end to end are refused: nothing unwritten is ever returned. (A
+    /// proof of memory other than the piece's borrow, or kept past a change to the piece,
+    /// does not compile: the proof holds the borrow it was made from.)
     #[test]
     fn a_piece_not_proven_written_whole_panics() {
-        let quiet =
+        let panics =
             |run: &(dyn Fn() + std::panic::RefUnwindSafe)| std::panic::catch_unwind(run).is_err();
-        assert!(quiet(&|| {
+        assert!(panics(&|| {
             par_new::<f32>(8, 4, |_, out| write_all(out, [1.0, 2.0]));
         }));
-        assert!(quiet(&|| {
-            par_new::<f32>(8, 4, |_, _| {
-                let mut other = [MaybeUninit::<f32>::uninit(); 4];
-                write_all(&mut other, [0.0; 4])
-            });
+        assert!(panics(&|| {
+            par_new::<f32>(8, 4, |_, out| write_all(&mut out[..2], [0.0; 2]));
         }));
-        assert!(quiet(&|| {
+        // A gap: 2 elements, then 4 from the fifth.
+        assert!(panics(&|| {
             par_new::<f32>(8, 8, |_, out| {
                 let (first, rest) = out.split_at_mut(2);
                 let (_, last) = rest.split_at_mut(2);
                 write_all(first, [0.0; 2]).then(write_all(last, [0.0; 4]))
+            });
+        }));
+        // An overlap whose lengths add up to the whole: only `then` can refuse it.
+        assert!(panics(&|| {
+            par_new::<f32>(8, 8, |_, out| {
+                let (first, rest) = out.split_at_mut(4);
+                let first = write_all(first, [0.0; 4]);
+                let (start, bytes) = (first.start, first.bytes);
+                let overlapping = Written {
+                    start: start.wrapping_byte_add(bytes / 2),
+                    bytes,
+                    borrow: std::marker::PhantomData,
+                };
+                let _ = write_all(rest, [0.0; 4]);
+                first.then(overlapping)
+            });
+        }));
+        // The two vectors' proofs swapped.
+        assert!(panics(&|| {
+            par_new_pair::<f32>(4, 4, |_, a, b| {
+                let (a, b) = write_all_pairs((a, b), [(1.0, 2.0); 4]);
+                (b, a)
             });
         }));
         // Halves written one after the other are the whole.
