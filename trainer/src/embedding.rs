@@ -65,9 +65,8 @@ impl Lookup {
     fn scatter<T: Element>(&self, grad: &[T], (vocab, width): (usize, usize)) -> Vec<T> {
         // Zeros on every core: the table is the vocabulary's size (51.5 MB in `tiny`), where
         // a batch's tokens touch few of its rows.
-        let mut table = par_new(vocab * width, ZERO_PIECE, |_, piece| {
-            write_all(piece, std::iter::repeat(T::ZERO))
-        });
+        let zeros = |_, piece: &mut [_]| write_all(piece, std::iter::repeat(T::ZERO));
+        let mut table = par_new(vocab * width, ZERO_PIECE, zeros);
         for (token, row) in self.tokens.iter().zip(grad.chunks_exact(width)) {
             let at = *token as usize * width;
             for (sum, value) in table[at..at + width].iter_mut().zip(row) {

@@ -74,7 +74,7 @@ impl RmsNorm {
         let sums = self.over_rows(x.par_chunks(hidden).map(T::sum_of_squares).collect());
         let width = self.width(hidden);
         // A piece per row.
-        par_new(x.len(), hidden, |at, out| {
+        par_new(x.len(), hidden.max(1), |at, out| {
             let row = &x[at..at + out.len()];
             let r = inverse_rms(sums[at / hidden], width, self.eps);
             let values = row.iter().zip(weight);
@@ -97,31 +97,32 @@ impl RmsNorm {
             .collect();
         per_row = self.over_rows(per_row);
         // A piece per block of rows, with its rows' part of the weight's gradient.
-        let (grad_x, partials) = par_new_with(x.len(), hidden * BLOCK_ROWS, |at, block| {
-            let rows = at..at + block.len();
-            let first_row = at / hidden;
-            let sums = &per_row[2 * first_row..2 * first_row + 2 * block.len() / hidden];
-            let mut grad_weight = vec![0f64; hidden];
-            let written = block
-                .chunks_mut(hidden)
-                .zip(x[rows.clone()].chunks(hidden))
-                .zip(upstream[rows].chunks(hidden))
-                .zip(sums.chunks(2))
-                .map(|(((grad_row, row), up), sums)| {
-                    let r = inverse_rms(sums[0], width, self.eps);
-                    for ((g, v), u) in grad_weight.iter_mut().zip(row).zip(up) {
-                        *g += u.to_f64() * v.to_f64() * r;
-                    }
-                    let correction = r * r * r * sums[1] / width as f64;
-                    let values = row.iter().zip(up).zip(weight).map(|((v, u), w)| {
-                        T::from_f64(r * u.to_f64() * w.to_f64() - v.to_f64() * correction)
-                    });
-                    write_all(grad_row, values)
-                })
-                .reduce(Written::then)
-                .expect("a block holds a row");
-            (written, grad_weight)
-        });
+        let (grad_x, partials) =
+            par_new_with(x.len(), (hidden * BLOCK_ROWS).max(1), |at, block| {
+                let rows = at..at + block.len();
+                let first_row = at / hidden;
+                let sums = &per_row[2 * first_row..2 * first_row + 2 * block.len() / hidden];
+                let mut grad_weight = vec![0f64; hidden];
+                let written = block
+                    .chunks_mut(hidden)
+                    .zip(x[rows.clone()].chunks(hidden))
+                    .zip(upstream[rows].chunks(hidden))
+                    .zip(sums.chunks(2))
+                    .map(|(((grad_row, row), up), sums)| {
+                        let r = inverse_rms(sums[0], width, self.eps);
+                        for ((g, v), u) in grad_weight.iter_mut().zip(row).zip(up) {
+                            *g += u.to_f64() * v.to_f64() * r;
+                        }
+                        let correction = r * r * r * sums[1] / width as f64;
+                        let values = row.iter().zip(up).zip(weight).map(|((v, u), w)| {
+                            T::from_f64(r * u.to_f64() * w.to_f64() - v.to_f64() * correction)
+                        });
+                        write_all(grad_row, values)
+                    })
+                    .reduce(Written::then)
+                    .expect("a block holds a row");
+                (written, grad_weight)
+            });
         let mut grad_weight = vec![0f64; hidden];
         for partial in &partials {
             for (total, value) in grad_weight.iter_mut().zip(partial) {
