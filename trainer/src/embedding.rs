@@ -5,13 +5,9 @@
 //! vocabulary the table is 51 MB and the rows it adds 2 MB. With the op wrapped in
 //! `handed::Handed`, the table goes to the optimizer as it is.
 
-use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor, WithDType};
 
 use crate::custom_op::{contiguous, cpu};
-use crate::kernels::{par_new, write_all, Element};
-
-/// Elements per parallel task of the gradient's zero-fill.
-const ZERO_PIECE: usize = 1 << 16;
 
 const OP: &str = "embedding-lookup";
 
@@ -62,11 +58,8 @@ impl Lookup {
     }
 
     /// The table's gradient: `grad`'s rows added, in token order, into zeros.
-    fn scatter<T: Element>(&self, grad: &[T], (vocab, width): (usize, usize)) -> Vec<T> {
-        // Zeros on every core: the table is the vocabulary's size (51.5 MB in `tiny`), where
-        // a batch's tokens touch few of its rows.
-        let zeros = |_, piece: &mut [_]| write_all(piece, std::iter::repeat(T::ZERO));
-        let mut table = par_new(vocab * width, ZERO_PIECE, zeros);
+    fn scatter<T: WithDType>(&self, grad: &[T], (vocab, width): (usize, usize)) -> Vec<T> {
+        let mut table = vec![T::zero(); vocab * width];
         for (token, row) in self.tokens.iter().zip(grad.chunks_exact(width)) {
             let at = *token as usize * width;
             for (sum, value) in table[at..at + width].iter_mut().zip(row) {

@@ -16,10 +16,7 @@ use candle_core::{CpuStorage, CustomOp2, CustomOp3, Device, Layout, Result, Shap
 use rayon::prelude::*;
 
 use crate::custom_op::{contiguous, cpu};
-use crate::kernels::{
-    matmul, matmul_blocks, matmul_blocks_new, par_new, par_new_pair, swiglu_over, MatRef,
-    SoftmaxRow,
-};
+use crate::kernels::{matmul, matmul_blocks, matmul_blocks_new, MatRef, SoftmaxRow};
 
 /// This op's name, in its errors.
 const OP: &str = "experts";
@@ -360,37 +357,37 @@ impl SwiGlu {
 
 /// `silu(gate) * up`, elementwise, in parallel.
 fn swiglu<T: SoftmaxRow>(gate: &[T], up: &[T]) -> Vec<T> {
-    assert_eq!(gate.len(), up.len(), "gate and up of the same length");
-    par_new(gate.len(), PIECE, |at, out| {
-        let span = at..at + out.len();
-        T::swiglu(out, &gate[span.clone()], &up[span])
-    })
+    let mut out = vec![T::ZERO; gate.len()];
+    swiglu_into(&mut out, gate, up);
+    out
 }
 
 /// Elements per parallel task of the SwiGLU's element-wise work.
 const PIECE: usize = 4096;
 
-/// [`swiglu`] into `out`, which is initialised already.
+/// [`swiglu`] into `out`.
 pub(crate) fn swiglu_into<T: SoftmaxRow>(out: &mut [T], gate: &[T], up: &[T]) {
     out.par_chunks_mut(PIECE)
         .zip(gate.par_chunks(PIECE).zip(up.par_chunks(PIECE)))
-        .for_each(|(out, (gate, up))| swiglu_over(out, gate, up));
+        .for_each(|(out, (gate, up))| T::swiglu(out, gate, up));
 }
 
 /// Gradients of the gate and up projections given the upstream gradient of `silu(a) * b`.
 pub(crate) fn swiglu_backward<T: SoftmaxRow>(gate: &[T], up: &[T], grad: &[T]) -> (Vec<T>, Vec<T>) {
-    assert!(
-        up.len() == gate.len() && grad.len() == gate.len(),
-        "gate, up and their gradient of the same length"
-    );
-    par_new_pair(gate.len(), PIECE, |at, grad_gate, grad_up| {
-        let span = at..at + grad_gate.len();
-        T::swiglu_backward(
-            (&gate[span.clone()], &up[span.clone()], &grad[span]),
-            grad_gate,
-            grad_up,
+    let mut grad_gate = vec![T::ZERO; gate.len()];
+    let mut grad_up = vec![T::ZERO; gate.len()];
+    grad_gate
+        .par_chunks_mut(PIECE)
+        .zip(grad_up.par_chunks_mut(PIECE))
+        .zip(
+            gate.par_chunks(PIECE)
+                .zip(up.par_chunks(PIECE))
+                .zip(grad.par_chunks(PIECE)),
         )
-    })
+        .for_each(|((grad_gate, grad_up), ((gate, up), grad))| {
+            T::swiglu_backward((gate, up, grad), grad_gate, grad_up)
+        });
+    (grad_gate, grad_up)
 }
 
 impl CustomOp3 for SwiGlu {

@@ -10,7 +10,7 @@ use rayon::prelude::*;
 
 use crate::custom_op::{contiguous, cpu};
 use crate::dist::{Group, World};
-use crate::kernels::{par_new, par_new_with, write_all, SoftmaxRow, Written};
+use crate::kernels::SoftmaxRow;
 
 /// Rows per partial sum of the weight gradient.
 const BLOCK_ROWS: usize = 64;
@@ -73,16 +73,17 @@ impl RmsNorm {
         let hidden = weight.len();
         let sums = self.over_rows(x.par_chunks(hidden).map(T::sum_of_squares).collect());
         let width = self.width(hidden);
-        // A piece per row.
-        par_new(x.len(), hidden.max(1), |at, out| {
-            let row = &x[at..at + out.len()];
-            let r = inverse_rms(sums[at / hidden], width, self.eps);
-            let values = row.iter().zip(weight);
-            write_all(
-                out,
-                values.map(|(v, w)| T::from_f64(v.to_f64() * r * w.to_f64())),
-            )
-        })
+        let mut out = vec![T::ZERO; x.len()];
+        out.par_chunks_mut(hidden)
+            .zip(x.par_chunks(hidden))
+            .zip(sums.par_iter())
+            .for_each(|((out, row), sum)| {
+                let r = inverse_rms(*sum, width, self.eps);
+                for ((o, v), w) in out.iter_mut().zip(row).zip(weight) {
+                    *o = T::from_f64(v.to_f64() * r * w.to_f64());
+                }
+            });
+        out
     }
 
     /// Gradients of `x` and `weight` given the upstream gradient.
@@ -96,33 +97,32 @@ impl RmsNorm {
             .flat_map_iter(|(row, up)| [T::sum_of_squares(row), T::triple_dot(up, weight, row)])
             .collect();
         per_row = self.over_rows(per_row);
-        // A piece per block of rows, with its rows' part of the weight's gradient.
-        let (grad_x, partials) =
-            par_new_with(x.len(), (hidden * BLOCK_ROWS).max(1), |at, block| {
-                let rows = at..at + block.len();
-                let first_row = at / hidden;
-                let sums = &per_row[2 * first_row..2 * first_row + 2 * block.len() / hidden];
+        let mut grad_x = vec![T::ZERO; x.len()];
+        let partials: Vec<Vec<f64>> = grad_x
+            .par_chunks_mut(hidden * BLOCK_ROWS)
+            .zip(x.par_chunks(hidden * BLOCK_ROWS))
+            .zip(upstream.par_chunks(hidden * BLOCK_ROWS))
+            .zip(per_row.par_chunks(2 * BLOCK_ROWS))
+            .map(|(((grad_block, x_block), up_block), sums)| {
                 let mut grad_weight = vec![0f64; hidden];
-                let written = block
+                for (((grad_row, row), up), sums) in grad_block
                     .chunks_mut(hidden)
-                    .zip(x[rows.clone()].chunks(hidden))
-                    .zip(upstream[rows].chunks(hidden))
+                    .zip(x_block.chunks(hidden))
+                    .zip(up_block.chunks(hidden))
                     .zip(sums.chunks(2))
-                    .map(|(((grad_row, row), up), sums)| {
-                        let r = inverse_rms(sums[0], width, self.eps);
-                        for ((g, v), u) in grad_weight.iter_mut().zip(row).zip(up) {
-                            *g += u.to_f64() * v.to_f64() * r;
-                        }
-                        let correction = r * r * r * sums[1] / width as f64;
-                        let values = row.iter().zip(up).zip(weight).map(|((v, u), w)| {
-                            T::from_f64(r * u.to_f64() * w.to_f64() - v.to_f64() * correction)
-                        });
-                        write_all(grad_row, values)
-                    })
-                    .reduce(Written::then)
-                    .expect("a block holds a row");
-                (written, grad_weight)
-            });
+                {
+                    let r = inverse_rms(sums[0], width, self.eps);
+                    for ((g, v), u) in grad_weight.iter_mut().zip(row).zip(up) {
+                        *g += u.to_f64() * v.to_f64() * r;
+                    }
+                    let correction = r * r * r * sums[1] / width as f64;
+                    for (((g, v), u), w) in grad_row.iter_mut().zip(row).zip(up).zip(weight) {
+                        *g = T::from_f64(r * u.to_f64() * w.to_f64() - v.to_f64() * correction);
+                    }
+                }
+                grad_weight
+            })
+            .collect();
         let mut grad_weight = vec![0f64; hidden];
         for partial in &partials {
             for (total, value) in grad_weight.iter_mut().zip(partial) {
