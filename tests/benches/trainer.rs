@@ -51,6 +51,7 @@ struct Timing {
 
 /// [`Timing`] over `steps` after `warmup` steps.
 fn time_training(config: &Config, dataset: &Dataset, warmup: usize, steps: usize) -> Timing {
+    assert!(steps > 0, "at least one measured step");
     let model = Model::new(&config.model, config.run.seed, DType::F32).expect("model");
     let world = std::sync::Arc::new(lazarus_trainer::dist::World::single());
     let mut optim = AdamW::new(&model, &config.train, world).expect("optimizer");
