@@ -313,13 +313,14 @@ fn main() {
         }
     }
     let tokens_per_second = median(&ours);
+    let flops = flops_per_token * tokens_per_second;
     let (low_peak, peak) = range(&peaks);
     let step_flops = flops_per_token * (config.train.micro_batch * config.model.seq_len) as f64;
     println!("lazarus (candle), median of {pairs} runs:");
     println!(
         "  tokens/s {tokens_per_second:.0}, model {:.1} GFLOP/s, CPU-MFU {:.1}% of the highest peak",
-        flops_per_token * tokens_per_second / 1e9,
-        100.0 * flops_per_token * tokens_per_second / (peak * 1e9),
+        flops / 1e9,
+        100.0 * flops / (peak * 1e9),
     );
     println!(
         "  CPU-MFU of the quiet machine {:.1}%: the fastest step ({fastest:.0} ms) against the highest peak ({peak:.1} GFLOP/s; {low_peak:.1} the lowest), each the least slowed of all the runs",
