@@ -26,7 +26,18 @@ use crate::page_buf::{PageBuf, PAGE};
 /// exists: nothing is written over it, and its entries are made durable all the same (the
 /// writer that linked it may have been killed before it fsynced them).
 pub(crate) fn put_new(root: &Path, dest: &Path, bytes: &[u8]) -> std::io::Result<bool> {
-    let (file, staging, direct) = create_staging(dest)?;
+    put_new_switching(root, dest, bytes, switch_to_direct)
+}
+
+/// [`put_new`], with the staging file switched to `O_DIRECT` by `to_direct` (the tests give
+/// one that refuses, as a file system that does not take the flag).
+fn put_new_switching(
+    root: &Path,
+    dest: &Path,
+    bytes: &[u8],
+    to_direct: SwitchToDirect,
+) -> std::io::Result<bool> {
+    let (file, staging, direct) = create_staging(dest, to_direct)?;
     let written = write_all(&file, &staging, bytes, direct)
         .and_then(|()| file.sync_all())
         .and_then(|()| match std::fs::hard_link(&staging, dest) {
@@ -94,7 +105,10 @@ fn unsynced_above(root: &Path, dir: &Path) -> Vec<(PathBuf, PathBuf)> {
 /// directories up to it ([`sync_entries`] makes them durable). It is created as any file, then
 /// switched to `O_DIRECT` where the file system takes it: opened with the flag, a file system
 /// that refuses it fails the open only after creating the file.
-fn create_staging(dest: &Path) -> std::io::Result<(File, PathBuf, bool)> {
+fn create_staging(
+    dest: &Path,
+    to_direct: SwitchToDirect,
+) -> std::io::Result<(File, PathBuf, bool)> {
     let mut n = 1u32;
     loop {
         let mut staging = dest.as_os_str().to_owned();
@@ -106,10 +120,7 @@ fn create_staging(dest: &Path) -> std::io::Result<(File, PathBuf, bool)> {
             .open(&staging)
         {
             Ok(file) => {
-                let direct = rustix::fs::fcntl_getfl(&file).and_then(|flags| {
-                    rustix::fs::fcntl_setfl(&file, flags | rustix::fs::OFlags::DIRECT)
-                });
-                return match direct {
+                return match to_direct(&file) {
                     Ok(()) => Ok((file, staging, true)),
                     Err(rustix::io::Errno::INVAL) => Ok((file, staging, false)),
                     Err(error) => {
@@ -125,6 +136,14 @@ fn create_staging(dest: &Path) -> std::io::Result<(File, PathBuf, bool)> {
             Err(error) => return Err(error),
         }
     }
+}
+
+/// Switches an open file to `O_DIRECT`; `EINVAL` where the file system refuses it.
+type SwitchToDirect = fn(&File) -> rustix::io::Result<()>;
+
+fn switch_to_direct(file: &File) -> rustix::io::Result<()> {
+    let flags = rustix::fs::fcntl_getfl(file)?;
+    rustix::fs::fcntl_setfl(file, flags | rustix::fs::OFlags::DIRECT)
 }
 
 /// Writes `bytes` at the start of `file`: with `direct`, around the page cache
@@ -231,7 +250,7 @@ mod tests {
             .then(|| tempfile::tempdir_in("/dev/shm").unwrap());
         for root in std::iter::once(&on_disk).chain(&on_tmpfs) {
             let dest = root.path().join("d/o");
-            let (file, staging, direct) = create_staging(&dest).unwrap();
+            let (file, staging, direct) = create_staging(&dest, switch_to_direct).unwrap();
             let flags = rustix::fs::fcntl_getfl(&file).unwrap();
             assert_eq!(flags.contains(rustix::fs::OFlags::DIRECT), direct);
             let names: Vec<_> = std::fs::read_dir(root.path().join("d"))
@@ -240,6 +259,42 @@ mod tests {
                 .collect();
             assert_eq!(names, [staging]);
         }
+    }
+
+    /// Where the file system refuses `O_DIRECT`, a put writes the object through the page
+    /// cache, whole and create-only, and leaves no staging file. Any other error from the
+    /// switch fails the put with nothing left behind.
+    #[test]
+    fn a_file_system_that_refuses_o_direct_gets_the_same_file() {
+        let root = tempfile::tempdir().unwrap();
+        let refuses: SwitchToDirect = |_| Err(rustix::io::Errno::INVAL);
+        let (file, staging, direct) = create_staging(&root.path().join("s/o"), refuses).unwrap();
+        assert!(!direct);
+        let flags = rustix::fs::fcntl_getfl(&file).unwrap();
+        assert!(!flags.contains(rustix::fs::OFlags::DIRECT));
+        std::fs::remove_file(staging).unwrap();
+
+        let dest = root.path().join("a/o");
+        let bytes: Vec<u8> = (0..3 * PAGE + 17).map(|i| (i % 241) as u8).collect();
+        let mut aligned = PageBuf::with_capacity(bytes.len());
+        aligned.extend_from_slice(&bytes);
+        assert!(put_new_switching(root.path(), &dest, &aligned, refuses).unwrap());
+        assert_eq!(std::fs::read(&dest).unwrap(), bytes);
+        assert!(!put_new_switching(root.path(), &dest, b"other", refuses).unwrap());
+        assert_eq!(std::fs::read(&dest).unwrap(), bytes, "not written over");
+        let names = |dir: &str| -> Vec<_> {
+            std::fs::read_dir(root.path().join(dir))
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect()
+        };
+        assert_eq!(names("a"), ["o"]);
+
+        let fails: SwitchToDirect = |_| Err(rustix::io::Errno::IO);
+        let error =
+            put_new_switching(root.path(), &root.path().join("b/o"), &aligned, fails).unwrap_err();
+        assert_eq!(error.raw_os_error(), Some(libc::EIO));
+        assert!(names("b").is_empty(), "{:?}", names("b"));
     }
 
     /// A put makes durable the entries of the directories it is in, up to the store's root,
