@@ -1,10 +1,11 @@
 //! Chunk objects written to a `file://` store around the page cache (`O_DIRECT`), durable on
-//! return, published create-only exactly as `object_store`'s local store does it: a staging
-//! file `<name>#<n>` beside the object, fsynced, hard-linked to the object's name (which fails
-//! if the name exists) and removed, then the directory fsynced, and, the first time this
-//! process puts into that directory, every directory above it up to the store's root (a
-//! directory another writer made may not be durable yet: it can have been killed before it
-//! fsynced it). Listings skip staging names and gc sweeps those a killed writer left (`gc.rs`).
+//! return, published create-only as `object_store`'s local store does it: a staging file
+//! `<name>#<n>` beside the object (`n` random, where `object_store` takes the lowest free),
+//! fsynced, hard-linked to the object's name (which fails if the name exists) and removed,
+//! then the directory fsynced, and, the first time this process puts into that directory,
+//! every directory above it up to the store's root (a directory another writer made may not
+//! be durable yet: it can have been killed before it fsynced it). Listings skip staging
+//! names and gc sweeps those a killed writer left (`gc.rs`).
 //!
 //! Why: a buffered write costs the kernel a copy into the page cache and its writeback, and
 //! on 2 cores that was the largest part of a daemon's upload: `dd` of 336 MB took 0.5-0.8 s
@@ -101,18 +102,20 @@ fn unsynced_above(root: &Path, dir: &Path) -> Vec<(PathBuf, PathBuf)> {
     unsynced
 }
 
-/// Creates a staging file beside `dest` (`dest#1`, `dest#2`, ... whichever is free), and the
-/// directories up to it ([`sync_entries`] makes them durable). It is created as any file, then
-/// switched to `O_DIRECT` where the file system takes it: opened with the flag, a file system
-/// that refuses it fails the open only after creating the file.
+/// Creates a staging file beside `dest`, `dest#N` with `N` a random 64-bit number (another
+/// if taken), and the directories up to it ([`sync_entries`] makes them durable). The file
+/// is published by its name, so the name must be this writer's alone: with the lowest free
+/// number, a writer slower than gc's staging grace had its file swept and the name taken by
+/// the next writer, and linked that one's half-written file as its object. It is created as
+/// any file, then switched to `O_DIRECT` where the file system takes it: opened with the
+/// flag, a file system that refuses it fails the open only after creating the file.
 fn create_staging(
     dest: &Path,
     to_direct: SwitchToDirect,
 ) -> std::io::Result<(File, PathBuf, bool)> {
-    let mut n = 1u32;
     loop {
         let mut staging = dest.as_os_str().to_owned();
-        staging.push(format!("#{n}"));
+        staging.push(format!("#{}", rand::random::<u64>()));
         let staging = PathBuf::from(staging);
         match OpenOptions::new()
             .write(true)
@@ -129,7 +132,7 @@ fn create_staging(
                     }
                 };
             }
-            Err(error) if error.kind() == ErrorKind::AlreadyExists => n += 1,
+            Err(error) if error.kind() == ErrorKind::AlreadyExists => {}
             Err(error) if error.kind() == ErrorKind::NotFound => {
                 std::fs::create_dir_all(dest.parent().expect("an object's file has a directory"))?
             }
@@ -186,8 +189,19 @@ fn write_direct(file: &File, bytes: &[u8]) -> std::io::Result<()> {
 
 /// Makes the entries of the directory `dir` durable (a file created, linked or renamed in it).
 pub fn sync_dir(dir: &Path) -> std::io::Result<()> {
-    File::open(dir)?.sync_all()
+    File::open(dir)?.sync_all()?;
+    #[cfg(test)]
+    SYNCED_DIRS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(dir.to_path_buf());
+    Ok(())
 }
+
+/// Every directory [`sync_dir`] fsynced, for the tests (each looks at those in its own
+/// temporary directory).
+#[cfg(test)]
+pub(crate) static SYNCED_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 
 #[cfg(test)]
 mod tests {
@@ -295,6 +309,29 @@ mod tests {
             put_new_switching(root.path(), &root.path().join("b/o"), &aligned, fails).unwrap_err();
         assert_eq!(error.raw_os_error(), Some(libc::EIO));
         assert!(names("b").is_empty(), "{:?}", names("b"));
+    }
+
+    /// A staging file swept by gc (its writer slower than the grace) leaves its name free; the
+    /// next writer of the same object takes another, so the slow writer's link of its name
+    /// fails instead of publishing the other's half-written file. The name stays one that gc
+    /// and listings know for a staging file (`#` and digits).
+    #[test]
+    fn a_swept_staging_name_is_not_taken_by_the_next_writer() {
+        let root = tempfile::tempdir().unwrap();
+        let dest = root.path().join("c/o");
+        let (_slow, slow, _) = create_staging(&dest, switch_to_direct).unwrap();
+        std::fs::remove_file(&slow).unwrap();
+        let (_next, next, _) = create_staging(&dest, switch_to_direct).unwrap();
+        assert_ne!(slow, next);
+        let error = std::fs::hard_link(&slow, &dest).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::NotFound);
+        let name = next.file_name().unwrap().to_str().unwrap();
+        let (object, n) = name.rsplit_once('#').unwrap();
+        assert_eq!(object, "o");
+        assert!(
+            !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()),
+            "{name}"
+        );
     }
 
     /// A put makes durable the entries of the directories it is in, up to the store's root,

@@ -882,6 +882,12 @@ impl RunStore {
 
     /// What storage holds under `hash`, read from the chunk's header and its bases' headers.
     /// `None` if the chunk is absent, its header does not read, or its delta chain is broken.
+    ///
+    /// A chunk found, not put, may be another writer's that was killed after it linked the
+    /// chunk and before it fsynced the chunk's directory (or whose fsync failed). On a
+    /// `file://` store the entries of the chunk and of its bases are made durable here, before
+    /// a manifest of this write can name them: a commit whose chunk a power loss then took
+    /// back would be a committed step that cannot be read.
     async fn stored_chunk(&self, hash: ChunkHash) -> Result<Option<ChunkInfo>, StoreError> {
         let Some(header) = self.chunk_header(hash).await? else {
             return Ok(None);
@@ -901,6 +907,11 @@ impl RunStore {
                 // A broken chain is as good as absent: store the chunk again, whole.
                 None => return Ok(None),
             }
+        }
+        for found in std::iter::once(hash).chain(bases.iter().copied()) {
+            self.store
+                .sync_entries(&layout::chunk(&self.run, &found), false)
+                .await?;
         }
         Ok(Some(ChunkInfo {
             stored_len,
@@ -1192,7 +1203,7 @@ mod tests {
     use crate::hash::ChunkHash;
     use crate::ids::StepKey;
     use crate::store::testing::{bases_of, floats, open_run, shard, write, FLOATS};
-    use crate::store::RunStore;
+    use crate::store::{direct, OpenMode, RunStore, Store, StoreOptions};
     use crate::StoreError;
 
     async fn open(objects: Arc<dyn ObjectStore>, index: Option<&std::path::Path>) -> RunStore {
@@ -1257,6 +1268,43 @@ mod tests {
         let checkpoint = run_store.open_checkpoint(StepKey::new(4, 0)).await.unwrap();
         assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
         assert_eq!(ChunkHash::of(&b), b_ref.hash);
+    }
+
+    /// A write that finds its chunk stored (by a writer that may have been killed between
+    /// linking it and fsyncing its directory) makes the chunk's entry durable before its
+    /// manifest names it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chunk_found_stored_is_made_durable_before_a_manifest_names_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("store");
+        let options = StoreOptions {
+            chunk_bytes: (FLOATS * 4) as u64,
+            ..StoreOptions::default()
+        };
+        let url = format!("file://{}", root.display());
+        let store = Store::open(&url, OpenMode::CreateIfMissing, options)
+            .await
+            .unwrap();
+        let run_store = store.run(&"found".parse().unwrap());
+        run_store.create(serde_json::json!({})).await.unwrap();
+        let data = floats(4, 0);
+        let first = write(&run_store, 1, &data, None).await;
+        let chunk =
+            root.join(layout::chunk(run_store.id(), &first.tensors[0].chunks[0].hash).as_ref());
+        let chunk_dir = chunk.parent().unwrap().to_path_buf();
+        let synced = || {
+            direct::SYNCED_DIRS
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|synced| **synced == chunk_dir)
+                .count()
+        };
+        let before = synced();
+        // No local index: the second write finds the chunk by its header, and puts nothing.
+        let second = write(&run_store, 2, &data, None).await;
+        assert_eq!(second.uploaded_bytes, 0);
+        assert_eq!(synced(), before + 1);
     }
 
     /// A store wiped behind the local index (recreated at the same address): the index says
