@@ -49,6 +49,7 @@ pub async fn snapshot(
     let reply = state.held_reply(true, true);
     let job = Job {
         rank,
+        generation: state.generation,
         world_size: state.world_size,
         step,
         slot,
@@ -67,6 +68,8 @@ pub async fn snapshot(
 
 struct Job {
     rank: Rank,
+    /// The rank's state the slot is one of ([`RankState::generation`]).
+    generation: u64,
     world_size: u32,
     step: u64,
     slot: u32,
@@ -96,6 +99,16 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
     let Some(state) = ranks.get_mut(&job.rank) else {
         return;
     };
+    if state.generation != job.generation {
+        // The rank registered with another layout meanwhile: its state, slots and busy word
+        // are new, and this snapshot's slot file is gone.
+        tracing::info!(
+            rank = job.rank,
+            step = job.step,
+            "dropped a snapshot of the rank's previous layout"
+        );
+        return;
+    }
     if job.rollback != *daemon.rollback.lock().expect("not poisoned") {
         // The run was rolled back while this was replicated: it is the abandoned trajectory's
         // (the rank that handed it over was stopped before the rollback), and must be neither
@@ -265,7 +278,13 @@ fn follow(daemon: &Arc<Daemon>, state: &RankState, decision: Upload) {
             }
         }
         Upload::Start(snap) => {
-            tokio::spawn(upload(daemon.clone(), state.rank, snap));
+            let owner = Owner {
+                rank: state.rank,
+                world_size: state.world_size,
+                generation: state.generation,
+                registration: state.registration,
+            };
+            tokio::spawn(upload(daemon.clone(), owner, snap));
         }
         Upload::Skipped(skipped) => {
             // T0 moved on to a step that is not durable: the waiting one's slot is gone.
@@ -292,11 +311,16 @@ pub async fn make_durable(daemon: &Arc<Daemon>, step: u64) {
 
 /// Tells the leader that `state`'s shard of `step` is stored.
 fn stored_message(daemon: &Daemon, state: &RankState, step: StepKey) -> Message {
+    stored_shard(daemon, state.rank, state.world_size, step)
+}
+
+/// Tells the leader that `rank`'s shard of `step`, in a world of `world_size`, is stored.
+fn stored_shard(daemon: &Daemon, rank: Rank, world_size: u32, step: StepKey) -> Message {
     Message::Stored {
         node: daemon.cfg.node.clone(),
         run: daemon.cfg.run.clone(),
-        rank: state.rank,
-        world_size: state.world_size,
+        rank,
+        world_size,
         step,
     }
 }
@@ -310,19 +334,44 @@ impl Progress for Counting<'_> {
     }
 }
 
+/// Whose T0 an upload stores: the rank and its world's size, its state
+/// ([`RankState::generation`]) and the process registered when it started
+/// ([`RankState::registration`]).
+#[derive(Clone, Copy, Debug)]
+struct Owner {
+    rank: Rank,
+    world_size: u32,
+    generation: u64,
+    registration: u64,
+}
+
 /// Uploads a rank's T0 through the store library, writing the next upload's delta base as it
 /// goes, records the step and its base, and tells the leader its manifest is stored. A
-/// durable step committed to memory meanwhile is uploaded next.
-async fn upload(daemon: Arc<Daemon>, rank: Rank, snap: Snap) {
-    let uploaded = snap.step;
-    let result = upload_inner(&daemon, rank, snap).await;
+/// durable step committed to memory meanwhile is uploaded next. An upload that outlived its
+/// rank's state (the rank registered with another layout) records nothing in the new one:
+/// its base is the old state's file, and its slot was never the new one's.
+async fn upload(daemon: Arc<Daemon>, owner: Owner, snap: Snap) {
+    let (rank, uploaded) = (owner.rank, snap.step);
+    let result = upload_inner(&daemon, owner, snap).await;
     let mut ranks = daemon.ranks.lock().await;
     let Some(state) = ranks.get_mut(&rank) else {
         return;
     };
+    if state.generation != owner.generation {
+        if let Ok((step, _)) = &result {
+            let stored = stored_shard(&daemon, rank, owner.world_size, *step);
+            let _ = daemon.to_leader.send(stored);
+        }
+        tracing::info!(
+            rank,
+            step = uploaded,
+            "an upload of the rank's previous layout ended"
+        );
+        return;
+    }
     match result {
         Ok((step, base)) => {
-            if let Err(error) = state.stored(step, base) {
+            if let Err(error) = state.stored(step, base, owner.registration) {
                 tracing::error!(error = %format!("{error:#}"), "cannot record the stored step");
             }
             let _ = daemon.to_leader.send(stored_message(&daemon, state, step));
@@ -341,14 +390,16 @@ async fn upload(daemon: Arc<Daemon>, rank: Rank, snap: Snap) {
 /// copied over the old base file (which they were encoded against) as it went.
 async fn upload_inner(
     daemon: &Arc<Daemon>,
-    rank: Rank,
+    owner: Owner,
     snap: Snap,
 ) -> Result<(StepKey, Option<Base>)> {
+    let rank = owner.rank;
     let shard = {
         let mut ranks = daemon.ranks.lock().await;
         let state = ranks
             .get_mut(&rank)
-            .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+            .filter(|state| state.generation == owner.generation)
+            .ok_or_else(|| anyhow!("rank {rank} registered with another layout"))?;
         let old_base = state.base.clone();
         // The base file is about to change: from now until the new base is recorded, no
         // upload (nor a daemon restarted meanwhile) pairs it with the old chunks. Where
@@ -544,9 +595,156 @@ mod tests {
 
     use lazarus_shared::wire::Message;
 
-    use super::snapshot;
-    use crate::daemon::rank::RankState;
+    use super::{snapshot, start_upload};
+    use crate::daemon::rank::{Base, RankState, Snap};
     use crate::daemon::{testing, uplink, SLOTS_PER_RANK};
+
+    /// Rank 0 of a world of `world_size`, registered, with its slot files (64 KiB, all 7s)
+    /// under `dir`.
+    fn registered_rank(dir: &std::path::Path, world_size: u32) -> RankState {
+        let slot_bytes = 64 << 10;
+        let mut state = RankState::new(0, world_size, slot_bytes, Vec::new(), dir.to_path_buf());
+        std::fs::create_dir_all(&state.dir).unwrap();
+        for slot in 0..SLOTS_PER_RANK {
+            std::fs::write(state.slot_path(slot), vec![7; slot_bytes as usize]).unwrap();
+        }
+        state.registered(100).unwrap();
+        state
+    }
+
+    /// A delta base of an earlier durable step.
+    fn earlier_base() -> Base {
+        Base {
+            step: 5,
+            chunks: Vec::new(),
+            checked: true,
+        }
+    }
+
+    /// `state` with T0 at step 10 in slot 0, and [`earlier_base`].
+    fn with_t0_and_base(mut state: RankState) -> RankState {
+        state.base = Some(earlier_base());
+        state.t0 = Some(Snap {
+            step: 10,
+            slot: 0,
+            hashes: Vec::new(),
+            blobs: Vec::new(),
+            durable_requested: false,
+        });
+        state
+    }
+
+    /// An upload decided for a state that is replaced (the rank registered with another
+    /// layout) before the upload read it reads nothing of the new one: it neither forgets
+    /// the new state's base nor uploads its slots.
+    #[tokio::test]
+    async fn an_upload_of_a_layout_replaced_before_it_ran_reads_nothing_of_the_new_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, _to_leader, _) = testing::follower(dir.path(), &[]).await;
+        daemon.run.create(serde_json::json!({})).await.unwrap();
+        let old = with_t0_and_base(registered_rank(&dir.path().join("old"), 2));
+        daemon.ranks.lock().await.insert(0, old);
+        let mut ranks = daemon.ranks.lock().await;
+        let state = ranks.get_mut(&0).unwrap();
+        assert!(state.request_durable(10));
+        start_upload(&daemon, state);
+        let new = with_t0_and_base(registered_rank(&dir.path().join("new"), 4));
+        ranks.insert(0, new);
+        // The upload queues for the lock the test holds, and the test behind it: once the
+        // test has the lock back, the upload has looked at the state.
+        tokio::task::yield_now().await;
+        drop(ranks);
+        let ranks = daemon.ranks.lock().await;
+        assert_eq!(ranks[&0].base, Some(earlier_base()));
+        drop(ranks);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let ranks = daemon.ranks.lock().await;
+        assert_eq!(
+            (ranks[&0].base.clone(), ranks[&0].stored),
+            (Some(earlier_base()), None)
+        );
+    }
+
+    /// A snapshot still being replicated when its rank registers with another layout ends in
+    /// nothing: the new state, whose slots are other files, keeps its own snapshot in flight,
+    /// and nothing is reported. Regression: its end cleared the new state's `working`, so
+    /// the rank could write a slot the daemon was still hashing and sending.
+    #[tokio::test]
+    async fn a_snapshot_of_a_replaced_layout_ends_in_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, mut to_leader, _) = testing::follower(dir.path(), &[]).await;
+        let old = registered_rank(&dir.path().join("old"), 2);
+        daemon.ranks.lock().await.insert(0, old);
+        // On this single-threaded runtime, the replication starts once the test waits.
+        snapshot(&daemon, 0, 9, 0, false, Vec::new()).await.unwrap();
+        let mut new = registered_rank(&dir.path().join("new"), 4);
+        new.working = Some(2);
+        let generation = new.generation;
+        daemon.ranks.lock().await.insert(0, new);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let ranks = daemon.ranks.lock().await;
+        let state = &ranks[&0];
+        assert_eq!(state.generation, generation);
+        assert_eq!(state.working, Some(2));
+        assert!(state.pending.is_none());
+        assert!(to_leader.try_recv().is_err(), "nothing reported");
+    }
+
+    /// An upload that outlives its rank's state (the rank registered with another layout)
+    /// records neither its step nor its delta base in the new state, nor frees a slot there,
+    /// and tells the leader its shard is stored as its own world's. Regression: the new state
+    /// took the old upload's base chunks as its base file's (a fresh, zeroed file), checked,
+    /// and its next upload stored deltas against zeros under the old chunks' names.
+    #[tokio::test]
+    async fn an_upload_of_a_replaced_layout_records_nothing_in_the_new_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, mut to_leader, _) = testing::follower(dir.path(), &[]).await;
+        daemon.run.create(serde_json::json!({})).await.unwrap();
+        let earlier = earlier_base();
+        let old = with_t0_and_base(registered_rank(&dir.path().join("old"), 2));
+        daemon.ranks.lock().await.insert(0, old);
+        // The test holds the ranks lock while the upload starts, so that the upload, on this
+        // single-threaded runtime, queues for the lock (tokio's is first come, first served)
+        // and the test queues behind it: the test gets the lock back once the upload has read
+        // the old state (and forgot its base) and before the upload can record its result.
+        let mut ranks = daemon.ranks.lock().await;
+        let state = ranks.get_mut(&0).unwrap();
+        assert!(state.request_durable(10));
+        start_upload(&daemon, state);
+        loop {
+            tokio::task::yield_now().await;
+            drop(ranks);
+            ranks = daemon.ranks.lock().await;
+            let state = &ranks[&0];
+            assert_eq!(state.uploading, Some(0), "the upload ended");
+            if state.base.is_none() {
+                break;
+            }
+        }
+        let mut new = registered_rank(&dir.path().join("new"), 4);
+        new.base = Some(earlier.clone());
+        new.uploading = Some(3);
+        ranks.insert(0, new);
+        drop(ranks);
+        let stored = tokio::time::timeout(Duration::from_secs(30), to_leader.recv())
+            .await
+            .expect("the old upload ended")
+            .unwrap();
+        match stored {
+            Message::Stored {
+                rank,
+                world_size,
+                step,
+                ..
+            } => assert_eq!((rank, world_size, step.step), (0, 2, 10)),
+            other => panic!("expected the old world's shard stored, got {other:?}"),
+        }
+        let ranks = daemon.ranks.lock().await;
+        let state = &ranks[&0];
+        assert_eq!(state.base, Some(earlier));
+        assert_eq!(state.stored, None);
+        assert_eq!(state.uploading, Some(3));
+    }
 
     /// A snapshot handed over before a rollback and still being replicated when its daemon
     /// applies the rollback is the abandoned trajectory's: when the replication ends it is

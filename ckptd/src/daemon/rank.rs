@@ -14,6 +14,7 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, Context, Result};
@@ -68,6 +69,14 @@ const EARLY_BEATS: u8 = 2;
 #[derive(Debug)]
 pub struct RankState {
     pub rank: Rank,
+    /// This state's own number, new with every layout: a registration with another layout
+    /// replaces the state, and a replication or upload still running for the one it replaced
+    /// must not end in this one (its slots and base file are other files).
+    pub generation: u64,
+    /// Counts the processes registered as this rank: a restore asked for by a process that a
+    /// later one has replaced must not install its slot as T0, nor an upload that process
+    /// started tell the new one it stored its step.
+    pub registration: u64,
     pub world_size: u32,
     /// The registered process; 0 when none is.
     pub pid: u32,
@@ -154,8 +163,11 @@ impl RankState {
         tensors: Vec<SlotTensor>,
         dir: PathBuf,
     ) -> Self {
+        static GENERATIONS: AtomicU64 = AtomicU64::new(1);
         Self {
             rank,
+            generation: GENERATIONS.fetch_add(1, Ordering::Relaxed),
+            registration: 0,
             world_size,
             pid: 0,
             slot_bytes,
@@ -236,6 +248,7 @@ impl RankState {
     /// its restored step when it trains, not the step its predecessor died at.
     pub fn registered(&mut self, pid: u32) -> Result<()> {
         self.pid = pid;
+        self.registration += 1;
         self.last_seen = Instant::now();
         self.stored = None;
         self.last_step = 0;
@@ -472,12 +485,17 @@ impl RankState {
         self.persist()
     }
 
-    /// The upload of `step` stored it (with the new delta base, when one is kept).
-    pub fn stored(&mut self, step: StepKey, base: Option<Base>) -> Result<()> {
+    /// The upload of `step`, started under `registration`, stored it (with the new delta
+    /// base, when one is kept). The step counts as this process's only if no other process
+    /// registered meanwhile: one relaunched after a rollback may make the same step number
+    /// again, on another trajectory, and must upload it.
+    pub fn stored(&mut self, step: StepKey, base: Option<Base>, registration: u64) -> Result<()> {
         if let Some(base) = base {
             self.base = Some(base);
         }
-        self.stored = Some(step);
+        if registration == self.registration {
+            self.stored = Some(step);
+        }
         self.persist()
     }
 
@@ -640,8 +658,11 @@ mod tests {
         pid: u32,
         /// The snapshot the daemon is replicating: (step, slot, durable).
         job: Option<(u64, u32, bool)>,
-        /// The upload the daemon runs.
-        upload: Option<Snap>,
+        /// The upload the daemon runs, and the registration it started under.
+        upload: Option<(Snap, u64)>,
+        /// The step this process stored (an upload it started, or one its predecessor started,
+        /// never counts for it).
+        stored: Option<u64>,
         /// The model's T0: (step, slot).
         t0: Option<(u64, u32)>,
         /// The busy word as the rank maps it.
@@ -679,6 +700,7 @@ mod tests {
                 pid: 100,
                 job: None,
                 upload: None,
+                stored: None,
                 t0: None,
                 busy_word,
             }
@@ -694,7 +716,7 @@ mod tests {
                 Upload::Start(snap) => {
                     assert!(self.upload.is_none(), "two uploads at once");
                     assert_eq!(self.daemon.uploading, Some(snap.slot));
-                    self.upload = Some(snap);
+                    self.upload = Some((snap, self.daemon.registration));
                 }
                 Upload::Queued { .. } => assert!(self.upload.is_some(), "queued behind nothing"),
                 Upload::Stored(_) | Upload::Nothing | Upload::Skipped(_) => {}
@@ -778,11 +800,14 @@ mod tests {
                     }
                 }
                 Op::UploadEnds { ok } => {
-                    if let Some(upload) = self.upload.take() {
+                    if let Some((upload, registration)) = self.upload.take() {
                         if ok {
                             self.daemon
-                                .stored(StepKey::new(upload.step, 0), None)
+                                .stored(StepKey::new(upload.step, 0), None, registration)
                                 .unwrap();
+                            if registration == self.daemon.registration {
+                                self.stored = Some(upload.step);
+                            }
                         }
                         let decision = self.daemon.upload_ended(upload.step);
                         self.follow(decision);
@@ -800,6 +825,7 @@ mod tests {
                     }
                     self.pid += 1;
                     self.daemon.registered(self.pid).unwrap();
+                    self.stored = None;
                     let memory = self.t0.filter(|_| keep).map(|(step, _)| step);
                     match self.daemon.memory_candidate(memory) {
                         Some((path, candidate)) if t0_ok => {
@@ -844,6 +870,7 @@ mod tests {
                         .attach_busy_word(BusyWord::create(&word, 0o600).unwrap());
                     self.job = None;
                     self.upload = None;
+                    self.stored = None;
                 }
             }
         }
@@ -875,7 +902,8 @@ mod tests {
                 assert_eq!(self.daemon.working, Some(slot));
                 assert_eq!(self.content[slot as usize], step);
             }
-            if let Some(upload) = &self.upload {
+            assert_eq!(self.daemon.stored.map(|key| key.step), self.stored);
+            if let Some((upload, _)) = &self.upload {
                 assert_eq!(self.daemon.uploading, Some(upload.slot));
                 assert_eq!(self.content[upload.slot as usize], upload.step);
             }

@@ -66,7 +66,7 @@ pub async fn restore(
     memory: Option<u64>,
     durable: Option<u64>,
 ) -> Result<(Message, Vec<u8>)> {
-    let (slot_bytes, tensors, world_size, candidate, holder) = {
+    let (slot_bytes, tensors, world_size, candidate, holder, asker) = {
         let ranks = daemon.ranks.lock().await;
         let state = ranks
             .get(&rank)
@@ -77,19 +77,23 @@ pub async fn restore(
             state.world_size,
             state.memory_candidate(memory),
             state.replica_at,
+            Asker {
+                generation: state.generation,
+                registration: state.registration,
+            },
         )
     };
     if let Some(m) = memory {
         if let Some((path, snap)) = candidate {
             match verify_slot(&path, slot_bytes, &snap.hashes).await {
-                Ok(()) => return install(daemon, rank, Some(snap), Tier::T0).await,
+                Ok(()) => return install(daemon, rank, asker, Some(snap), Tier::T0).await,
                 Err(error) => {
                     daemon.metrics.error("t0_corrupt");
                     tracing::warn!(rank, step = m, error = %format!("{error:#}"), "T0 does not verify; trying the buddy");
                 }
             }
         }
-        let (slot, path) = begin_fill(daemon, rank, Some(m)).await?;
+        let (slot, path) = begin_fill(daemon, rank, asker, Some(m)).await?;
         let fetched = replica::fetch(
             daemon, holder, rank, m, world_size, slot_bytes, &tensors, &path,
         )
@@ -103,10 +107,10 @@ pub async fn restore(
                     blobs,
                     durable_requested: false,
                 };
-                return install(daemon, rank, Some(snap), Tier::T1).await;
+                return install(daemon, rank, asker, Some(snap), Tier::T1).await;
             }
             Err(error) => {
-                end_fill(daemon, rank).await;
+                end_fill(daemon, rank, asker, slot).await;
                 daemon.metrics.error("t1_unavailable");
                 tracing::warn!(rank, step = m, error = %format!("{error:#}"), "no replica at the buddy; trying storage");
             }
@@ -121,14 +125,14 @@ pub async fn restore(
         if let Some(m) = memory {
             bail!("step {m} is memory-committed but neither this node (T0), the buddy (T1) nor storage has it for rank {rank}");
         }
-        return install(daemon, rank, None, Tier::T2).await;
+        return install(daemon, rank, asker, None, Tier::T2).await;
     };
-    let (slot, path) = begin_fill(daemon, rank, None).await?;
+    let (slot, path) = begin_fill(daemon, rank, asker, None).await?;
     let read = read_from_store(daemon, durable, slot_bytes, &tensors, &path).await;
     let (hashes, blobs) = match read {
         Ok(read) => read,
         Err(error) => {
-            end_fill(daemon, rank).await;
+            end_fill(daemon, rank, asker, slot).await;
             return Err(error);
         }
     };
@@ -139,31 +143,93 @@ pub async fn restore(
         blobs,
         durable_requested: false,
     };
-    install(daemon, rank, Some(snap), Tier::T2).await
+    install(daemon, rank, asker, Some(snap), Tier::T2).await
+}
+
+/// How long a restore waits for one that an earlier process of the rank asked for, and that
+/// still fills its slot after that process died (under the trainer's 300 s wait for the
+/// answer).
+const SUPERSEDED_RESTORE_WAIT: Duration = Duration::from_secs(240);
+
+/// Which process of the rank asked for a restore: the rank's state (its layout) and the
+/// registration, as the restore started.
+#[derive(Clone, Copy, Debug)]
+struct Asker {
+    generation: u64,
+    registration: u64,
+}
+
+impl Asker {
+    /// Whether `state` is still the asker's: no other layout and no later process since.
+    fn owns(self, state: &RankState) -> bool {
+        state.generation == self.generation && state.registration == self.registration
+    }
+}
+
+/// The rank's state, while it is still the asker's.
+fn asker_state(
+    ranks: &mut std::collections::HashMap<Rank, RankState>,
+    rank: Rank,
+    asker: Asker,
+) -> Result<&mut RankState> {
+    let state = ranks
+        .get_mut(&rank)
+        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+    if !asker.owns(state) {
+        bail!("rank {rank} was registered again (or with another layout) during its restore");
+    }
+    Ok(state)
 }
 
 /// Claims a free slot for a restore to fill. The snapshots the rank had are given up, but
 /// T0 only when it is not the step wanted (`keep`): it may still serve a later attempt.
-async fn begin_fill(daemon: &Arc<Daemon>, rank: Rank, keep: Option<u64>) -> Result<(u32, PathBuf)> {
-    let mut ranks = daemon.ranks.lock().await;
-    let state = ranks
-        .get_mut(&rank)
-        .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-    let slot = state.begin_fill(keep)?;
-    Ok((slot, state.slot_path(slot)))
-}
-
-/// A fill that failed lets its slot go.
-async fn end_fill(daemon: &Arc<Daemon>, rank: Rank) {
-    if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
-        state.end_fill();
+/// A restore that an earlier process asked for may still be filling its slot (it runs on
+/// after its process died): this one waits for it to end first, since the rank, which may
+/// write any slot not held, must not get that one while it is written.
+async fn begin_fill(
+    daemon: &Arc<Daemon>,
+    rank: Rank,
+    asker: Asker,
+    keep: Option<u64>,
+) -> Result<(u32, PathBuf)> {
+    let deadline = Instant::now() + SUPERSEDED_RESTORE_WAIT;
+    loop {
+        {
+            let mut ranks = daemon.ranks.lock().await;
+            let state = asker_state(&mut ranks, rank, asker)?;
+            match state.restoring {
+                None => {
+                    let slot = state.begin_fill(keep)?;
+                    return Ok((slot, state.slot_path(slot)));
+                }
+                Some(slot) if Instant::now() > deadline => bail!(
+                    "an earlier process's restore of rank {rank} still fills slot {slot} after {SUPERSEDED_RESTORE_WAIT:?}"
+                ),
+                Some(_) => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
-/// Makes a restored snapshot the rank's T0 (or records that there is none) and answers.
+/// A fill of `slot` that failed lets it go (unless the rank's state is no longer the one it
+/// was filling for).
+async fn end_fill(daemon: &Arc<Daemon>, rank: Rank, asker: Asker, slot: u32) {
+    if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
+        if state.generation == asker.generation && state.restoring == Some(slot) {
+            state.end_fill();
+        }
+    }
+}
+
+/// Makes a restored snapshot the rank's T0 (or records that there is none) and answers. A
+/// restore whose process another has replaced (the world died while it ran, and was
+/// relaunched) installs nothing: its step may be one a rollback since abandoned. It lets its
+/// slot go, which the restore of the process now registered waits for.
 async fn install(
     daemon: &Arc<Daemon>,
     rank: Rank,
+    asker: Asker,
     snap: Option<Snap>,
     tier: Tier,
 ) -> Result<(Message, Vec<u8>)> {
@@ -171,6 +237,16 @@ async fn install(
     let state = ranks
         .get_mut(&rank)
         .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+    if !asker.owns(state) {
+        let filled = snap
+            .as_ref()
+            .filter(|_| tier != Tier::T0)
+            .map(|snap| snap.slot);
+        if state.generation == asker.generation && filled.is_some() && state.restoring == filled {
+            state.end_fill();
+        }
+        bail!("rank {rank} was registered again (or with another layout) during its restore; nothing installed");
+    }
     let found = snap.is_some();
     state.install(snap)?;
     state.restored_from = found.then_some(tier);
@@ -244,4 +320,113 @@ async fn read_from_store(
         hashes.push(tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?);
     }
     Ok((hashes, blobs))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use lazarus_shared::ChunkHash;
+
+    use super::{begin_fill, restore, Asker};
+    use crate::daemon::rank::{RankState, Snap};
+    use crate::daemon::{testing, SLOTS_PER_RANK};
+
+    /// Rank 0 of 2, registered by process 100, with its slot files (64 KiB, all 7s) under
+    /// `dir` and T0 at step 5 in slot 0.
+    fn rank_with_t0(dir: &std::path::Path) -> RankState {
+        let slot_bytes = 64 << 10;
+        let mut state = RankState::new(0, 2, slot_bytes, Vec::new(), dir.to_path_buf());
+        std::fs::create_dir_all(&state.dir).unwrap();
+        let contents = vec![7u8; slot_bytes as usize];
+        for slot in 0..SLOTS_PER_RANK {
+            std::fs::write(state.slot_path(slot), &contents).unwrap();
+        }
+        state.registered(100).unwrap();
+        state.t0 = Some(Snap {
+            step: 5,
+            slot: 0,
+            hashes: vec![ChunkHash::of(&contents)],
+            blobs: Vec::new(),
+            durable_requested: false,
+        });
+        state
+    }
+
+    /// A restore whose process another replaced while it ran (the world died and was
+    /// relaunched) installs nothing, and the new process's state is as its registration left
+    /// it. The same restore without the new registration is served.
+    #[tokio::test]
+    async fn a_restore_for_a_replaced_process_installs_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, _to_leader, _) = testing::follower(dir.path(), &[]).await;
+        daemon
+            .ranks
+            .lock()
+            .await
+            .insert(0, rank_with_t0(dir.path()));
+        for replaced in [false, true] {
+            // The restore queues for the lock the test holds, and the test behind it: once
+            // the test has the lock back, the restore has read the state and is re-hashing T0.
+            let mut ranks = daemon.ranks.lock().await;
+            let restoring = tokio::spawn({
+                let daemon = daemon.clone();
+                async move { restore(&daemon, 0, Some(5), None).await }
+            });
+            tokio::task::yield_now().await;
+            drop(ranks);
+            ranks = daemon.ranks.lock().await;
+            if replaced {
+                ranks.get_mut(&0).unwrap().registered(200).unwrap();
+            }
+            drop(ranks);
+            let result = restoring.await.unwrap();
+            let ranks = daemon.ranks.lock().await;
+            let state = &ranks[&0];
+            if replaced {
+                let error = result.unwrap_err().to_string();
+                assert!(error.contains("registered again"), "{error}");
+                assert_eq!(state.restored_from, None);
+            } else {
+                result.unwrap();
+                assert_eq!(state.restored_from, Some(lazarus_shared::wire::Tier::T0));
+            }
+            assert_eq!(state.t0.as_ref().map(|t0| t0.step), Some(5));
+        }
+    }
+
+    /// A restore waits for one that an earlier process asked for and that still fills its
+    /// slot, then claims a slot of its own; the rank is never told it may write the slot being
+    /// filled.
+    #[tokio::test]
+    async fn a_restore_waits_for_an_earlier_process_fill() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, _to_leader, _) = testing::follower(dir.path(), &[]).await;
+        let mut state = rank_with_t0(dir.path());
+        state.restoring = Some(1);
+        let asker = Asker {
+            generation: state.generation,
+            registration: state.registration,
+        };
+        daemon.ranks.lock().await.insert(0, state);
+        let filling = tokio::spawn({
+            let daemon = daemon.clone();
+            async move { begin_fill(&daemon, 0, asker, Some(5)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(
+            !filling.is_finished(),
+            "claimed a slot while slot 1 is filled"
+        );
+        assert_eq!(daemon.ranks.lock().await[&0].restoring, Some(1));
+        daemon.ranks.lock().await.get_mut(&0).unwrap().end_fill();
+        let (slot, _) = tokio::time::timeout(Duration::from_secs(5), filling)
+            .await
+            .expect("the restore went on once the fill ended")
+            .unwrap()
+            .unwrap();
+        let ranks = daemon.ranks.lock().await;
+        assert_eq!(ranks[&0].restoring, Some(slot));
+        assert_ne!(slot, 0, "T0's slot is kept");
+    }
 }
