@@ -61,8 +61,11 @@ pub struct Daemon {
     pub key: JobKey,
     pub run: RunStore,
     pub ranks: Mutex<HashMap<Rank, RankState>>,
-    /// Serialises writes of buddy replicas, and their removal after a rollback.
-    pub replicas: Mutex<()>,
+    /// Serialises writes of buddy replicas, and their removal after a rollback. Holds the
+    /// replicas (rank, step) being uploaded as their rank's shard
+    /// (`pipeline::upload_replica`): a newer replica never lets one of those go to be the
+    /// spare, whose file the next replica is written into while the upload still reads it.
+    pub replicas: Mutex<std::collections::HashSet<(Rank, u64)>>,
     pub to_leader: mpsc::UnboundedSender<Message>,
     /// The leadership this daemon follows (or holds): the newest epoch it knows of.
     pub leadership: tokio::sync::watch::Sender<election::Leadership>,
@@ -255,7 +258,7 @@ pub async fn run(cfg: Config, data: data_path::DataPath) -> Result<()> {
     let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
     let daemon = Arc::new(Daemon {
         ranks: Mutex::new(local::load_ranks(&cfg)),
-        replicas: Mutex::new(()),
+        replicas: Default::default(),
         buddy: std::sync::Mutex::new(cfg.buddy),
         cfg,
         key,

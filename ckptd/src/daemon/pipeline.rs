@@ -544,7 +544,11 @@ fn blobs_of(blobs: &[(String, Vec<u8>)]) -> Vec<(String, Bytes)> {
 /// holds of `rank`'s `step` (T1) as that rank's durable shard, after checking every chunk
 /// against the hashes taken when it arrived.
 pub async fn upload_replica(daemon: Arc<Daemon>, rank: Rank, step: u64) {
-    match upload_replica_inner(&daemon, rank, step).await {
+    // Kept whole while it is read: no newer replica of the rank lets it go (`replicas`).
+    daemon.replicas.lock().await.insert((rank, step));
+    let uploaded = upload_replica_inner(&daemon, rank, step).await;
+    daemon.replicas.lock().await.remove(&(rank, step));
+    match uploaded {
         Ok((key, world_size)) => {
             let _ = daemon.to_leader.send(Message::Stored {
                 node: daemon.cfg.node.clone(),

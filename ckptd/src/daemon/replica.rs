@@ -75,7 +75,7 @@ pub async fn receive(
             daemon.cfg.memory_budget_bytes
         );
     }
-    let _guard = daemon.replicas.lock().await;
+    let uploading = daemon.replicas.lock().await;
     // Under the lock: a rollback applied before this point is seen here, and one applied
     // after removes this replica once it is swapped in (`forget_after` waits for the lock).
     let applied = *daemon.rollback.lock().expect("not poisoned");
@@ -135,7 +135,14 @@ pub async fn receive(
         }
     }
     let (rank, step, from) = (meta.rank, meta.step, meta.from_node.clone());
-    let held = tokio::task::spawn_blocking(move || swap_in(&dir, &incoming, &meta)).await??;
+    let kept: Vec<u64> = uploading
+        .iter()
+        .filter(|(of, _)| *of == rank)
+        .map(|(_, step)| *step)
+        .collect();
+    let held =
+        tokio::task::spawn_blocking(move || swap_in(&dir, &incoming, &meta, &kept)).await??;
+    drop(uploading);
     daemon.metrics.replicas_held_bytes.set(held as i64);
     tracing::debug!(rank, step, %from, "replica stored");
     Ok(())
@@ -170,9 +177,10 @@ fn prepare(dir: &Path, incoming: &Path, slot_bytes: u64) -> Result<std::fs::File
 const SPARE: &str = "spare";
 
 /// Completes a received replica (`meta.json` last) and swaps it in as `step-<k>`, keeping the
-/// two newest of the rank; the data file of an older one becomes the spare when there is
-/// none. Returns the bytes of replica data held for all ranks, spares included.
-fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta) -> Result<u64> {
+/// two newest of the rank and those of the steps in `kept` (being uploaded); the data file of
+/// an older one becomes the spare when there is none. Returns the bytes of replica data held
+/// for all ranks, spares included.
+fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta, kept: &[u64]) -> Result<u64> {
     std::fs::write(incoming.join("meta.json"), serde_json::to_vec(meta)?)?;
     let target = dir.join(format!("step-{}", meta.step));
     let _ = std::fs::remove_dir_all(&target);
@@ -191,7 +199,11 @@ fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta) -> Result<u64> {
         .collect();
     steps.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
     let spare = dir.join(SPARE);
-    for (_, path) in steps.iter().skip(2) {
+    for (_, path) in steps
+        .iter()
+        .skip(2)
+        .filter(|(step, _)| !kept.contains(step))
+    {
         // Its description goes first: from then on it is no replica, whatever happens next.
         let _ = std::fs::remove_file(path.join("meta.json"));
         if spare.exists() || std::fs::rename(path, &spare).is_err() {
@@ -501,13 +513,41 @@ mod tests {
     /// swapped in. Returns the bytes the prepared file held (zeros when fresh, a replica let
     /// go when it is the spare) and the bytes held after.
     fn replicate(dir: &Path, step: u8, slot_bytes: u64) -> (Vec<u8>, u64) {
+        replicate_keeping(dir, step, slot_bytes, &[])
+    }
+
+    /// [`replicate`], with the replicas of the steps in `kept` being uploaded.
+    fn replicate_keeping(dir: &Path, step: u8, slot_bytes: u64, kept: &[u64]) -> (Vec<u8>, u64) {
         let incoming = dir.join("incoming");
         let file = prepare(dir, &incoming, slot_bytes).unwrap();
         let found = std::fs::read(incoming.join("data")).unwrap();
         file.write_all_at(&vec![step; slot_bytes as usize], 0)
             .unwrap();
-        let held = swap_in(dir, &incoming, &meta(step.into(), slot_bytes)).unwrap();
+        let held = swap_in(dir, &incoming, &meta(step.into(), slot_bytes), kept).unwrap();
         (found, held)
+    }
+
+    /// A replica being uploaded as its rank's shard is kept whole however many newer ones
+    /// come: it is never the spare that the next one is written into while the upload reads
+    /// it. Once its upload ended, the next replica lets it go.
+    #[test]
+    fn a_replica_being_uploaded_is_never_the_spare() {
+        let root = tempfile::tempdir().unwrap();
+        let dir = root.path().join("rank-1");
+        std::fs::create_dir_all(&dir).unwrap();
+        replicate(&dir, 1, 4096);
+        replicate(&dir, 2, 4096);
+        for step in 3..=5 {
+            let (found, _) = replicate_keeping(&dir, step, 4096, &[1]);
+            assert_ne!(found, vec![1u8; 4096], "step 1's file was written into");
+            assert_eq!(
+                std::fs::read(dir.join("step-1").join("data")).unwrap(),
+                vec![1u8; 4096]
+            );
+            assert!(dir.join("step-1").join("meta.json").exists());
+        }
+        replicate(&dir, 6, 4096);
+        assert!(!dir.join("step-1").exists());
     }
 
     #[test]
