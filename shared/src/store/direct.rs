@@ -13,10 +13,11 @@
 //! that refuses `O_DIRECT` (an older tmpfs) or the aligned write gets the same bytes written
 //! through the page cache instead; the result is the same file.
 
-use std::collections::BTreeSet;
+use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::ErrorKind;
 use std::os::unix::fs::FileExt;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
@@ -56,16 +57,31 @@ fn put_new_switching(
     Ok(written)
 }
 
-/// The directories whose entries, up to the store's root, this process has made durable.
-static DURABLE_DIRS: Mutex<BTreeSet<PathBuf>> = Mutex::new(BTreeSet::new());
+/// The directories whose entries, up to the store's root, this process has made durable,
+/// each with the directory it was then ([`identity`]).
+static DURABLE_DIRS: Mutex<BTreeMap<PathBuf, DirIdentity>> = Mutex::new(BTreeMap::new());
+
+/// A directory's device, inode and birth time (where the file system keeps one: a directory
+/// removed and made again often gets the freed inode back).
+type DirIdentity = (u64, u64, Option<std::time::SystemTime>);
+
+/// The [`DirIdentity`] of the directory at `dir`, if there is one.
+fn identity(dir: &Path) -> Option<DirIdentity> {
+    std::fs::metadata(dir)
+        .ok()
+        .map(|m| (m.dev(), m.ino(), m.created().ok()))
+}
 
 /// Whether this process has made `dir`'s entry, and those above it up to the store's root,
-/// durable.
+/// durable. Only for the directory it made durable: one made again at the same path (the
+/// store wiped and made again while this process runs) is another, whose entry is not.
 pub(crate) fn known_durable(dir: &Path) -> bool {
-    DURABLE_DIRS
+    let known = DURABLE_DIRS
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .contains(dir)
+        .get(dir)
+        .copied();
+    known.is_some() && known == identity(dir)
 }
 
 /// Makes a put's entries in `dir` durable up to the store's `root`: fsyncs `dir` itself where
@@ -76,8 +92,9 @@ pub(crate) fn sync_entries(root: &Path, dir: &Path, dir_too: bool) -> std::io::R
     }
     let mut made = Vec::new();
     for (entry, above) in unsynced_above(root, dir) {
+        let made_durable = identity(&entry);
         sync_dir(&above)?;
-        made.push(entry);
+        made.extend(made_durable.map(|identity| (entry, identity)));
     }
     DURABLE_DIRS
         .lock()
@@ -349,11 +366,11 @@ mod tests {
         assert!(put_new(root.path(), &at("a/b/c/o"), &[1u8; 100]).unwrap());
         let durable = DURABLE_DIRS.lock().unwrap().clone();
         let known: Vec<_> = ["a", "a/b", "a/b/c"]
-            .map(|dir| durable.contains(&at(dir)))
+            .map(|dir| durable.contains_key(&at(dir)))
             .to_vec();
         assert_eq!(known, [true; 3]);
         assert!(
-            !durable.contains(root.path()),
+            !durable.contains_key(root.path()),
             "the root's own entry is not the store's"
         );
         // Once: nothing above a known directory is fsynced again, and a new directory's
@@ -365,6 +382,22 @@ mod tests {
         );
         assert!(put_new(root.path(), &at("a/b/d/o"), &[2u8; 100]).unwrap());
         assert!(plan("a/b/d").is_empty());
+        // The store wiped and made again under this process: the directories at the same
+        // paths are new, and their entries are made durable again. They are told apart by
+        // their birth time (the inode is often the same), where the file system keeps one,
+        // at the clock's tick.
+        if std::fs::metadata(at("a")).unwrap().created().is_err() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::remove_dir_all(at("a")).unwrap();
+        std::fs::create_dir_all(at("a/b/c")).unwrap();
+        assert_eq!(
+            plan("a/b/c"),
+            [("a/b/c", "a/b"), ("a/b", "a"), ("a", "")].map(|(e, d)| (at(e), at(d)))
+        );
+        assert!(put_new(root.path(), &at("a/b/c/o"), &[3u8; 100]).unwrap());
+        assert!(plan("a/b/c").is_empty());
     }
 
     /// A store on tmpfs (which may or may not take `O_DIRECT`) gets the same file.
