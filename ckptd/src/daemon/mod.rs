@@ -61,11 +61,13 @@ pub struct Daemon {
     pub key: JobKey,
     pub run: RunStore,
     pub ranks: Mutex<HashMap<Rank, RankState>>,
-    /// Serialises writes of buddy replicas, and their removal after a rollback. Holds the
-    /// replicas (rank, step) being uploaded as their rank's shard
+    /// Serialises writes of buddy replicas, and their removal after a rollback.
+    pub replicas: Mutex<()>,
+    /// The replicas (rank, step) being uploaded as their rank's shard, once per upload
     /// (`pipeline::upload_replica`): a newer replica never lets one of those go to be the
     /// spare, whose file the next replica is written into while the upload still reads it.
-    pub replicas: Mutex<std::collections::HashSet<(Rank, u64)>>,
+    /// Taken only for a moment, and never while waiting for anything else.
+    pub replica_uploads: Arc<std::sync::Mutex<Vec<(Rank, u64)>>>,
     pub to_leader: mpsc::UnboundedSender<Message>,
     /// The leadership this daemon follows (or holds): the newest epoch it knows of.
     pub leadership: tokio::sync::watch::Sender<election::Leadership>,
@@ -258,7 +260,8 @@ pub async fn run(cfg: Config, data: data_path::DataPath) -> Result<()> {
     let (done_tx, mut done) = tokio::sync::mpsc::channel::<supervisor::Ending>(1);
     let daemon = Arc::new(Daemon {
         ranks: Mutex::new(local::load_ranks(&cfg)),
-        replicas: Default::default(),
+        replicas: Mutex::new(()),
+        replica_uploads: Default::default(),
         buddy: std::sync::Mutex::new(cfg.buddy),
         cfg,
         key,

@@ -53,7 +53,10 @@ pub async fn snapshot(
         world_size: state.world_size,
         step,
         slot,
-        path: state.slot_path(slot),
+        // Opened under the lock, where the file at the slot's path is this state's: a
+        // registration with another layout makes the rank's files anew once it has removed
+        // the state.
+        source: MappedFile::open(&state.slot_path(slot)),
         slot_bytes: state.slot_bytes,
         tensors: state.tensors.clone(),
         blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
@@ -73,7 +76,8 @@ struct Job {
     world_size: u32,
     step: u64,
     slot: u32,
-    path: PathBuf,
+    /// The slot's file, opened as it was handed over.
+    source: Result<Arc<MappedFile>>,
     slot_bytes: u64,
     tensors: Vec<SlotTensor>,
     blobs: Vec<(String, Vec<u8>)>,
@@ -155,7 +159,11 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
 
 /// Reads the slot chunk by chunk, hashing each and streaming it to the buddy (T1).
 async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
-    let file = MappedFile::open(&job.path)?;
+    let file = job
+        .source
+        .as_ref()
+        .map_err(|error| anyhow!("{error:#}"))?
+        .clone();
     let buddy = *daemon.buddy.lock().expect("not poisoned");
     let mut sender = match buddy {
         Some(buddy) => {
@@ -354,10 +362,12 @@ async fn upload(daemon: Arc<Daemon>, owner: Owner, snap: Snap) {
     let (rank, uploaded) = (owner.rank, snap.step);
     let result = upload_inner(&daemon, owner, snap).await;
     let mut ranks = daemon.ranks.lock().await;
-    let Some(state) = ranks.get_mut(&rank) else {
-        return;
-    };
-    if state.generation != owner.generation {
+    // The rank's state is gone or new (a registration with another layout is between the
+    // two): the shard is the old world's.
+    let Some(state) = ranks
+        .get_mut(&rank)
+        .filter(|state| state.generation == owner.generation)
+    else {
         if let Ok((step, _)) = &result {
             let stored = stored_shard(&daemon, rank, owner.world_size, *step);
             let _ = daemon.to_leader.send(stored);
@@ -368,7 +378,7 @@ async fn upload(daemon: Arc<Daemon>, owner: Owner, snap: Snap) {
             "an upload of the rank's previous layout ended"
         );
         return;
-    }
+    };
     match result {
         Ok((step, base)) => {
             if let Err(error) = state.stored(step, base, owner.registration) {
@@ -400,6 +410,9 @@ async fn upload_inner(
             .get_mut(&rank)
             .filter(|state| state.generation == owner.generation)
             .ok_or_else(|| anyhow!("rank {rank} registered with another layout"))?;
+        // The slot's and base's files are opened here, under the lock, where the files at
+        // their paths are this state's (see `snapshot`).
+        let source = MappedFile::open(&state.slot_path(snap.slot))?;
         let old_base = state.base.clone();
         // The base file is about to change: from now until the new base is recorded, no
         // upload (nor a daemon restarted meanwhile) pairs it with the old chunks. Where
@@ -413,15 +426,22 @@ async fn upload_inner(
                     false
                 }
             };
+        let base_path = state.dir.join(BASE_FILE);
+        let base_file = replace_base.then(|| match BaseCopy::open_file(&base_path) {
+            Ok(file) => Some((file, base_path)),
+            Err(error) => {
+                tracing::warn!(rank, error = %format!("{error:#}"), "cannot open the delta-base file; this upload stores whole chunks");
+                None
+            }
+        });
         SlotShard {
             rank,
-            path: state.slot_path(snap.slot),
-            dir: state.dir.clone(),
+            source,
+            base_file: base_file.flatten(),
             tensors: state.tensors.clone(),
             world_size: state.world_size,
             slot_bytes: state.slot_bytes,
             old_base,
-            replace_base,
         }
     };
     // The rest takes no lock of the daemon's: all of it runs on the data path.
@@ -434,14 +454,15 @@ async fn upload_inner(
 /// What an upload read from its rank's state, under the lock, to store the slot by.
 struct SlotShard {
     rank: Rank,
-    path: PathBuf,
-    dir: PathBuf,
+    /// The slot's file.
+    source: Arc<MappedFile>,
+    /// The delta-base file and its path, when the upload encodes against the old base and
+    /// writes the new one over it.
+    base_file: Option<(std::fs::File, PathBuf)>,
     tensors: Vec<SlotTensor>,
     world_size: u32,
     slot_bytes: u64,
     old_base: Option<Base>,
-    /// Whether the upload encodes against the old base and writes the new one over it.
-    replace_base: bool,
 }
 
 /// The part of [`upload_inner`] that runs on the data path.
@@ -452,22 +473,20 @@ async fn store_slot(
 ) -> Result<(StepKey, Option<Base>)> {
     let SlotShard {
         rank,
-        path,
-        dir,
+        source,
+        base_file,
         tensors,
         world_size,
         slot_bytes,
         old_base,
-        replace_base,
     } = shard;
     let started = Instant::now();
     let timeline = daemon.data_run.current_timeline().await?;
     let key = StepKey::new(snap.step, timeline);
-    let source: Arc<dyn ByteSource> = MappedFile::open(&path)?;
-    let (copy, bases) = if replace_base {
-        open_base(rank, &dir.join(BASE_FILE), slot_bytes, &tensors, old_base)?
-    } else {
-        (None, None)
+    let source: Arc<dyn ByteSource> = source;
+    let (copy, bases) = match base_file {
+        Some((file, path)) => open_base(rank, file, &path, slot_bytes, &tensors, old_base)?,
+        None => (None, None),
     };
     let mut shard = SourcedShard::from_regions(
         key,
@@ -498,17 +517,18 @@ async fn store_slot(
     Ok((key, base))
 }
 
-/// Opens `rank`'s delta-base file for an upload to copy the new base over, and offers the
-/// old base's chunks as delta bases where the file still holds them (it has the slot's size).
-/// Without the file, the upload stores whole chunks and keeps no base.
+/// Readies `rank`'s delta-base file (opened as `file`) for an upload to copy the new base
+/// over, and offers the old base's chunks as delta bases where the file still holds them (it
+/// has the slot's size). Without the file, the upload stores whole chunks and keeps no base.
 fn open_base(
     rank: Rank,
+    file: std::fs::File,
     path: &std::path::Path,
     slot_bytes: u64,
     tensors: &[SlotTensor],
     old: Option<Base>,
 ) -> Result<(Option<Arc<BaseCopy>>, Option<DeltaBases>)> {
-    let (copy, sized) = match BaseCopy::open(path, slot_bytes) {
+    let (copy, sized) = match BaseCopy::of(file, path, slot_bytes) {
         Ok(opened) => opened,
         Err(error) => {
             tracing::warn!(rank, error = %format!("{error:#}"), "cannot open the delta-base file; this upload stores whole chunks");
@@ -544,10 +564,22 @@ fn blobs_of(blobs: &[(String, Vec<u8>)]) -> Vec<(String, Bytes)> {
 /// holds of `rank`'s `step` (T1) as that rank's durable shard, after checking every chunk
 /// against the hashes taken when it arrived.
 pub async fn upload_replica(daemon: Arc<Daemon>, rank: Rank, step: u64) {
-    // Kept whole while it is read: no newer replica of the rank lets it go (`replicas`).
-    daemon.replicas.lock().await.insert((rank, step));
+    // Kept whole while it is read: no newer replica of the rank lets it go
+    // (`replica_uploads`).
+    let uploads = || {
+        daemon
+            .replica_uploads
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    };
+    uploads().push((rank, step));
     let uploaded = upload_replica_inner(&daemon, rank, step).await;
-    daemon.replicas.lock().await.remove(&(rank, step));
+    {
+        let mut uploads = uploads();
+        if let Some(at) = uploads.iter().position(|&upload| upload == (rank, step)) {
+            uploads.swap_remove(at);
+        }
+    }
     match uploaded {
         Ok((key, world_size)) => {
             let _ = daemon.to_leader.send(Message::Stored {
@@ -705,7 +737,8 @@ mod tests {
         let (daemon, mut to_leader, _) = testing::follower(dir.path(), &[]).await;
         daemon.run.create(serde_json::json!({})).await.unwrap();
         let earlier = earlier_base();
-        let old = with_t0_and_base(registered_rank(&dir.path().join("old"), 2));
+        let rank_dir = dir.path().join("rank-0");
+        let old = with_t0_and_base(registered_rank(&rank_dir, 2));
         daemon.ranks.lock().await.insert(0, old);
         // The test holds the ranks lock while the upload starts, so that the upload, on this
         // single-threaded runtime, queues for the lock (tokio's is first come, first served)
@@ -725,7 +758,17 @@ mod tests {
                 break;
             }
         }
-        let mut new = registered_rank(&dir.path().join("new"), 4);
+        // The new layout's files at the same paths, as `register` makes them anew; its base
+        // file of another size.
+        std::fs::remove_dir_all(&rank_dir).unwrap();
+        let mut new = registered_rank(&rank_dir, 4);
+        let new_files: Vec<_> = (0..SLOTS_PER_RANK)
+            .map(|slot| new.slot_path(slot))
+            .chain([rank_dir.join(crate::daemon::slots::BASE_FILE)])
+            .collect();
+        for file in &new_files {
+            std::fs::write(file, vec![0x55u8; 32 << 10]).unwrap();
+        }
         new.base = Some(earlier.clone());
         new.uploading = Some(3);
         ranks.insert(0, new);
@@ -748,6 +791,14 @@ mod tests {
         assert_eq!(state.base, Some(earlier));
         assert_eq!(state.stored, None);
         assert_eq!(state.uploading, Some(3));
+        for file in &new_files {
+            let bytes = std::fs::read(file).unwrap();
+            assert!(
+                bytes == vec![0x55u8; 32 << 10],
+                "{} was changed",
+                file.display()
+            );
+        }
     }
 
     /// A snapshot handed over before a rollback and still being replicated when its daemon

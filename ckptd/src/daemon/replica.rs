@@ -75,7 +75,7 @@ pub async fn receive(
             daemon.cfg.memory_budget_bytes
         );
     }
-    let uploading = daemon.replicas.lock().await;
+    let _guard = daemon.replicas.lock().await;
     // Under the lock: a rollback applied before this point is seen here, and one applied
     // after removes this replica once it is swapped in (`forget_after` waits for the lock).
     let applied = *daemon.rollback.lock().expect("not poisoned");
@@ -135,14 +135,9 @@ pub async fn receive(
         }
     }
     let (rank, step, from) = (meta.rank, meta.step, meta.from_node.clone());
-    let kept: Vec<u64> = uploading
-        .iter()
-        .filter(|(of, _)| *of == rank)
-        .map(|(_, step)| *step)
-        .collect();
+    let uploads = daemon.replica_uploads.clone();
     let held =
-        tokio::task::spawn_blocking(move || swap_in(&dir, &incoming, &meta, &kept)).await??;
-    drop(uploading);
+        tokio::task::spawn_blocking(move || swap_in(&dir, &incoming, &meta, &uploads)).await??;
     daemon.metrics.replicas_held_bytes.set(held as i64);
     tracing::debug!(rank, step, %from, "replica stored");
     Ok(())
@@ -177,10 +172,16 @@ fn prepare(dir: &Path, incoming: &Path, slot_bytes: u64) -> Result<std::fs::File
 const SPARE: &str = "spare";
 
 /// Completes a received replica (`meta.json` last) and swaps it in as `step-<k>`, keeping the
-/// two newest of the rank and those of the steps in `kept` (being uploaded); the data file of
-/// an older one becomes the spare when there is none. Returns the bytes of replica data held
-/// for all ranks, spares included.
-fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta, kept: &[u64]) -> Result<u64> {
+/// two newest of the rank and those in `uploads` (being uploaded: looked up under its lock,
+/// so an upload that starts after the look finds a replica let go already gone); the data
+/// file of an older one becomes the spare when there is none. Returns the bytes of replica
+/// data held for all ranks, spares included.
+fn swap_in(
+    dir: &Path,
+    incoming: &Path,
+    meta: &ReplicaMeta,
+    uploads: &std::sync::Mutex<Vec<(Rank, u64)>>,
+) -> Result<u64> {
     std::fs::write(incoming.join("meta.json"), serde_json::to_vec(meta)?)?;
     let target = dir.join(format!("step-{}", meta.step));
     let _ = std::fs::remove_dir_all(&target);
@@ -199,10 +200,11 @@ fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta, kept: &[u64]) -> Res
         .collect();
     steps.sort_by_key(|(step, _)| std::cmp::Reverse(*step));
     let spare = dir.join(SPARE);
+    let uploads = uploads.lock().unwrap_or_else(|p| p.into_inner());
     for (_, path) in steps
         .iter()
         .skip(2)
-        .filter(|(step, _)| !kept.contains(step))
+        .filter(|(step, _)| !uploads.contains(&(meta.rank, *step)))
     {
         // Its description goes first: from then on it is no replica, whatever happens next.
         let _ = std::fs::remove_file(path.join("meta.json"));
@@ -210,6 +212,7 @@ fn swap_in(dir: &Path, incoming: &Path, meta: &ReplicaMeta, kept: &[u64]) -> Res
             let _ = std::fs::remove_dir_all(path);
         }
     }
+    drop(uploads);
     let mut held = 0;
     for rank_dir in std::fs::read_dir(dir.parent().expect("has a parent"))?.flatten() {
         for step_dir in std::fs::read_dir(rank_dir.path())?.flatten() {
@@ -385,7 +388,7 @@ impl ReplicaSender {
     }
 }
 
-/// Fetches this node's rank's replica of `step` from the buddy into the slot at `path`,
+/// Fetches this node's rank's replica of `step` from the buddy into the slot opened as `file`,
 /// verifying every chunk. Returns the chunk hashes and the blobs.
 #[allow(clippy::too_many_arguments)]
 pub async fn fetch(
@@ -396,7 +399,7 @@ pub async fn fetch(
     world_size: u32,
     slot_bytes: u64,
     tensors: &[SlotTensor],
-    path: &Path,
+    file: std::fs::File,
 ) -> Result<(Vec<ChunkHash>, Vec<(String, Vec<u8>)>)> {
     let buddy = holder
         .or(*daemon.buddy.lock().expect("not poisoned"))
@@ -429,7 +432,7 @@ pub async fn fetch(
         Message::Ack { reason, .. } => bail!("{reason}"),
         other => bail!("the buddy answered {other:?}"),
     };
-    let file = Arc::new(std::fs::OpenOptions::new().write(true).open(path)?);
+    let file = Arc::new(file);
     let mut hashes = Vec::new();
     loop {
         let frame = framing::read(&daemon.key, &mut stream).await?;
@@ -523,7 +526,9 @@ mod tests {
         let found = std::fs::read(incoming.join("data")).unwrap();
         file.write_all_at(&vec![step; slot_bytes as usize], 0)
             .unwrap();
-        let held = swap_in(dir, &incoming, &meta(step.into(), slot_bytes), kept).unwrap();
+        let meta = meta(step.into(), slot_bytes);
+        let uploads = std::sync::Mutex::new(kept.iter().map(|&k| (meta.rank, k)).collect());
+        let held = swap_in(dir, &incoming, &meta, &uploads).unwrap();
         (found, held)
     }
 

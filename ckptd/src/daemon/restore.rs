@@ -66,22 +66,37 @@ pub async fn restore(
     memory: Option<u64>,
     durable: Option<u64>,
 ) -> Result<(Message, Vec<u8>)> {
-    let (slot_bytes, tensors, world_size, candidate, holder, asker) = {
-        let ranks = daemon.ranks.lock().await;
-        let state = ranks
-            .get(&rank)
-            .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-        (
-            state.slot_bytes,
-            state.tensors.clone(),
-            state.world_size,
-            state.memory_candidate(memory),
-            state.replica_at,
-            Asker {
-                generation: state.generation,
-                registration: state.registration,
-            },
-        )
+    // A restore that an earlier process of the rank asked for may still be filling its slot
+    // (it runs on after its process died): this one waits for it to end, since whatever
+    // this one installs lets the rank write every slot not held, that one's included.
+    let deadline = Instant::now() + SUPERSEDED_RESTORE_WAIT;
+    let (slot_bytes, tensors, world_size, candidate, holder, asker) = loop {
+        {
+            let ranks = daemon.ranks.lock().await;
+            let state = ranks
+                .get(&rank)
+                .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
+            match state.restoring {
+                None => {
+                    break (
+                        state.slot_bytes,
+                        state.tensors.clone(),
+                        state.world_size,
+                        state.memory_candidate(memory),
+                        state.replica_at,
+                        Asker {
+                            generation: state.generation,
+                            registration: state.registration,
+                        },
+                    )
+                }
+                Some(slot) if Instant::now() > deadline => bail!(
+                    "an earlier process's restore of rank {rank} still fills slot {slot} after {SUPERSEDED_RESTORE_WAIT:?}"
+                ),
+                Some(_) => {}
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     };
     if let Some(m) = memory {
         if let Some((path, snap)) = candidate {
@@ -93,9 +108,9 @@ pub async fn restore(
                 }
             }
         }
-        let (slot, path) = begin_fill(daemon, rank, asker, Some(m)).await?;
+        let (slot, (file, _)) = begin_fill(daemon, rank, asker, Some(m)).await?;
         let fetched = replica::fetch(
-            daemon, holder, rank, m, world_size, slot_bytes, &tensors, &path,
+            daemon, holder, rank, m, world_size, slot_bytes, &tensors, file,
         )
         .await;
         match fetched {
@@ -127,8 +142,8 @@ pub async fn restore(
         }
         return install(daemon, rank, asker, None, Tier::T2).await;
     };
-    let (slot, path) = begin_fill(daemon, rank, asker, None).await?;
-    let read = read_from_store(daemon, durable, slot_bytes, &tensors, &path).await;
+    let (slot, (file, path)) = begin_fill(daemon, rank, asker, None).await?;
+    let read = read_from_store(daemon, durable, slot_bytes, &tensors, file, &path).await;
     let (hashes, blobs) = match read {
         Ok(read) => read,
         Err(error) => {
@@ -166,49 +181,37 @@ impl Asker {
     }
 }
 
-/// The rank's state, while it is still the asker's.
-fn asker_state(
-    ranks: &mut std::collections::HashMap<Rank, RankState>,
+/// Claims a free slot for a restore to fill, and opens its file (read and write) under the
+/// ranks lock, where the file at the slot's path is the state's: a registration with another
+/// layout makes the rank's files anew once it has removed the state. The snapshots the rank
+/// had are given up, but T0 only when it is not the step wanted (`keep`): it may still serve
+/// a later attempt. A restore whose process was replaced meanwhile claims nothing.
+async fn begin_fill(
+    daemon: &Arc<Daemon>,
     rank: Rank,
     asker: Asker,
-) -> Result<&mut RankState> {
+    keep: Option<u64>,
+) -> Result<(u32, (std::fs::File, PathBuf))> {
+    let mut ranks = daemon.ranks.lock().await;
     let state = ranks
         .get_mut(&rank)
         .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
     if !asker.owns(state) {
         bail!("rank {rank} was registered again (or with another layout) during its restore");
     }
-    Ok(state)
-}
-
-/// Claims a free slot for a restore to fill. The snapshots the rank had are given up, but
-/// T0 only when it is not the step wanted (`keep`): it may still serve a later attempt.
-/// A restore that an earlier process asked for may still be filling its slot (it runs on
-/// after its process died): this one waits for it to end first, since the rank, which may
-/// write any slot not held, must not get that one while it is written.
-async fn begin_fill(
-    daemon: &Arc<Daemon>,
-    rank: Rank,
-    asker: Asker,
-    keep: Option<u64>,
-) -> Result<(u32, PathBuf)> {
-    let deadline = Instant::now() + SUPERSEDED_RESTORE_WAIT;
-    loop {
-        {
-            let mut ranks = daemon.ranks.lock().await;
-            let state = asker_state(&mut ranks, rank, asker)?;
-            match state.restoring {
-                None => {
-                    let slot = state.begin_fill(keep)?;
-                    return Ok((slot, state.slot_path(slot)));
-                }
-                Some(slot) if Instant::now() > deadline => bail!(
-                    "an earlier process's restore of rank {rank} still fills slot {slot} after {SUPERSEDED_RESTORE_WAIT:?}"
-                ),
-                Some(_) => {}
-            }
+    let slot = state.begin_fill(keep)?;
+    let path = state.slot_path(slot);
+    let opened = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("opening {}", path.display()));
+    match opened {
+        Ok(file) => Ok((slot, (file, path))),
+        Err(error) => {
+            state.end_fill();
+            Err(error)
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
@@ -294,10 +297,10 @@ async fn read_from_store(
     step: StepKey,
     slot_bytes: u64,
     tensors: &[SlotTensor],
+    file: std::fs::File,
     path: &Path,
 ) -> Result<(Vec<ChunkHash>, Vec<(String, Vec<u8>)>)> {
     let checkpoint = daemon.run.open_checkpoint(step).await?;
-    let file = std::fs::OpenOptions::new().write(true).open(path)?;
     checkpoint
         .read_regions(tensors, &(), |region, data| {
             file.write_all_at(&data, region.offset)
@@ -313,7 +316,7 @@ async fn read_from_store(
             blobs.push((name.to_string(), checkpoint.read_blob(0, name).await?));
         }
     }
-    let source = MappedFile::open(path)?;
+    let source = MappedFile::of(file, path)?;
     let mut hashes = Vec::new();
     for index in 0..chunk_count(slot_bytes) {
         let data = read_chunk(&source, slot_bytes, index).await?;
@@ -328,7 +331,7 @@ mod tests {
 
     use lazarus_shared::ChunkHash;
 
-    use super::{begin_fill, restore, Asker};
+    use super::restore;
     use crate::daemon::rank::{RankState, Snap};
     use crate::daemon::{testing, SLOTS_PER_RANK};
 
@@ -396,37 +399,33 @@ mod tests {
     }
 
     /// A restore waits for one that an earlier process asked for and that still fills its
-    /// slot, then claims a slot of its own; the rank is never told it may write the slot being
-    /// filled.
+    /// slot, whatever it serves from: even one that fills nothing (T0 here) lets the rank
+    /// write every slot not held, so it must not end that fill's hold. Once that fill ended,
+    /// it is served.
     #[tokio::test]
     async fn a_restore_waits_for_an_earlier_process_fill() {
         let dir = tempfile::tempdir().unwrap();
         let (daemon, _to_leader, _) = testing::follower(dir.path(), &[]).await;
         let mut state = rank_with_t0(dir.path());
         state.restoring = Some(1);
-        let asker = Asker {
-            generation: state.generation,
-            registration: state.registration,
-        };
         daemon.ranks.lock().await.insert(0, state);
-        let filling = tokio::spawn({
+        let restoring = tokio::spawn({
             let daemon = daemon.clone();
-            async move { begin_fill(&daemon, 0, asker, Some(5)).await }
+            async move { restore(&daemon, 0, Some(5), None).await }
         });
         tokio::time::sleep(Duration::from_millis(300)).await;
-        assert!(
-            !filling.is_finished(),
-            "claimed a slot while slot 1 is filled"
-        );
+        assert!(!restoring.is_finished(), "served while slot 1 is filled");
         assert_eq!(daemon.ranks.lock().await[&0].restoring, Some(1));
         daemon.ranks.lock().await.get_mut(&0).unwrap().end_fill();
-        let (slot, _) = tokio::time::timeout(Duration::from_secs(5), filling)
+        tokio::time::timeout(Duration::from_secs(5), restoring)
             .await
             .expect("the restore went on once the fill ended")
             .unwrap()
             .unwrap();
         let ranks = daemon.ranks.lock().await;
-        assert_eq!(ranks[&0].restoring, Some(slot));
-        assert_ne!(slot, 0, "T0's slot is kept");
+        assert_eq!(
+            ranks[&0].restored_from,
+            Some(lazarus_shared::wire::Tier::T0)
+        );
     }
 }

@@ -104,13 +104,23 @@ impl BaseCopy {
     /// Also says whether it had that size already: only then does its old content line up
     /// with the slot's regions.
     pub fn open(path: &Path, len: u64) -> Result<(Self, bool)> {
-        let file = std::fs::OpenOptions::new()
+        Self::of(Self::open_file(path)?, path, len)
+    }
+
+    /// The base file at `path`, opened (made if missing) and nothing more: an upload opens it
+    /// under the ranks lock, where it is sure to be its rank state's own file.
+    pub fn open_file(path: &Path) -> Result<std::fs::File> {
+        std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .open(path)
-            .with_context(|| format!("opening {}", path.display()))?;
+            .with_context(|| format!("opening {}", path.display()))
+    }
+
+    /// [`BaseCopy::open`] of the base file opened as `file`.
+    pub fn of(file: std::fs::File, path: &Path, len: u64) -> Result<(Self, bool)> {
         let sized = file
             .metadata()
             .with_context(|| format!("reading {}", path.display()))?
@@ -212,6 +222,11 @@ impl MappedFile {
     pub fn open(path: &Path) -> Result<Arc<Self>> {
         let file =
             std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        Self::of(file, path)
+    }
+
+    /// The slot or replica file at `path`, opened as `file`.
+    pub fn of(file: std::fs::File, path: &Path) -> Result<Arc<Self>> {
         let len = file
             .metadata()
             .with_context(|| format!("reading {}", path.display()))?

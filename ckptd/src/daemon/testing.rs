@@ -71,6 +71,7 @@ pub async fn follower(
         run: store.run(&cfg.run),
         ranks: Default::default(),
         replicas: Default::default(),
+        replica_uploads: Default::default(),
         to_leader,
         leadership: tokio::sync::watch::Sender::new(Leadership {
             epoch: 3,

@@ -226,7 +226,8 @@ pub(super) async fn pushed(daemon: &Arc<Daemon>, message: Message) -> bool {
         Message::UploadReplica {
             run: r, rank, step, ..
         } if r == *run => {
-            // It takes none of the daemon's locks: all of it runs on the data path.
+            // It takes none of the daemon's locks (only, for a moment, the list of replicas
+            // being uploaded): all of it runs on the data path.
             daemon
                 .data
                 .spawn(pipeline::upload_replica(daemon.clone(), rank, step));
