@@ -632,21 +632,8 @@ mod tests {
     use lazarus_shared::wire::Message;
 
     use super::{snapshot, start_upload};
-    use crate::daemon::rank::{Base, RankState, Snap};
+    use crate::daemon::rank::{Base, RankState};
     use crate::daemon::{testing, uplink, SLOTS_PER_RANK};
-
-    /// Rank 0 of a world of `world_size`, registered, with its slot files (64 KiB, all 7s)
-    /// under `dir`.
-    fn registered_rank(dir: &std::path::Path, world_size: u32) -> RankState {
-        let slot_bytes = 64 << 10;
-        let mut state = RankState::new(0, world_size, slot_bytes, Vec::new(), dir.to_path_buf());
-        std::fs::create_dir_all(&state.dir).unwrap();
-        for slot in 0..SLOTS_PER_RANK {
-            std::fs::write(state.slot_path(slot), vec![7; slot_bytes as usize]).unwrap();
-        }
-        state.registered(100).unwrap();
-        state
-    }
 
     /// A delta base of an earlier durable step.
     fn earlier_base() -> Base {
@@ -660,13 +647,7 @@ mod tests {
     /// `state` with T0 at step 10 in slot 0, and [`earlier_base`].
     fn with_t0_and_base(mut state: RankState) -> RankState {
         state.base = Some(earlier_base());
-        state.t0 = Some(Snap {
-            step: 10,
-            slot: 0,
-            hashes: Vec::new(),
-            blobs: Vec::new(),
-            durable_requested: false,
-        });
+        state.t0 = Some(testing::snap(10, 0, Vec::new()));
         state
     }
 
@@ -678,13 +659,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (daemon, _to_leader, _) = testing::follower(dir.path(), &[]).await;
         daemon.run.create(serde_json::json!({})).await.unwrap();
-        let old = with_t0_and_base(registered_rank(&dir.path().join("old"), 2));
+        let old = with_t0_and_base(testing::registered_rank(&dir.path().join("old"), 2));
         daemon.ranks.lock().await.insert(0, old);
         let mut ranks = daemon.ranks.lock().await;
         let state = ranks.get_mut(&0).unwrap();
         assert!(state.request_durable(10));
         start_upload(&daemon, state);
-        let new = with_t0_and_base(registered_rank(&dir.path().join("new"), 4));
+        let new = with_t0_and_base(testing::registered_rank(&dir.path().join("new"), 4));
         ranks.insert(0, new);
         // The upload queues for the lock the test holds, and the test behind it: once the
         // test has the lock back, the upload has looked at the state.
@@ -709,11 +690,11 @@ mod tests {
     async fn a_snapshot_of_a_replaced_layout_ends_in_nothing() {
         let dir = tempfile::tempdir().unwrap();
         let (daemon, mut to_leader, _) = testing::follower(dir.path(), &[]).await;
-        let old = registered_rank(&dir.path().join("old"), 2);
+        let old = testing::registered_rank(&dir.path().join("old"), 2);
         daemon.ranks.lock().await.insert(0, old);
         // On this single-threaded runtime, the replication starts once the test waits.
         snapshot(&daemon, 0, 9, 0, false, Vec::new()).await.unwrap();
-        let mut new = registered_rank(&dir.path().join("new"), 4);
+        let mut new = testing::registered_rank(&dir.path().join("new"), 4);
         new.working = Some(2);
         let generation = new.generation;
         daemon.ranks.lock().await.insert(0, new);
@@ -738,7 +719,7 @@ mod tests {
         daemon.run.create(serde_json::json!({})).await.unwrap();
         let earlier = earlier_base();
         let rank_dir = dir.path().join("rank-0");
-        let old = with_t0_and_base(registered_rank(&rank_dir, 2));
+        let old = with_t0_and_base(testing::registered_rank(&rank_dir, 2));
         daemon.ranks.lock().await.insert(0, old);
         // The test holds the ranks lock while the upload starts, so that the upload, on this
         // single-threaded runtime, queues for the lock (tokio's is first come, first served)
@@ -761,7 +742,7 @@ mod tests {
         // The new layout's files at the same paths, as `register` makes them anew; its base
         // file of another size.
         std::fs::remove_dir_all(&rank_dir).unwrap();
-        let mut new = registered_rank(&rank_dir, 4);
+        let mut new = testing::registered_rank(&rank_dir, 4);
         let new_files: Vec<_> = (0..SLOTS_PER_RANK)
             .map(|slot| new.slot_path(slot))
             .chain([rank_dir.join(crate::daemon::slots::BASE_FILE)])

@@ -332,27 +332,14 @@ mod tests {
     use lazarus_shared::ChunkHash;
 
     use super::restore;
-    use crate::daemon::rank::{RankState, Snap};
-    use crate::daemon::{testing, SLOTS_PER_RANK};
+    use crate::daemon::rank::RankState;
+    use crate::daemon::testing;
 
-    /// Rank 0 of 2, registered by process 100, with its slot files (64 KiB, all 7s) under
-    /// `dir` and T0 at step 5 in slot 0.
+    /// Rank 0 of 2 ([`testing::registered_rank`]) under `dir`, with T0 at step 5 in slot 0.
     fn rank_with_t0(dir: &std::path::Path) -> RankState {
-        let slot_bytes = 64 << 10;
-        let mut state = RankState::new(0, 2, slot_bytes, Vec::new(), dir.to_path_buf());
-        std::fs::create_dir_all(&state.dir).unwrap();
-        let contents = vec![7u8; slot_bytes as usize];
-        for slot in 0..SLOTS_PER_RANK {
-            std::fs::write(state.slot_path(slot), &contents).unwrap();
-        }
-        state.registered(100).unwrap();
-        state.t0 = Some(Snap {
-            step: 5,
-            slot: 0,
-            hashes: vec![ChunkHash::of(&contents)],
-            blobs: Vec::new(),
-            durable_requested: false,
-        });
+        let mut state = testing::registered_rank(dir, 2);
+        let hashes = vec![ChunkHash::of(&testing::slot_contents())];
+        state.t0 = Some(testing::snap(5, 0, hashes));
         state
     }
 

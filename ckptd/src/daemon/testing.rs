@@ -112,3 +112,38 @@ fn data_path() -> &'static super::data_path::DataPath {
         })
         .1
 }
+
+/// The bytes of each slot file of [`registered_rank`]: 64 KiB, all 7s.
+pub fn slot_contents() -> Vec<u8> {
+    vec![7; 64 << 10]
+}
+
+/// Rank 0 of a world of `world_size`, registered by process 100, with its slot files (each
+/// [`slot_contents`]) under `dir`.
+pub fn registered_rank(dir: &Path, world_size: u32) -> super::rank::RankState {
+    let contents = slot_contents();
+    let mut state = super::rank::RankState::new(
+        0,
+        world_size,
+        contents.len() as u64,
+        Vec::new(),
+        dir.to_path_buf(),
+    );
+    std::fs::create_dir_all(&state.dir).expect("a test directory");
+    for slot in 0..super::SLOTS_PER_RANK {
+        std::fs::write(state.slot_path(slot), &contents).expect("a test slot file");
+    }
+    state.registered(100).expect("state.json is written");
+    state
+}
+
+/// A snapshot of `step` in `slot` with its chunks' `hashes`, and no blobs.
+pub fn snap(step: u64, slot: u32, hashes: Vec<lazarus_shared::ChunkHash>) -> super::rank::Snap {
+    super::rank::Snap {
+        step,
+        slot,
+        hashes,
+        blobs: Vec::new(),
+        durable_requested: false,
+    }
+}
