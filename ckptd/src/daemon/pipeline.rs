@@ -13,7 +13,7 @@ use lazarus_shared::store::{ByteSource, DeltaBases, Progress, RawCopy, SourcedSh
 use lazarus_shared::wire::{self, Message, RollbackMark, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
-use super::rank::{Base, HandOver, RankState, Snap, Upload};
+use super::rank::{Base, HandOver, Life, RankState, Snap, Upload};
 use super::slots::{chunk_count, read_chunk, verify_slot, BaseCopy, MappedFile, BASE_FILE};
 use super::{replica, Daemon, SLOT_CHUNK_BYTES};
 use lazarus_shared::store::FileSource;
@@ -289,8 +289,7 @@ fn follow(daemon: &Arc<Daemon>, state: &RankState, decision: Upload) {
             let owner = Owner {
                 rank: state.rank,
                 world_size: state.world_size,
-                generation: state.generation,
-                registration: state.registration,
+                life: state.life(),
             };
             tokio::spawn(upload(daemon.clone(), owner, snap));
         }
@@ -342,15 +341,13 @@ impl Progress for Counting<'_> {
     }
 }
 
-/// Whose T0 an upload stores: the rank and its world's size, its state
-/// ([`RankState::generation`]) and the process registered when it started
-/// ([`RankState::registration`]).
+/// Whose T0 an upload stores: the rank and its world's size, and its state and process as
+/// the upload started.
 #[derive(Clone, Copy, Debug)]
 struct Owner {
     rank: Rank,
     world_size: u32,
-    generation: u64,
-    registration: u64,
+    life: Life,
 }
 
 /// Uploads a rank's T0 through the store library, writing the next upload's delta base as it
@@ -366,7 +363,7 @@ async fn upload(daemon: Arc<Daemon>, owner: Owner, snap: Snap) {
     // two): the shard is the old world's.
     let Some(state) = ranks
         .get_mut(&rank)
-        .filter(|state| state.generation == owner.generation)
+        .filter(|state| state.generation == owner.life.generation)
     else {
         if let Ok((step, _)) = &result {
             let stored = stored_shard(&daemon, rank, owner.world_size, *step);
@@ -381,7 +378,7 @@ async fn upload(daemon: Arc<Daemon>, owner: Owner, snap: Snap) {
     };
     match result {
         Ok((step, base)) => {
-            if let Err(error) = state.stored(step, base, owner.registration) {
+            if let Err(error) = state.stored(step, base, owner.life.registration) {
                 tracing::error!(error = %format!("{error:#}"), "cannot record the stored step");
             }
             let _ = daemon.to_leader.send(stored_message(&daemon, state, step));
@@ -408,7 +405,7 @@ async fn upload_inner(
         let mut ranks = daemon.ranks.lock().await;
         let state = ranks
             .get_mut(&rank)
-            .filter(|state| state.generation == owner.generation)
+            .filter(|state| state.generation == owner.life.generation)
             .ok_or_else(|| anyhow!("rank {rank} registered with another layout"))?;
         // The slot's and base's files are opened here, under the lock, where the files at
         // their paths are this state's (see `snapshot`).
@@ -426,18 +423,14 @@ async fn upload_inner(
                     false
                 }
             };
-        let base_path = state.dir.join(BASE_FILE);
-        let base_file = replace_base.then(|| match BaseCopy::open_file(&base_path) {
-            Ok(file) => Some((file, base_path)),
-            Err(error) => {
-                tracing::warn!(rank, error = %format!("{error:#}"), "cannot open the delta-base file; this upload stores whole chunks");
-                None
-            }
+        let base_file = replace_base.then(|| {
+            let path = state.dir.join(BASE_FILE);
+            (BaseCopy::open_file(&path), path)
         });
         SlotShard {
             rank,
             source,
-            base_file: base_file.flatten(),
+            base_file,
             tensors: state.tensors.clone(),
             world_size: state.world_size,
             slot_bytes: state.slot_bytes,
@@ -456,9 +449,9 @@ struct SlotShard {
     rank: Rank,
     /// The slot's file.
     source: Arc<MappedFile>,
-    /// The delta-base file and its path, when the upload encodes against the old base and
-    /// writes the new one over it.
-    base_file: Option<(std::fs::File, PathBuf)>,
+    /// The delta-base file as it opened, and its path, when the upload encodes against the
+    /// old base and writes the new one over it.
+    base_file: Option<(Result<std::fs::File>, PathBuf)>,
     tensors: Vec<SlotTensor>,
     world_size: u32,
     slot_bytes: u64,
@@ -517,18 +510,19 @@ async fn store_slot(
     Ok((key, base))
 }
 
-/// Readies `rank`'s delta-base file (opened as `file`) for an upload to copy the new base
-/// over, and offers the old base's chunks as delta bases where the file still holds them (it
-/// has the slot's size). Without the file, the upload stores whole chunks and keeps no base.
+/// Readies `rank`'s delta-base file (as it opened, under the lock) for an upload to copy the
+/// new base over, and offers the old base's chunks as delta bases where the file still holds
+/// them (it has the slot's size). Without the file, the upload stores whole chunks and keeps
+/// no base.
 fn open_base(
     rank: Rank,
-    file: std::fs::File,
+    file: Result<std::fs::File>,
     path: &std::path::Path,
     slot_bytes: u64,
     tensors: &[SlotTensor],
     old: Option<Base>,
 ) -> Result<(Option<Arc<BaseCopy>>, Option<DeltaBases>)> {
-    let (copy, sized) = match BaseCopy::of(file, path, slot_bytes) {
+    let (copy, sized) = match file.and_then(|file| BaseCopy::of(file, path, slot_bytes)) {
         Ok(opened) => opened,
         Err(error) => {
             tracing::warn!(rank, error = %format!("{error:#}"), "cannot open the delta-base file; this upload stores whole chunks");

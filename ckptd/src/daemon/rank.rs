@@ -126,6 +126,14 @@ pub struct RankState {
     busy_word: Option<BusyWord>,
 }
 
+/// Which state of a rank ([`RankState::generation`]) and which of its processes
+/// ([`RankState::registration`]) a task works for, as it started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Life {
+    pub generation: u64,
+    pub registration: u64,
+}
+
 /// The answer to a snapshot hand-over.
 #[derive(Debug, PartialEq, Eq)]
 pub enum HandOver {
@@ -237,6 +245,14 @@ impl RankState {
             }
         }
         ranks
+    }
+
+    /// This state and the process registered in it now.
+    pub fn life(&self) -> Life {
+        Life {
+            generation: self.generation,
+            registration: self.registration,
+        }
     }
 
     /// Whether a registration with this layout can keep this state's slots (and T0).

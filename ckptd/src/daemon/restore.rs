@@ -17,7 +17,7 @@ use lazarus_shared::store::RestoreChoice;
 use lazarus_shared::wire::{self, Message, SlotTensor, Tier};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
-use super::rank::{RankState, Snap};
+use super::rank::{Life, RankState, Snap};
 use super::slots::{chunk_count, read_chunk, verify_slot, MappedFile};
 use super::{replica, Daemon};
 
@@ -84,10 +84,7 @@ pub async fn restore(
                         state.world_size,
                         state.memory_candidate(memory),
                         state.replica_at,
-                        Asker {
-                            generation: state.generation,
-                            registration: state.registration,
-                        },
+                        state.life(),
                     )
                 }
                 Some(slot) if Instant::now() > deadline => bail!(
@@ -108,7 +105,7 @@ pub async fn restore(
                 }
             }
         }
-        let (slot, (file, _)) = begin_fill(daemon, rank, asker, Some(m)).await?;
+        let (slot, file, _) = begin_fill(daemon, rank, asker, Some(m)).await?;
         let fetched = replica::fetch(
             daemon, holder, rank, m, world_size, slot_bytes, &tensors, file,
         )
@@ -142,7 +139,7 @@ pub async fn restore(
         }
         return install(daemon, rank, asker, None, Tier::T2).await;
     };
-    let (slot, (file, path)) = begin_fill(daemon, rank, asker, None).await?;
+    let (slot, file, path) = begin_fill(daemon, rank, asker, None).await?;
     let read = read_from_store(daemon, durable, slot_bytes, &tensors, file, &path).await;
     let (hashes, blobs) = match read {
         Ok(read) => read,
@@ -166,21 +163,6 @@ pub async fn restore(
 /// answer).
 const SUPERSEDED_RESTORE_WAIT: Duration = Duration::from_secs(240);
 
-/// Which process of the rank asked for a restore: the rank's state (its layout) and the
-/// registration, as the restore started.
-#[derive(Clone, Copy, Debug)]
-struct Asker {
-    generation: u64,
-    registration: u64,
-}
-
-impl Asker {
-    /// Whether `state` is still the asker's: no other layout and no later process since.
-    fn owns(self, state: &RankState) -> bool {
-        state.generation == self.generation && state.registration == self.registration
-    }
-}
-
 /// Claims a free slot for a restore to fill, and opens its file (read and write) under the
 /// ranks lock, where the file at the slot's path is the state's: a registration with another
 /// layout makes the rank's files anew once it has removed the state. The snapshots the rank
@@ -189,14 +171,14 @@ impl Asker {
 async fn begin_fill(
     daemon: &Arc<Daemon>,
     rank: Rank,
-    asker: Asker,
+    asker: Life,
     keep: Option<u64>,
-) -> Result<(u32, (std::fs::File, PathBuf))> {
+) -> Result<(u32, std::fs::File, PathBuf)> {
     let mut ranks = daemon.ranks.lock().await;
     let state = ranks
         .get_mut(&rank)
         .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-    if !asker.owns(state) {
+    if state.life() != asker {
         bail!("rank {rank} was registered again (or with another layout) during its restore");
     }
     let slot = state.begin_fill(keep)?;
@@ -207,7 +189,7 @@ async fn begin_fill(
         .open(&path)
         .with_context(|| format!("opening {}", path.display()));
     match opened {
-        Ok(file) => Ok((slot, (file, path))),
+        Ok(file) => Ok((slot, file, path)),
         Err(error) => {
             state.end_fill();
             Err(error)
@@ -215,13 +197,18 @@ async fn begin_fill(
     }
 }
 
-/// A fill of `slot` that failed lets it go (unless the rank's state is no longer the one it
-/// was filling for).
-async fn end_fill(daemon: &Arc<Daemon>, rank: Rank, asker: Asker, slot: u32) {
+/// A fill of `slot` that failed lets it go.
+async fn end_fill(daemon: &Arc<Daemon>, rank: Rank, asker: Life, slot: u32) {
     if let Some(state) = daemon.ranks.lock().await.get_mut(&rank) {
-        if state.generation == asker.generation && state.restoring == Some(slot) {
-            state.end_fill();
-        }
+        let_fill_go(state, asker, slot);
+    }
+}
+
+/// Lets the fill of `slot` go, if `state` is the one it was filling for: a state of another
+/// layout may fill a slot of the same number for a restore of its own.
+fn let_fill_go(state: &mut RankState, asker: Life, slot: u32) {
+    if state.generation == asker.generation && state.restoring == Some(slot) {
+        state.end_fill();
     }
 }
 
@@ -232,7 +219,7 @@ async fn end_fill(daemon: &Arc<Daemon>, rank: Rank, asker: Asker, slot: u32) {
 async fn install(
     daemon: &Arc<Daemon>,
     rank: Rank,
-    asker: Asker,
+    asker: Life,
     snap: Option<Snap>,
     tier: Tier,
 ) -> Result<(Message, Vec<u8>)> {
@@ -240,13 +227,9 @@ async fn install(
     let state = ranks
         .get_mut(&rank)
         .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
-    if !asker.owns(state) {
-        let filled = snap
-            .as_ref()
-            .filter(|_| tier != Tier::T0)
-            .map(|snap| snap.slot);
-        if state.generation == asker.generation && filled.is_some() && state.restoring == filled {
-            state.end_fill();
+    if state.life() != asker {
+        if let Some(filled) = snap.as_ref().filter(|_| tier != Tier::T0) {
+            let_fill_go(state, asker, filled.slot);
         }
         bail!("rank {rank} was registered again (or with another layout) during its restore; nothing installed");
     }
