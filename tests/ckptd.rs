@@ -368,6 +368,7 @@ fn two_nodes_snapshot_every_step_commit_every_fifth_and_ignore_forged_messages()
         tensors: Vec::new(),
         blobs: Vec::new(),
         rollback: Default::default(),
+        chunking: Default::default(),
     };
     let right_key = JobKey::from_file(&cluster.key_file).unwrap();
     let wrong_key = JobKey::derive(b"not the job's key material");

@@ -32,8 +32,9 @@ use crate::ids::{Rank, RunId, StepKey};
 pub const MAGIC: [u8; 4] = *b"LZW1";
 /// A frame whose MAC covers its payload's blake3 rather than the payload.
 pub const MAGIC_HASHED: [u8; 4] = *b"LZW2";
-/// Payloads from this size on are hashed on a blocking thread, off the runtime's workers.
-const PAYLOAD_BLOCKING: usize = 256 << 10;
+/// Payloads from this size on are hashed (and a replica chunk written) on a blocking thread,
+/// off the runtime's workers.
+pub const PAYLOAD_BLOCKING: usize = 256 << 10;
 /// Largest header accepted (JSON).
 pub const HEADER_MAX: usize = 1 << 20;
 /// Largest payload accepted: one chunk of replica data, or a snapshot's blobs.
@@ -128,6 +129,69 @@ impl JobKey {
 /// One tensor (or its slice) in a rank's snapshot slot, at a byte offset of the slot: a
 /// region of the rank's layout.
 pub type SlotTensor = crate::store::Region;
+
+/// How a snapshot slot is cut into the chunks that `ckptd` hashes when it is handed over,
+/// replicates chunk by chunk, and checks again before a restore.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SlotChunking {
+    /// In steps of the chunk size from the slot's start. Replicas and saved states of daemons
+    /// that did not send or save a chunking are cut so.
+    #[default]
+    Fixed,
+    /// Each stored region in steps of the chunk size from its own start, as a store whose
+    /// chunks have that size cuts the region into its chunks; the bytes outside the stored
+    /// regions in such steps from where they begin. A hash taken at hand-over is then the
+    /// name of the store's chunk of the same bytes, and an upload need not hash them again.
+    Regions,
+}
+
+impl SlotChunking {
+    /// The byte ranges, in order and covering it exactly, of a `slot_bytes`-byte slot holding
+    /// `tensors`, in chunks of at most `chunk_bytes`. An error where the stored regions
+    /// overlap or run past the slot's end (a peer's bad layout).
+    pub fn ranges(
+        self,
+        slot_bytes: u64,
+        chunk_bytes: u64,
+        tensors: &[SlotTensor],
+    ) -> Result<Vec<std::ops::Range<u64>>, String> {
+        if chunk_bytes == 0 {
+            return Err("a chunk size of 0 bytes".into());
+        }
+        let mut ranges = Vec::new();
+        let cut = |from: u64, to: u64, ranges: &mut Vec<std::ops::Range<u64>>| {
+            ranges.extend(
+                (from..to)
+                    .step_by(chunk_bytes as usize)
+                    .map(|start| start..to.min(start + chunk_bytes)),
+            )
+        };
+        let mut stored: Vec<&SlotTensor> = match self {
+            SlotChunking::Fixed => Vec::new(),
+            SlotChunking::Regions => tensors
+                .iter()
+                .filter(|t| t.kind == crate::store::RegionKind::Stored && t.bytes > 0)
+                .collect(),
+        };
+        stored.sort_by_key(|t| t.offset);
+        let mut next = 0;
+        for region in stored {
+            let end = region.offset.checked_add(region.bytes);
+            if region.offset < next || end.is_none_or(|end| end > slot_bytes) {
+                return Err(format!(
+                    "region {} ({} bytes at {}) overlaps another or runs past the {slot_bytes}-byte slot",
+                    region.name, region.bytes, region.offset
+                ));
+            }
+            cut(next, region.offset, &mut ranges);
+            next = region.offset + region.bytes;
+            cut(region.offset, next, &mut ranges);
+        }
+        cut(next, slot_bytes, &mut ranges);
+        Ok(ranges)
+    }
+}
 
 /// A small named blob carried in a frame's payload (`trainer.json`, `model.json`).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -329,8 +393,12 @@ pub enum Message {
         /// snapshot over: a buddy that applied a later one of the same leader refuses it.
         #[serde(default)]
         rollback: RollbackMark,
+        /// How the slot is cut into the chunks that follow, of `chunk_bytes` at most.
+        #[serde(default)]
+        chunking: SlotChunking,
     },
-    /// Payload = chunk `index` of the slot, which hashes to `hash`.
+    /// Payload = chunk `index` of the slot (as `ReplicaBegin::chunking` cuts it), which
+    /// hashes to `hash`.
     ReplicaData {
         index: u32,
         hash: ChunkHash,
@@ -985,6 +1053,77 @@ pub fn unpack_blobs(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn region(name: &str, offset: u64, bytes: u64, kind: crate::store::RegionKind) -> SlotTensor {
+        SlotTensor {
+            name: name.into(),
+            dtype: crate::format::DType::U8,
+            global_shape: vec![bytes],
+            slice: vec![crate::format::DimRange {
+                start: 0,
+                len: bytes,
+            }],
+            offset,
+            bytes,
+            kind,
+        }
+    }
+
+    #[test]
+    fn a_slot_is_cut_at_its_stored_regions_as_the_store_cuts_them() {
+        use crate::store::RegionKind::{Read, Stored};
+        let tensors = [
+            region("b", 30, 25, Stored),
+            region("a", 3, 10, Stored),
+            region("read", 13, 17, Read),
+            region("empty", 40, 0, Stored),
+        ];
+        let regions = SlotChunking::Regions.ranges(64, 8, &tensors).unwrap();
+        assert_eq!(
+            regions,
+            [
+                0..3,
+                3..11,
+                11..13,
+                13..21,
+                21..29,
+                29..30,
+                30..38,
+                38..46,
+                46..54,
+                54..55,
+                55..63,
+                63..64
+            ]
+        );
+        let fixed = SlotChunking::Fixed.ranges(20, 8, &tensors).unwrap();
+        assert_eq!(fixed, [0..8, 8..16, 16..20]);
+        assert_eq!(SlotChunking::Regions.ranges(0, 8, &[]).unwrap(), []);
+    }
+
+    #[test]
+    fn a_slot_whose_stored_regions_overlap_or_overrun_it_is_not_cut() {
+        use crate::store::RegionKind::Stored;
+        let overlap = [region("a", 0, 10, Stored), region("b", 9, 4, Stored)];
+        assert!(SlotChunking::Regions.ranges(64, 8, &overlap).is_err());
+        let past = [region("a", 60, 10, Stored)];
+        assert!(SlotChunking::Regions.ranges(64, 8, &past).is_err());
+        assert!(SlotChunking::Regions.ranges(64, 0, &[]).is_err());
+        // The fixed cut looks at no region.
+        assert_eq!(
+            SlotChunking::Fixed.ranges(9, 8, &overlap).unwrap(),
+            [0..8, 8..9]
+        );
+    }
+
+    #[test]
+    fn a_begin_without_a_chunking_is_cut_fixed() {
+        let json = r#"{"type":"ReplicaBegin","from_node":"n1","run":"run-a","rank":0,"world_size":1,"step":1,"slot_bytes":8,"chunk_bytes":4,"tensors":[],"blobs":[]}"#;
+        let Message::ReplicaBegin { chunking, .. } = serde_json::from_str(json).unwrap() else {
+            panic!("not a ReplicaBegin");
+        };
+        assert_eq!(chunking, SlotChunking::Fixed);
+    }
 
     fn sample() -> Message {
         Message::Replicated {

@@ -48,7 +48,9 @@ pub use config::{Cli, Config, ConfigError, DataCpu, LogFormat};
 use metrics::Metrics;
 use rank::RankState;
 
-/// Raw bytes per chunk of a slot, for T0 verification and T1 replication.
+/// Raw bytes per chunk of a slot, for T0 verification and T1 replication: the store's
+/// default chunk size, so that the hashes taken at hand-over name the store's chunks
+/// (`slots::HashedSlot`).
 pub const SLOT_CHUNK_BYTES: u64 = 4 << 20;
 /// Slot files per rank: the committed T0, the snapshot in flight, the durable upload in
 /// flight, and the rank's working copy.

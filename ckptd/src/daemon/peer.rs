@@ -59,6 +59,7 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
             tensors,
             blobs,
             rollback,
+            chunking,
         } => {
             let blobs = wire::unpack_blobs(&blobs, &first.payload)?;
             let meta = ReplicaMeta {
@@ -70,6 +71,7 @@ async fn connection(daemon: &Arc<Daemon>, mut stream: TcpStream, from: SocketAdd
                 slot_bytes,
                 tensors,
                 chunks: Vec::new(),
+                chunking,
                 blobs: blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
             };
             let (mut stream, result) = daemon
@@ -232,6 +234,7 @@ mod tests {
                     tensors: Vec::new(),
                     blobs: Vec::new(),
                     rollback: RollbackMark { epoch: 3, seq },
+                    chunking: Default::default(),
                 };
                 let mut sender = ReplicaSender::begin(&daemon, address, begin, &[]).await?;
                 sender.data(0, hash, &data).await?;

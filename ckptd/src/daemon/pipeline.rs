@@ -10,11 +10,13 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use bytes::Bytes;
 use lazarus_shared::store::{ByteSource, DeltaBases, Progress, RawCopy, SourcedShard};
-use lazarus_shared::wire::{self, Message, RollbackMark, SlotTensor};
+use lazarus_shared::wire::{self, Message, RollbackMark, SlotChunking, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{Base, HandOver, Life, RankState, Snap, Upload};
-use super::slots::{chunk_count, read_chunk, verify_slot, BaseCopy, MappedFile, BASE_FILE};
+use super::slots::{
+    chunks_of, read_hashed, runs, verify_slot, BaseCopy, HashedSlot, MappedFile, BASE_FILE,
+};
 use super::{replica, Daemon, SLOT_CHUNK_BYTES};
 use lazarus_shared::store::FileSource;
 
@@ -135,6 +137,7 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
                 step: job.step,
                 slot: job.slot,
                 hashes,
+                chunking: SlotChunking::Regions,
                 blobs: job.blobs,
                 durable_requested: job.durable,
             }));
@@ -157,13 +160,15 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
     }
 }
 
-/// Reads the slot chunk by chunk, hashing each and streaming it to the buddy (T1).
+/// Reads the slot chunk by chunk, cut at its stored regions as the store cuts them
+/// (`SlotChunking::Regions`), hashing each and streaming it to the buddy (T1).
 async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
     let file = job
         .source
         .as_ref()
         .map_err(|error| anyhow!("{error:#}"))?
         .clone();
+    let ranges = chunks_of(SlotChunking::Regions, job.slot_bytes, &job.tensors)?;
     let buddy = *daemon.buddy.lock().expect("not poisoned");
     let mut sender = match buddy {
         Some(buddy) => {
@@ -179,24 +184,24 @@ async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
                 tensors: job.tensors.clone(),
                 blobs: specs,
                 rollback: job.rollback,
+                chunking: SlotChunking::Regions,
             };
             Some(replica::ReplicaSender::begin(daemon, buddy, begin, &payload).await?)
         }
         None => None,
     };
     let mut hashes = Vec::new();
-    for index in 0..chunk_count(job.slot_bytes) {
-        let data = read_chunk(&file, job.slot_bytes, index).await?;
-        let hashed = data.clone();
-        let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed)).await?;
-        if let Some(sender) = sender.as_mut() {
-            sender.data(index as u32, hash, &data).await?;
-            daemon.metrics.bytes_replicated.inc_by(data.len() as u64);
-            if index == 0 {
-                super::crash::point("replicate");
+    for run in runs(&ranges) {
+        for (data, hash) in read_hashed(&file, &ranges[run]).await? {
+            if let Some(sender) = sender.as_mut() {
+                sender.data(hashes.len() as u32, hash, &data).await?;
+                daemon.metrics.bytes_replicated.inc_by(data.len() as u64);
+                if hashes.is_empty() {
+                    super::crash::point("replicate");
+                }
             }
+            hashes.push(hash);
         }
-        hashes.push(hash);
     }
     if let Some(sender) = sender {
         sender.end(hashes.clone()).await?;
@@ -476,7 +481,11 @@ async fn store_slot(
     let started = Instant::now();
     let timeline = daemon.data_run.current_timeline().await?;
     let key = StepKey::new(snap.step, timeline);
-    let source: Arc<dyn ByteSource> = source;
+    // The chunks hashed at hand-over that are store chunks are not hashed again.
+    let source: Arc<dyn ByteSource> = match chunks_of(snap.chunking, slot_bytes, &tensors) {
+        Ok(ranges) => Arc::new(HashedSlot::new(source, &ranges, &snap.hashes)),
+        Err(_) => source,
+    };
     let (copy, bases) = match base_file {
         Some((file, path)) => open_base(rank, file, &path, slot_bytes, &tensors, old_base)?,
         None => (None, None),
@@ -598,7 +607,14 @@ async fn upload_replica_inner(
 ) -> Result<(StepKey, u32)> {
     let (data, meta) = replica::held(daemon, rank, step)?
         .ok_or_else(|| anyhow!("no replica of rank {rank} step {step} here"))?;
-    verify_slot(&data, meta.slot_bytes, &meta.chunks).await?;
+    verify_slot(
+        &data,
+        meta.slot_bytes,
+        &meta.tensors,
+        meta.chunking,
+        &meta.chunks,
+    )
+    .await?;
     let started = Instant::now();
     let key = StepKey::new(step, daemon.data_run.current_timeline().await?);
     let source: Arc<dyn ByteSource> = Arc::new(FileSource::open(&data)?);
@@ -643,6 +659,81 @@ mod tests {
         state.base = Some(earlier_base());
         state.t0 = Some(testing::snap(10, 0, Vec::new()));
         state
+    }
+
+    /// An upload stores each chunk that the hand-over hashed as a store chunk (cut at the
+    /// stored regions, `SlotChunking::Regions`) under that hash, without hashing it again. A
+    /// T0 cut otherwise (from a `state.json` saved before replication cut at the regions) has
+    /// its chunks hashed: no hash taken of other bytes names one.
+    #[tokio::test]
+    async fn an_upload_names_its_chunks_by_the_hashes_taken_at_hand_over() {
+        use lazarus_shared::format::{DType, DimRange};
+        use lazarus_shared::store::{Region, RegionKind};
+        use lazarus_shared::wire::SlotChunking;
+        use lazarus_shared::ChunkHash;
+
+        let region = |name: &str, offset: u64, floats: u64| Region {
+            name: name.into(),
+            dtype: DType::F32,
+            global_shape: vec![floats],
+            slice: vec![DimRange {
+                start: 0,
+                len: floats,
+            }],
+            offset,
+            bytes: 4 * floats,
+            kind: RegionKind::Stored,
+        };
+        let tensors = vec![region("a", 0, 1000), region("b", 8192, 2048)];
+        // Each slot file is all 7s: chunk a's bytes hash to this.
+        let a_bytes = ChunkHash::of(&[7u8; 4000]);
+        let marker = ChunkHash::of(b"taken at hand-over");
+        for chunking in [SlotChunking::Regions, SlotChunking::Fixed] {
+            let dir = tempfile::tempdir().unwrap();
+            let (daemon, mut to_leader, _) = testing::follower(dir.path(), &[]).await;
+            daemon.run.create(serde_json::json!({})).await.unwrap();
+            let mut state =
+                testing::registered_rank_holding(&dir.path().join("rank-0"), 1, tensors.clone());
+            let slot = testing::slot_contents();
+            let ranges = chunking
+                .ranges(slot.len() as u64, crate::daemon::SLOT_CHUNK_BYTES, &tensors)
+                .unwrap();
+            // The hash of the chunk that starts at a's offset (the whole slot when cut fixed)
+            // is not its bytes' hash: taken, it shows the upload did not hash them.
+            let hashes = ranges
+                .iter()
+                .map(|r| match r.start {
+                    0 => marker,
+                    _ => ChunkHash::of(&slot[r.start as usize..r.end as usize]),
+                })
+                .collect();
+            let mut t0 = testing::snap(10, 0, hashes);
+            t0.chunking = chunking;
+            state.t0 = Some(t0);
+            assert!(state.request_durable(10));
+            daemon.ranks.lock().await.insert(0, state);
+            start_upload(&daemon, daemon.ranks.lock().await.get_mut(&0).unwrap());
+            let stored = tokio::time::timeout(Duration::from_secs(20), async {
+                loop {
+                    if let Some(Message::Stored { step, .. }) = to_leader.recv().await {
+                        return step;
+                    }
+                }
+            })
+            .await
+            .expect("the upload ends within 20 s");
+            assert_eq!(stored.step, 10);
+            let base = daemon.ranks.lock().await[&0]
+                .base
+                .clone()
+                .expect("a new base");
+            let a_name = base.chunks[0][0].hash;
+            match chunking {
+                SlotChunking::Regions => assert_eq!(a_name, marker),
+                SlotChunking::Fixed => assert_eq!(a_name, a_bytes),
+            }
+            assert_eq!(base.chunks[1][0].hash, ChunkHash::of(&[7u8; 8192]));
+        }
     }
 
     /// An upload decided for a state that is replaced (the rank registered with another

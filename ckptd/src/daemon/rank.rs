@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Context, Result};
 use lazarus_shared::busy_word::BusyWord;
 use lazarus_shared::format::ChunkRef;
-use lazarus_shared::wire::{Message, SlotTensor, UploadReport};
+use lazarus_shared::wire::{Message, SlotChunking, SlotTensor, UploadReport};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 use serde::{Deserialize, Serialize};
 
@@ -31,7 +31,12 @@ use super::SLOTS_PER_RANK;
 pub struct Snap {
     pub step: u64,
     pub slot: u32,
+    /// The hashes of the slot's chunks, as `chunking` cut it.
     pub hashes: Vec<ChunkHash>,
+    /// How the slot was cut into the chunks `hashes` names (a `state.json` saved without it:
+    /// `Fixed`).
+    #[serde(default)]
+    pub chunking: SlotChunking,
     pub blobs: Vec<(String, Vec<u8>)>,
     /// The trainer (its last snapshot) or the leader (a durable commit) wants this step
     /// durable.
@@ -690,6 +695,7 @@ mod tests {
             step,
             slot,
             hashes: Vec::new(),
+            chunking: SlotChunking::Regions,
             blobs: Vec::new(),
             durable_requested: durable,
         }

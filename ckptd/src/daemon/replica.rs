@@ -13,12 +13,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::{anyhow, bail, Context, Result};
-use lazarus_shared::wire::{self, Frame, JobKey, Message, SlotTensor, WireError};
+use lazarus_shared::wire::{self, Frame, JobKey, Message, SlotChunking, SlotTensor, WireError};
 use lazarus_shared::{ChunkHash, Rank, RunId};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 
-use super::slots::{chunk_count, read_chunk, reserve};
+use super::slots::{chunks_of, read_range, reserve, runs};
 use super::{framing, Daemon, SLOT_CHUNK_BYTES};
 use lazarus_shared::store::FileSource;
 
@@ -32,7 +32,11 @@ pub struct ReplicaMeta {
     pub step: u64,
     pub slot_bytes: u64,
     pub tensors: Vec<SlotTensor>,
+    /// The hashes of the slot's chunks, as `chunking` cut it.
     pub chunks: Vec<ChunkHash>,
+    /// How the sender cut the slot into chunks (a replica saved without it: `Fixed`).
+    #[serde(default)]
+    pub chunking: SlotChunking,
     pub blobs: Vec<(String, Vec<u8>)>,
 }
 
@@ -94,8 +98,8 @@ pub async fn receive(
         let (dir, incoming, slot_bytes) = (dir.clone(), incoming.clone(), meta.slot_bytes);
         Arc::new(tokio::task::spawn_blocking(move || prepare(&dir, &incoming, slot_bytes)).await??)
     };
-    let expected = chunk_count(meta.slot_bytes);
-    let mut received = vec![None; expected as usize];
+    let ranges = chunks_of(meta.chunking, meta.slot_bytes, &meta.tensors)?;
+    let mut received = vec![None; ranges.len()];
     loop {
         let frame = framing::read(&daemon.key, stream).await?;
         match frame.message {
@@ -103,8 +107,8 @@ pub async fn receive(
                 let slot = received.get_mut(index as usize).ok_or_else(|| {
                     WireError::Malformed(format!("chunk index {index} out of range"))
                 })?;
-                let offset = u64::from(index) * SLOT_CHUNK_BYTES;
-                let len = SLOT_CHUNK_BYTES.min(meta.slot_bytes - offset);
+                let range = &ranges[index as usize];
+                let (offset, len) = (range.start, range.end - range.start);
                 if frame.payload.len() as u64 != len {
                     bail!(WireError::Malformed(format!(
                         "chunk {index} has {} bytes, expected {len}",
@@ -232,7 +236,8 @@ async fn write_chunk(
     frame: Frame,
 ) -> Result<bool> {
     let file = file.clone();
-    tokio::task::spawn_blocking(move || {
+    let small = frame.payload.len() < wire::PAYLOAD_BLOCKING;
+    let write = move || {
         // A hashed frame's reader already hashed the payload (one pass for the MAC and the
         // name); a plain frame's payload is hashed here.
         let found = frame
@@ -243,8 +248,12 @@ async fn write_chunk(
         }
         file.write_all_at(&frame.payload, offset)?;
         Ok(true)
-    })
-    .await?
+    };
+    // A small region's chunk is written at once: a blocking task each cost more than that.
+    if small {
+        return write();
+    }
+    tokio::task::spawn_blocking(write).await?
 }
 
 /// Removes the replicas held here of steps after `to` (`None`: all of them): the run was
@@ -310,6 +319,14 @@ pub async fn send(
         }
     };
     let (specs, payload) = wire::pack_blobs(&meta.blobs);
+    let ranges = chunks_of(meta.chunking, meta.slot_bytes, &meta.tensors)?;
+    if ranges.len() != meta.chunks.len() {
+        bail!(
+            "the replica of rank {rank} step {step} lists {} chunks of {}",
+            meta.chunks.len(),
+            ranges.len()
+        );
+    }
     let begin = Message::ReplicaBegin {
         from_node: daemon.cfg.node.clone(),
         run: meta.run.clone(),
@@ -322,18 +339,24 @@ pub async fn send(
         blobs: specs,
         // A replica fetched back restores what the leader chose: no mark is checked.
         rollback: Default::default(),
+        chunking: meta.chunking,
     };
     framing::write(&daemon.key, stream, &begin, &payload).await?;
     let file = Arc::new(FileSource::open(&dir.join("data"))?);
-    for (index, hash) in meta.chunks.iter().enumerate() {
-        let data = read_chunk(&file, meta.slot_bytes, index as u64).await?;
-        let message = Message::ReplicaData {
-            index: index as u32,
-            hash: *hash,
-        };
-        // Named by the hash taken when the replica arrived: bytes changed since then do not
-        // hash to it, and the asker refuses the frame.
-        framing::write_hashed(&daemon.key, stream, &message, &data, hash).await?;
+    for run in runs(&ranges) {
+        let start = ranges[run.start].start;
+        let span = read_range(&file, &(start..ranges[run.end - 1].end)).await?;
+        for index in run {
+            let (range, hash) = (&ranges[index], &meta.chunks[index]);
+            let data = span.slice((range.start - start) as usize..(range.end - start) as usize);
+            let message = Message::ReplicaData {
+                index: index as u32,
+                hash: *hash,
+            };
+            // Named by the hash taken when the replica arrived: bytes changed since then do
+            // not hash to it, and the asker refuses the frame.
+            framing::write_hashed(&daemon.key, stream, &message, &data, hash).await?;
+        }
     }
     framing::write(
         &daemon.key,
@@ -389,7 +412,8 @@ impl ReplicaSender {
 }
 
 /// Fetches this node's rank's replica of `step` from the buddy into the slot opened as `file`,
-/// verifying every chunk. Returns the chunk hashes and the blobs.
+/// verifying every chunk. Returns the chunk hashes, how the buddy cut the slot into those
+/// chunks, and the blobs.
 #[allow(clippy::too_many_arguments)]
 pub async fn fetch(
     daemon: &Arc<Daemon>,
@@ -400,7 +424,7 @@ pub async fn fetch(
     slot_bytes: u64,
     tensors: &[SlotTensor],
     file: std::fs::File,
-) -> Result<(Vec<ChunkHash>, Vec<(String, Vec<u8>)>)> {
+) -> Result<(Vec<ChunkHash>, SlotChunking, Vec<(String, Vec<u8>)>)> {
     let buddy = holder
         .or(*daemon.buddy.lock().expect("not poisoned"))
         .ok_or_else(|| anyhow!("no buddy configured, and the leader knows no replica"))?;
@@ -412,7 +436,7 @@ pub async fn fetch(
     };
     framing::write(&daemon.key, &mut stream, &request, &[]).await?;
     let first = framing::read(&daemon.key, &mut stream).await?;
-    let blobs = match first.message {
+    let (blobs, chunking) = match first.message {
         Message::ReplicaBegin {
             rank: r,
             world_size: w,
@@ -420,6 +444,7 @@ pub async fn fetch(
             slot_bytes: b,
             tensors: t,
             blobs,
+            chunking,
             ..
         } => {
             if r != rank || w != world_size || s != step || b != slot_bytes || t != tensors {
@@ -427,11 +452,12 @@ pub async fn fetch(
                     "the buddy's replica has another layout (rank {r} of {w}, step {s}, {b} bytes)"
                 );
             }
-            wire::unpack_blobs(&blobs, &first.payload)?
+            (wire::unpack_blobs(&blobs, &first.payload)?, chunking)
         }
         Message::Ack { reason, .. } => bail!("{reason}"),
         other => bail!("the buddy answered {other:?}"),
     };
+    let ranges = chunks_of(chunking, slot_bytes, tensors)?;
     let file = Arc::new(file);
     let mut hashes = Vec::new();
     loop {
@@ -441,14 +467,23 @@ pub async fn fetch(
                 if index as usize != hashes.len() {
                     bail!("chunk {index} arrived out of order");
                 }
-                let offset = u64::from(index) * SLOT_CHUNK_BYTES;
-                if !write_chunk(&file, offset, hash, frame).await? {
+                let range = ranges.get(hashes.len()).ok_or_else(|| {
+                    anyhow!("chunk {index} is past the slot's {} chunks", ranges.len())
+                })?;
+                if frame.payload.len() as u64 != range.end - range.start {
+                    bail!(
+                        "replica chunk {index} has {} bytes, expected {}",
+                        frame.payload.len(),
+                        range.end - range.start
+                    );
+                }
+                if !write_chunk(&file, range.start, hash, frame).await? {
                     bail!("replica chunk {index} of rank {rank} step {step} does not verify");
                 }
                 hashes.push(hash);
             }
             Message::ReplicaEnd { chunks } => {
-                if chunks != hashes || hashes.len() as u64 != chunk_count(slot_bytes) {
+                if chunks != hashes || hashes.len() != ranges.len() {
                     bail!("the replica ended incomplete");
                 }
                 break;
@@ -458,6 +493,7 @@ pub async fn fetch(
     }
     Ok((
         hashes,
+        chunking,
         blobs.into_iter().map(|(n, b)| (n, b.to_vec())).collect(),
     ))
 }
@@ -508,8 +544,22 @@ mod tests {
             slot_bytes,
             tensors: Vec::new(),
             chunks: Vec::new(),
+            chunking: SlotChunking::Regions,
             blobs: Vec::new(),
         }
+    }
+
+    /// A `meta.json` and a `state.json` T0 saved before the slot's cut was saved with its
+    /// hashes read as cut in fixed steps, which is how they were hashed.
+    #[test]
+    fn hashes_saved_without_their_cut_are_of_the_fixed_cut() {
+        let mut saved = serde_json::to_value(meta(4, 64)).unwrap();
+        saved.as_object_mut().unwrap().remove("chunking").unwrap();
+        let read: ReplicaMeta = serde_json::from_value(saved).unwrap();
+        assert_eq!(read.chunking, SlotChunking::Fixed);
+        let t0 = r#"{"step":4,"slot":1,"hashes":[],"blobs":[],"durable_requested":true}"#;
+        let read: super::super::rank::Snap = serde_json::from_str(t0).unwrap();
+        assert_eq!(read.chunking, SlotChunking::Fixed);
     }
 
     /// Receives a replica of `step` (every byte `step`) as `receive` does: prepared, written,

@@ -14,11 +14,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use lazarus_shared::store::RestoreChoice;
-use lazarus_shared::wire::{self, Message, SlotTensor, Tier};
+use lazarus_shared::wire::{self, Message, SlotChunking, SlotTensor, Tier};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{Life, RankState, Snap};
-use super::slots::{chunk_count, read_chunk, verify_slot, MappedFile};
+use super::slots::{chunks_of, hash_ranges, verify_slot, MappedFile};
 use super::{replica, Daemon};
 
 /// The steps a world of this rank's size could restore: the leader's newest memory-committed
@@ -97,7 +97,7 @@ pub async fn restore(
     };
     if let Some(m) = memory {
         if let Some((path, snap)) = candidate {
-            match verify_slot(&path, slot_bytes, &snap.hashes).await {
+            match verify_slot(&path, slot_bytes, &tensors, snap.chunking, &snap.hashes).await {
                 Ok(()) => return install(daemon, rank, asker, Some(snap), Tier::T0).await,
                 Err(error) => {
                     daemon.metrics.error("t0_corrupt");
@@ -111,11 +111,12 @@ pub async fn restore(
         )
         .await;
         match fetched {
-            Ok((hashes, blobs)) => {
+            Ok((hashes, chunking, blobs)) => {
                 let snap = Snap {
                     step: m,
                     slot,
                     hashes,
+                    chunking,
                     blobs,
                     durable_requested: false,
                 };
@@ -152,6 +153,7 @@ pub async fn restore(
         step: durable.step,
         slot,
         hashes,
+        chunking: SlotChunking::Regions,
         blobs,
         durable_requested: false,
     };
@@ -300,12 +302,8 @@ async fn read_from_store(
         }
     }
     let source = MappedFile::of(file, path)?;
-    let mut hashes = Vec::new();
-    for index in 0..chunk_count(slot_bytes) {
-        let data = read_chunk(&source, slot_bytes, index).await?;
-        hashes.push(tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?);
-    }
-    Ok((hashes, blobs))
+    let ranges = chunks_of(SlotChunking::Regions, slot_bytes, tensors)?;
+    Ok((hash_ranges(&source, &ranges).await?, blobs))
 }
 
 #[cfg(test)]

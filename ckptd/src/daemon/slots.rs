@@ -6,6 +6,8 @@
 //! through such maps too. The rank state, the snapshot pipeline, restores and replicas use
 //! these; this module knows nothing of them.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -14,20 +16,85 @@ use std::sync::Arc;
 use anyhow::{anyhow, bail, Context, Result};
 use bytes::Bytes;
 use lazarus_shared::store::{ByteSource, RawCopy};
+use lazarus_shared::wire::{SlotChunking, SlotTensor};
 use lazarus_shared::ChunkHash;
 
 use super::SLOT_CHUNK_BYTES;
 
-/// Chunk `index` of a slot, read on a blocking thread.
-pub async fn read_chunk(file: &Arc<impl ByteSource>, slot_bytes: u64, index: u64) -> Result<Bytes> {
-    let offset = index * SLOT_CHUNK_BYTES;
-    let len = SLOT_CHUNK_BYTES.min(slot_bytes - offset) as usize;
+/// The byte ranges of a `slot_bytes`-byte slot holding `tensors`, as `chunking` cuts it into
+/// the chunks (of `SLOT_CHUNK_BYTES` at most) that are hashed, replicated and verified.
+pub fn chunks_of(
+    chunking: SlotChunking,
+    slot_bytes: u64,
+    tensors: &[SlotTensor],
+) -> Result<Vec<Range<u64>>> {
+    chunking
+        .ranges(slot_bytes, SLOT_CHUNK_BYTES, tensors)
+        .map_err(|reason| anyhow!("cannot cut the slot into chunks: {reason}"))
+}
+
+/// The bytes of `range` of a slot, read on a blocking thread.
+pub async fn read_range(file: &Arc<impl ByteSource>, range: &Range<u64>) -> Result<Bytes> {
+    let (offset, len) = (range.start, (range.end - range.start) as usize);
     let file = file.clone();
     Ok(tokio::task::spawn_blocking(move || file.read_at(offset, len)).await??)
 }
 
-pub fn chunk_count(slot_bytes: u64) -> u64 {
-    slot_bytes.div_ceil(SLOT_CHUNK_BYTES)
+/// `ranges` (consecutive, as [`chunks_of`] cuts a slot) in runs of neighbours that together
+/// span at most `SLOT_CHUNK_BYTES`, or of one longer range: a slot of many small regions is
+/// read and hashed a run at a time, not a read and a blocking task per small chunk.
+pub fn runs(ranges: &[Range<u64>]) -> Vec<Range<usize>> {
+    let mut runs: Vec<Range<usize>> = Vec::new();
+    for (index, range) in ranges.iter().enumerate() {
+        match runs.last_mut() {
+            Some(run) if range.end - ranges[run.start].start <= SLOT_CHUNK_BYTES => {
+                run.end = index + 1
+            }
+            _ => runs.push(index..index + 1),
+        }
+    }
+    runs
+}
+
+/// Reads `ranges` of a slot (one run of [`runs`]) in one read, and hashes each on one
+/// blocking task: their bytes and hashes, in order.
+pub async fn read_hashed(
+    file: &Arc<impl ByteSource>,
+    ranges: &[Range<u64>],
+) -> Result<Vec<(Bytes, ChunkHash)>> {
+    let (Some(first), Some(last)) = (ranges.first(), ranges.last()) else {
+        return Ok(Vec::new());
+    };
+    let span = read_range(file, &(first.start..last.end)).await?;
+    let pieces: Vec<Bytes> = ranges
+        .iter()
+        .map(|range| {
+            span.slice((range.start - first.start) as usize..(range.end - first.start) as usize)
+        })
+        .collect();
+    Ok(tokio::task::spawn_blocking(move || {
+        pieces
+            .into_iter()
+            .map(|piece| {
+                let hash = ChunkHash::of(&piece);
+                (piece, hash)
+            })
+            .collect()
+    })
+    .await?)
+}
+
+/// Hashes each of `ranges` of a slot, in order.
+pub async fn hash_ranges(
+    file: &Arc<impl ByteSource>,
+    ranges: &[Range<u64>],
+) -> Result<Vec<ChunkHash>> {
+    let mut hashes = Vec::with_capacity(ranges.len());
+    for run in runs(ranges) {
+        let hashed = read_hashed(file, &ranges[run]).await?;
+        hashes.extend(hashed.into_iter().map(|(_, hash)| hash));
+    }
+    Ok(hashes)
 }
 
 /// Replaces the small file at `path` with `bytes` whole: written beside it as `<name>.tmp`,
@@ -302,19 +369,27 @@ impl ByteSource for MappedFile {
     }
 }
 
-/// Re-hashes a slot against the hashes taken when it was handed over.
-pub async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> Result<()> {
-    if chunk_count(slot_bytes) != hashes.len() as u64 {
+/// Re-hashes a slot against the hashes taken when it was handed over, of its chunks as
+/// `chunking` cut it.
+pub async fn verify_slot(
+    path: &Path,
+    slot_bytes: u64,
+    tensors: &[SlotTensor],
+    chunking: SlotChunking,
+    hashes: &[ChunkHash],
+) -> Result<()> {
+    let ranges = chunks_of(chunking, slot_bytes, tensors)?;
+    if ranges.len() != hashes.len() {
         bail!(
-            "{} chunks recorded for a {slot_bytes}-byte slot",
-            hashes.len()
+            "{} chunks recorded for a {slot_bytes}-byte slot of {} chunks",
+            hashes.len(),
+            ranges.len()
         );
     }
     let file = MappedFile::open(path)?;
-    for (index, expected) in hashes.iter().enumerate() {
-        let data = read_chunk(&file, slot_bytes, index as u64).await?;
-        let found = tokio::task::spawn_blocking(move || ChunkHash::of(&data)).await?;
-        if found != *expected {
+    let found = hash_ranges(&file, &ranges).await?;
+    for (index, (found, expected)) in found.iter().zip(hashes).enumerate() {
+        if found != expected {
             bail!(
                 "{} chunk {index}: hashes to {}, recorded {}",
                 path.display(),
@@ -324,6 +399,51 @@ pub async fn verify_slot(path: &Path, slot_bytes: u64, hashes: &[ChunkHash]) -> 
         }
     }
     Ok(())
+}
+
+/// A held slot read with the hashes its chunks had when it was handed over: the store writer
+/// takes each as the name of a store chunk of exactly the same bytes
+/// ([`ByteSource::hashed`]), and does not hash them again. They are the slot's bytes still:
+/// the daemon holds the slot from hand-over until the upload ends, and the rank never writes
+/// a held slot (`rank.rs`). With `SlotChunking::Regions` every chunk of a stored region is
+/// such a store chunk, where the store's chunk size is `SLOT_CHUNK_BYTES`.
+#[derive(Debug)]
+pub struct HashedSlot {
+    file: Arc<MappedFile>,
+    /// By offset: the chunk's length and hash.
+    hashes: HashMap<u64, (u64, ChunkHash)>,
+}
+
+impl HashedSlot {
+    /// The slot `file`, whose chunks `ranges` hashed to `hashes` (none are vouched for where
+    /// the two do not pair up).
+    pub fn new(file: Arc<MappedFile>, ranges: &[Range<u64>], hashes: &[ChunkHash]) -> Self {
+        let hashes = if ranges.len() == hashes.len() {
+            ranges
+                .iter()
+                .zip(hashes)
+                .map(|(range, hash)| (range.start, (range.end - range.start, *hash)))
+                .collect()
+        } else {
+            HashMap::new()
+        };
+        Self { file, hashes }
+    }
+}
+
+impl ByteSource for HashedSlot {
+    fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes> {
+        self.file.read_at(offset, len)
+    }
+
+    fn describe(&self) -> String {
+        self.file.describe()
+    }
+
+    fn hashed(&self, offset: u64, len: usize) -> Option<ChunkHash> {
+        let (chunk_len, hash) = self.hashes.get(&offset)?;
+        (*chunk_len == len as u64).then_some(*hash)
+    }
 }
 
 #[cfg(test)]
@@ -375,6 +495,100 @@ mod tests {
         // An upload of the old layout still reads its whole file: replaced, not shrunk (a
         // map past a shrunk file's end would kill this test with SIGBUS).
         assert_eq!(old_source.read_at(len - 8, 8).unwrap()[..], [5u8; 8]);
+    }
+
+    /// Neighbouring chunks are read in runs that span a slot chunk at most; a chunk that
+    /// does not fit after the others starts the next run.
+    #[test]
+    fn small_chunks_are_read_in_runs_of_a_slot_chunk() {
+        let c = SLOT_CHUNK_BYTES;
+        let ranges = [
+            0..10,
+            10..c,
+            c..c + 1,
+            c + 1..c + 9,
+            c + 9..2 * c + 1,
+            2 * c + 1..2 * c + 3,
+        ];
+        assert_eq!(runs(&ranges), [0..2, 2..4, 4..6]);
+        assert!(runs(&[]).is_empty());
+    }
+
+    /// A slot verifies against the hashes of its chunks as they were cut, not as the other
+    /// cut makes them, nor once a byte of it changed.
+    #[tokio::test]
+    async fn a_slot_verifies_against_the_hashes_of_its_own_cut() {
+        use lazarus_shared::format::{DType, DimRange};
+        use lazarus_shared::store::{Region, RegionKind};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("slot");
+        let bytes: Vec<u8> = (0..8192u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        let tensors = [Region {
+            name: "w".into(),
+            dtype: DType::F32,
+            global_shape: vec![1000],
+            slice: vec![DimRange {
+                start: 0,
+                len: 1000,
+            }],
+            offset: 100,
+            bytes: 4000,
+            kind: RegionKind::Stored,
+        }];
+        let hashes_of = |chunking: SlotChunking| -> Vec<ChunkHash> {
+            chunks_of(chunking, 8192, &tensors)
+                .unwrap()
+                .into_iter()
+                .map(|r| ChunkHash::of(&bytes[r.start as usize..r.end as usize]))
+                .collect()
+        };
+        let (fixed, regions) = (
+            hashes_of(SlotChunking::Fixed),
+            hashes_of(SlotChunking::Regions),
+        );
+        assert_eq!((fixed.len(), regions.len()), (1, 3));
+        let verify = |chunking, hashes: Vec<ChunkHash>| {
+            let (path, tensors) = (path.clone(), tensors.clone());
+            async move { verify_slot(&path, 8192, &tensors, chunking, &hashes).await }
+        };
+        verify(SlotChunking::Fixed, fixed.clone()).await.unwrap();
+        verify(SlotChunking::Regions, regions.clone())
+            .await
+            .unwrap();
+        assert!(verify(SlotChunking::Regions, fixed.clone()).await.is_err());
+        assert!(verify(SlotChunking::Fixed, regions.clone()).await.is_err());
+        let mut changed = bytes.clone();
+        changed[4099] ^= 1;
+        std::fs::write(&path, &changed).unwrap();
+        assert!(verify(SlotChunking::Regions, regions).await.is_err());
+    }
+
+    /// The hand-over's chunks are the store's only while the two sizes agree.
+    #[test]
+    fn a_slot_chunk_is_as_long_as_a_store_chunk() {
+        let store = lazarus_shared::store::StoreOptions::default();
+        assert_eq!(SLOT_CHUNK_BYTES, store.chunk_bytes);
+    }
+
+    /// A hashed slot vouches for exactly the ranges hashed at hand-over, and for none where
+    /// the hashes do not pair up with the ranges.
+    #[test]
+    fn a_hashed_slot_vouches_for_exactly_the_ranges_hashed() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("slot");
+        std::fs::write(&path, [3u8; 100]).unwrap();
+        let file = MappedFile::open(&path).unwrap();
+        let (a, b) = (ChunkHash::of(b"a"), ChunkHash::of(b"b"));
+        let slot = HashedSlot::new(file.clone(), &[0..40, 40..100], &[a, b]);
+        assert_eq!(slot.hashed(0, 40), Some(a));
+        assert_eq!(slot.hashed(40, 60), Some(b));
+        assert_eq!(slot.hashed(0, 39), None);
+        assert_eq!(slot.hashed(40, 59), None);
+        assert_eq!(slot.hashed(10, 30), None);
+        assert_eq!(slot.read_at(38, 4).unwrap()[..], [3u8; 4]);
+        let unpaired = HashedSlot::new(file, &[0..40, 40..100], &[a]);
+        assert_eq!(unpaired.hashed(0, 40), None);
     }
 
     /// A copy that cannot be written (past the file's end) leaves the base incomplete (it

@@ -121,12 +121,21 @@ pub fn slot_contents() -> Vec<u8> {
 /// Rank 0 of a world of `world_size`, registered by process 100, with its slot files (each
 /// [`slot_contents`]) under `dir`.
 pub fn registered_rank(dir: &Path, world_size: u32) -> super::rank::RankState {
+    registered_rank_holding(dir, world_size, Vec::new())
+}
+
+/// [`registered_rank`] with `tensors` in its slots.
+pub fn registered_rank_holding(
+    dir: &Path,
+    world_size: u32,
+    tensors: Vec<lazarus_shared::wire::SlotTensor>,
+) -> super::rank::RankState {
     let contents = slot_contents();
     let mut state = super::rank::RankState::new(
         0,
         world_size,
         contents.len() as u64,
-        Vec::new(),
+        tensors,
         dir.to_path_buf(),
     );
     std::fs::create_dir_all(&state.dir).expect("a test directory");
@@ -143,6 +152,7 @@ pub fn snap(step: u64, slot: u32, hashes: Vec<lazarus_shared::ChunkHash>) -> sup
         step,
         slot,
         hashes,
+        chunking: lazarus_shared::wire::SlotChunking::Regions,
         blobs: Vec::new(),
         durable_requested: false,
     }

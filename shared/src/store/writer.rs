@@ -69,6 +69,16 @@ pub trait ByteSource: Send + Sync + 'static {
     fn read_at(&self, offset: u64, len: usize) -> std::io::Result<Bytes>;
     /// Names the source in errors.
     fn describe(&self) -> String;
+    /// The name (blake3) of exactly the `len` bytes at `offset`, where the source hashed them
+    /// already and vouches that they have not changed since (`ckptd`'s slot, hashed when its
+    /// rank handed it over and held since): a writer stores the chunk of those bytes under
+    /// it without hashing them again. None by default. A source must vouch only for bytes
+    /// nothing can have written since: the chunk is stored under the name as given, and a
+    /// wrong name is a stored chunk that fails its check when read, which later writes of
+    /// the right bytes would find stored and take.
+    fn hashed(&self, _offset: u64, _len: usize) -> Option<ChunkHash> {
+        None
+    }
 }
 
 impl ByteSource for Bytes {
@@ -205,6 +215,11 @@ impl SourceRange {
                 path: format!("{self:?}"),
                 cause,
             })
+    }
+
+    /// The name its source vouches for these bytes ([`ByteSource::hashed`]).
+    fn hashed(&self) -> Option<ChunkHash> {
+        self.source.hashed(self.offset, self.len as usize)
     }
 
     /// Reads on a blocking thread.
@@ -635,17 +650,23 @@ impl RunStore {
             .await
     }
 
-    /// Hashes one chunk, and uploads it unless storage already has it.
+    /// Hashes one chunk (unless its source vouches for its name), and uploads it unless
+    /// storage already has it.
     async fn store_chunk(
         &self,
         job: ChunkJob,
         progress: &dyn Progress,
     ) -> Result<ChunkDone, StoreError> {
         let raw = job.raw.load().await?;
-        let hashed = raw.clone();
-        let hash = tokio::task::spawn_blocking(move || ChunkHash::of(&hashed))
-            .await
-            .expect("hashing does not panic");
+        let hash = match job.raw.hashed() {
+            Some(hash) => hash,
+            None => {
+                let hashed = raw.clone();
+                tokio::task::spawn_blocking(move || ChunkHash::of(&hashed))
+                    .await
+                    .expect("hashing does not panic")
+            }
+        };
         let raw_len = raw.len() as u64;
         if let Some(existing) = self.known_chunk(hash).await? {
             // A chunk that its copy's target holds already (its base there, trusted, is this
@@ -1268,6 +1289,69 @@ mod tests {
         let checkpoint = run_store.open_checkpoint(StepKey::new(4, 0)).await.unwrap();
         assert_eq!(checkpoint.read_tensor("w", &()).await.unwrap(), b.to_vec());
         assert_eq!(ChunkHash::of(&b), b_ref.hash);
+    }
+
+    /// A source that vouches for the name of a chunk's exact bytes (`ckptd`'s slot, hashed at
+    /// hand-over) has its chunk stored under that name, not hashed again; a name vouched for
+    /// other bytes (another length) is not taken.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_chunk_whose_source_vouches_for_its_name_is_not_hashed_again() {
+        #[derive(Debug)]
+        struct Vouched {
+            data: bytes::Bytes,
+            names: Vec<(u64, usize, ChunkHash)>,
+        }
+        impl super::ByteSource for Vouched {
+            fn read_at(&self, offset: u64, len: usize) -> std::io::Result<bytes::Bytes> {
+                self.data.read_at(offset, len)
+            }
+            fn describe(&self) -> String {
+                "vouched".into()
+            }
+            fn hashed(&self, offset: u64, len: usize) -> Option<ChunkHash> {
+                let vouched = self
+                    .names
+                    .iter()
+                    .find(|(o, l, _)| (*o, *l) == (offset, len));
+                vouched.map(|(_, _, hash)| *hash)
+            }
+        }
+        let chunk = FLOATS * 4;
+        let data = bytes::Bytes::from([floats(1, 0), floats(2, 0)].concat());
+        // A name no hash of the first chunk's bytes gives: taken, it shows they were not hashed.
+        let marker = ChunkHash::of(b"vouched");
+        let source: Arc<dyn super::ByteSource> = Arc::new(Vouched {
+            data: data.clone(),
+            names: vec![(0, chunk, marker), (chunk as u64, chunk - 1, marker)],
+        });
+        let shard = super::SourcedShard {
+            step: StepKey::new(1, 0),
+            rank: 0,
+            world_size: 1,
+            tensors: vec![super::SourcedTensor {
+                name: "w".into(),
+                dtype: crate::format::DType::F32,
+                global_shape: vec![2 * FLOATS as u64],
+                slice: vec![crate::format::DimRange {
+                    start: 0,
+                    len: 2 * FLOATS as u64,
+                }],
+                data: super::SourceRange {
+                    source,
+                    offset: 0,
+                    len: data.len() as u64,
+                },
+            }],
+            blobs: vec![],
+            copy: None,
+        };
+        let run_store = open(Arc::new(InMemory::new()), None).await;
+        let manifest = run_store
+            .write_shard_sourced(shard, None, &())
+            .await
+            .unwrap();
+        let names: Vec<ChunkHash> = manifest.tensors[0].chunks.iter().map(|c| c.hash).collect();
+        assert_eq!(names, [marker, ChunkHash::of(&data[chunk..])]);
     }
 
     /// A write that finds its chunk stored (by a writer that may have been killed between
