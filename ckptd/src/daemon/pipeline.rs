@@ -767,6 +767,34 @@ mod tests {
         );
     }
 
+    /// A snapshot is hashed from the file that was its slot when it was handed over: a file
+    /// made anew at the slot's path afterwards (as a registration with another layout makes
+    /// them) is not what the snapshot's hashes describe.
+    #[tokio::test]
+    async fn a_snapshot_hashes_the_slot_file_it_was_handed_over_in() {
+        use lazarus_shared::ChunkHash;
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, _to_leader, _) = testing::follower(dir.path(), &[]).await;
+        let state = testing::registered_rank(&dir.path().join("rank-0"), 2);
+        let path = state.slot_path(0);
+        daemon.ranks.lock().await.insert(0, state);
+        // On this single-threaded runtime, the replication starts once the test waits.
+        snapshot(&daemon, 0, 9, 0, false, Vec::new()).await.unwrap();
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, vec![0x55u8; testing::slot_contents().len()]).unwrap();
+        let pending = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Some(pending) = daemon.ranks.lock().await[&0].pending.clone() {
+                    return pending;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the snapshot is replicated within 10 s");
+        assert_eq!(pending.hashes, [ChunkHash::of(&testing::slot_contents())]);
+    }
+
     /// A snapshot still being replicated when its rank registers with another layout ends in
     /// nothing: the new state, whose slots are other files, keeps its own snapshot in flight,
     /// and nothing is reported. Regression: its end cleared the new state's `working`, so
