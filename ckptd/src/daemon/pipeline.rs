@@ -767,6 +767,20 @@ mod tests {
         );
     }
 
+    /// Each upload of a replica keeps its own entry in the list of replicas being uploaded,
+    /// and takes only that one away when it ends: another upload of the same replica still
+    /// running keeps it from being let go.
+    #[tokio::test]
+    async fn an_ended_replica_upload_leaves_the_entry_of_another_of_the_same_replica() {
+        let dir = tempfile::tempdir().unwrap();
+        let (daemon, _to_leader, _) = testing::follower(dir.path(), &[]).await;
+        // Another upload of rank 1's replica of step 7, still running.
+        daemon.replica_uploads.lock().unwrap().push((1, 7));
+        // This one finds no replica held and ends at once.
+        super::upload_replica(daemon.clone(), 1, 7).await;
+        assert_eq!(*daemon.replica_uploads.lock().unwrap(), [(1, 7)]);
+    }
+
     /// A snapshot is hashed from the file that was its slot when it was handed over: a file
     /// made anew at the slot's path afterwards (as a registration with another layout makes
     /// them) is not what the snapshot's hashes describe.
