@@ -160,7 +160,7 @@ impl SlotChunking {
             return Err("a chunk size of 0 bytes".into());
         }
         let mut ranges = Vec::new();
-        let cut = |from: u64, to: u64, ranges: &mut Vec<std::ops::Range<u64>>| {
+        let mut cut = |from: u64, to: u64| {
             ranges.extend(
                 (from..to)
                     .step_by(chunk_bytes as usize)
@@ -184,11 +184,11 @@ impl SlotChunking {
                     region.name, region.bytes, region.offset
                 ));
             }
-            cut(next, region.offset, &mut ranges);
+            cut(next, region.offset);
             next = region.offset + region.bytes;
-            cut(region.offset, next, &mut ranges);
+            cut(region.offset, next);
         }
-        cut(next, slot_bytes, &mut ranges);
+        cut(next, slot_bytes);
         Ok(ranges)
     }
 }

@@ -52,6 +52,10 @@ use rank::RankState;
 /// default chunk size, so that the hashes taken at hand-over name the store's chunks
 /// (`slots::HashedSlot`).
 pub const SLOT_CHUNK_BYTES: u64 = 4 << 20;
+/// How this daemon cuts a slot into the chunks it hashes at hand-over, replicates and checks
+/// (and hashes a slot a restore filled): at its stored regions, as the store does.
+pub const SLOT_CHUNKING: lazarus_shared::wire::SlotChunking =
+    lazarus_shared::wire::SlotChunking::Regions;
 /// Slot files per rank: the committed T0, the snapshot in flight, the durable upload in
 /// flight, and the rank's working copy.
 pub const SLOTS_PER_RANK: u32 = 4;

@@ -10,14 +10,14 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, Result};
 use bytes::Bytes;
 use lazarus_shared::store::{ByteSource, DeltaBases, Progress, RawCopy, SourcedShard};
-use lazarus_shared::wire::{self, Message, RollbackMark, SlotChunking, SlotTensor};
+use lazarus_shared::wire::{self, Message, RollbackMark, SlotTensor};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{Base, HandOver, Life, RankState, Snap, Upload};
 use super::slots::{
     chunks_of, read_hashed, runs, verify_slot, BaseCopy, HashedSlot, MappedFile, BASE_FILE,
 };
-use super::{replica, Daemon, SLOT_CHUNK_BYTES};
+use super::{replica, Daemon, SLOT_CHUNKING, SLOT_CHUNK_BYTES};
 use lazarus_shared::store::FileSource;
 
 pub async fn snapshot(
@@ -137,7 +137,7 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
                 step: job.step,
                 slot: job.slot,
                 hashes,
-                chunking: SlotChunking::Regions,
+                chunking: SLOT_CHUNKING,
                 blobs: job.blobs,
                 durable_requested: job.durable,
             }));
@@ -160,15 +160,15 @@ async fn process(daemon: Arc<Daemon>, job: Job) {
     }
 }
 
-/// Reads the slot chunk by chunk, cut at its stored regions as the store cuts them
-/// (`SlotChunking::Regions`), hashing each and streaming it to the buddy (T1).
+/// Reads the slot in runs of chunks ([`runs`]), cut at its stored regions as the store cuts
+/// them ([`SLOT_CHUNKING`]), hashing each chunk and streaming it to the buddy (T1).
 async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
     let file = job
         .source
         .as_ref()
         .map_err(|error| anyhow!("{error:#}"))?
         .clone();
-    let ranges = chunks_of(SlotChunking::Regions, job.slot_bytes, &job.tensors)?;
+    let ranges = chunks_of(SLOT_CHUNKING, job.slot_bytes, &job.tensors)?;
     let buddy = *daemon.buddy.lock().expect("not poisoned");
     let mut sender = match buddy {
         Some(buddy) => {
@@ -184,7 +184,7 @@ async fn replicate(daemon: &Arc<Daemon>, job: &Job) -> Result<Vec<ChunkHash>> {
                 tensors: job.tensors.clone(),
                 blobs: specs,
                 rollback: job.rollback,
-                chunking: SlotChunking::Regions,
+                chunking: SLOT_CHUNKING,
             };
             Some(replica::ReplicaSender::begin(daemon, buddy, begin, &payload).await?)
         }

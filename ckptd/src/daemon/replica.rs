@@ -18,7 +18,7 @@ use lazarus_shared::{ChunkHash, Rank, RunId};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpStream;
 
-use super::slots::{chunks_of, read_range, reserve, runs};
+use super::slots::{chunks_of, read_run, reserve, runs};
 use super::{framing, Daemon, SLOT_CHUNK_BYTES};
 use lazarus_shared::store::FileSource;
 
@@ -249,7 +249,8 @@ async fn write_chunk(
         file.write_all_at(&frame.payload, offset)?;
         Ok(true)
     };
-    // A small region's chunk is written at once: a blocking task each cost more than that.
+    // A chunk under `PAYLOAD_BLOCKING` (a small region's) is written at once: a blocking task
+    // each costs more than that.
     if small {
         return write();
     }
@@ -344,11 +345,8 @@ pub async fn send(
     framing::write(&daemon.key, stream, &begin, &payload).await?;
     let file = Arc::new(FileSource::open(&dir.join("data"))?);
     for run in runs(&ranges) {
-        let start = ranges[run.start].start;
-        let span = read_range(&file, &(start..ranges[run.end - 1].end)).await?;
-        for index in run {
-            let (range, hash) = (&ranges[index], &meta.chunks[index]);
-            let data = span.slice((range.start - start) as usize..(range.end - start) as usize);
+        for (index, data) in run.clone().zip(read_run(&file, &ranges[run]).await?) {
+            let hash = &meta.chunks[index];
             let message = Message::ReplicaData {
                 index: index as u32,
                 hash: *hash,

@@ -14,12 +14,12 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use lazarus_shared::store::RestoreChoice;
-use lazarus_shared::wire::{self, Message, SlotChunking, SlotTensor, Tier};
+use lazarus_shared::wire::{self, Message, SlotTensor, Tier};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
 use super::rank::{Life, RankState, Snap};
 use super::slots::{chunks_of, hash_ranges, verify_slot, MappedFile};
-use super::{replica, Daemon};
+use super::{replica, Daemon, SLOT_CHUNKING};
 
 /// The steps a world of this rank's size could restore: the leader's newest memory-committed
 /// step, and the newest durable one. Waits first (up to 10 s) for the previous life's
@@ -153,7 +153,7 @@ pub async fn restore(
         step: durable.step,
         slot,
         hashes,
-        chunking: SlotChunking::Regions,
+        chunking: SLOT_CHUNKING,
         blobs,
         durable_requested: false,
     };
@@ -302,7 +302,7 @@ async fn read_from_store(
         }
     }
     let source = MappedFile::of(file, path)?;
-    let ranges = chunks_of(SlotChunking::Regions, slot_bytes, tensors)?;
+    let ranges = chunks_of(SLOT_CHUNKING, slot_bytes, tensors)?;
     Ok((hash_ranges(&source, &ranges).await?, blobs))
 }
 

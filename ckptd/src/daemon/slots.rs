@@ -1,6 +1,7 @@
 //! Slot files: the shm files that hold a rank's optimizer state (T0 and the snapshots in
-//! flight) and the buddy's replicas of other ranks' (T1). Reading a held one a chunk at a
-//! time through a map of the chunk's range ([`MappedFile`]) on a blocking thread, re-hashing
+//! flight) and the buddy's replicas of other ranks' (T1). Reading a held one a run of chunks
+//! (4 MiB at most) at a time through a map of the run's range ([`MappedFile`]) on a blocking
+//! thread, re-hashing
 //! against the hashes taken at hand-over, reserving every page when a file is made, and a
 //! rank's delta base, which an upload encodes its chunks against and writes them over,
 //! through such maps too. The rank state, the snapshot pipeline, restores and replicas use
@@ -34,7 +35,7 @@ pub fn chunks_of(
 }
 
 /// The bytes of `range` of a slot, read on a blocking thread.
-pub async fn read_range(file: &Arc<impl ByteSource>, range: &Range<u64>) -> Result<Bytes> {
+async fn read_range(file: &Arc<impl ByteSource>, range: &Range<u64>) -> Result<Bytes> {
     let (offset, len) = (range.start, (range.end - range.start) as usize);
     let file = file.clone();
     Ok(tokio::task::spawn_blocking(move || file.read_at(offset, len)).await??)
@@ -56,22 +57,26 @@ pub fn runs(ranges: &[Range<u64>]) -> Vec<Range<usize>> {
     runs
 }
 
-/// Reads `ranges` of a slot (one run of [`runs`]) in one read, and hashes each on one
-/// blocking task: their bytes and hashes, in order.
-pub async fn read_hashed(
-    file: &Arc<impl ByteSource>,
-    ranges: &[Range<u64>],
-) -> Result<Vec<(Bytes, ChunkHash)>> {
+/// The bytes of each of `ranges` of a slot (one run of [`runs`]), in order, from one read.
+pub async fn read_run(file: &Arc<impl ByteSource>, ranges: &[Range<u64>]) -> Result<Vec<Bytes>> {
     let (Some(first), Some(last)) = (ranges.first(), ranges.last()) else {
         return Ok(Vec::new());
     };
     let span = read_range(file, &(first.start..last.end)).await?;
-    let pieces: Vec<Bytes> = ranges
+    Ok(ranges
         .iter()
         .map(|range| {
             span.slice((range.start - first.start) as usize..(range.end - first.start) as usize)
         })
-        .collect();
+        .collect())
+}
+
+/// [`read_run`], with each piece's hash, all taken on one blocking task.
+pub async fn read_hashed(
+    file: &Arc<impl ByteSource>,
+    ranges: &[Range<u64>],
+) -> Result<Vec<(Bytes, ChunkHash)>> {
+    let pieces = read_run(file, ranges).await?;
     Ok(tokio::task::spawn_blocking(move || {
         pieces
             .into_iter()
@@ -410,8 +415,7 @@ pub async fn verify_slot(
 #[derive(Debug)]
 pub struct HashedSlot {
     file: Arc<MappedFile>,
-    /// By offset: the chunk's length and hash.
-    hashes: HashMap<u64, (u64, ChunkHash)>,
+    hashes: HashMap<Range<u64>, ChunkHash>,
 }
 
 impl HashedSlot {
@@ -422,7 +426,7 @@ impl HashedSlot {
             ranges
                 .iter()
                 .zip(hashes)
-                .map(|(range, hash)| (range.start, (range.end - range.start, *hash)))
+                .map(|(range, hash)| (range.clone(), *hash))
                 .collect()
         } else {
             HashMap::new()
@@ -441,8 +445,7 @@ impl ByteSource for HashedSlot {
     }
 
     fn hashed(&self, offset: u64, len: usize) -> Option<ChunkHash> {
-        let (chunk_len, hash) = self.hashes.get(&offset)?;
-        (*chunk_len == len as u64).then_some(*hash)
+        self.hashes.get(&(offset..offset + len as u64)).copied()
     }
 }
 
