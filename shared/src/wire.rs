@@ -992,9 +992,17 @@ pub async fn write_frame_hashed(
     }
     let head = head(MAGIC_HASHED, message, payload.len());
     let mac = key.map_or([0; 32], |k| k.mac_hashed(&head, payload_hash));
-    writer.write_all(&head).await?;
-    writer.write_all(payload).await?;
-    writer.write_all(&mac).await?;
+    if payload.len() < PAYLOAD_BLOCKING {
+        // A small frame (a small region's chunk) goes in one write, not three: a send, and
+        // the peer's wake-up, each.
+        writer
+            .write_all(&[&head[..], payload, &mac].concat())
+            .await?;
+    } else {
+        writer.write_all(&head).await?;
+        writer.write_all(payload).await?;
+        writer.write_all(&mac).await?;
+    }
     writer.flush().await?;
     Ok(())
 }
