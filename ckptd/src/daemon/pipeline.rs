@@ -268,7 +268,7 @@ pub async fn memory_committed(daemon: &Arc<Daemon>, step: u64, durable: bool) {
 
 /// Uploads the rank's T0 unless an upload is already running; that one catches up with the
 /// newest durable-requested T0 when it ends.
-fn start_upload(daemon: &Arc<Daemon>, state: &mut RankState) {
+pub(crate) fn start_upload(daemon: &Arc<Daemon>, state: &mut RankState) {
     let decision = state.upload();
     follow(daemon, state, decision);
 }

@@ -396,4 +396,110 @@ mod tests {
             Some(lazarus_shared::wire::Tier::T0)
         );
     }
+
+    /// A restore from storage writes the slot file it claimed, not whatever file is at the
+    /// slot's path when its reads come back: a registration with another layout meanwhile
+    /// makes the rank's files anew, and the new state's files are left as they were.
+    #[tokio::test]
+    async fn a_restore_from_storage_fills_the_file_it_claimed() {
+        use lazarus_shared::format::{DType, DimRange};
+        use lazarus_shared::store::{Region, RegionKind, Store, StoreOptions};
+        use lazarus_shared::wire::{Message, SlotChunking};
+        use std::os::unix::fs::FileExt;
+        use std::sync::Arc;
+
+        let dir = tempfile::tempdir().unwrap();
+        let objects = Arc::new(testing::GatedObjects::new(Arc::new(
+            object_store::memory::InMemory::new(),
+        )));
+        let store = Store::with_objects(objects.clone(), "memory://", StoreOptions::default())
+            .await
+            .unwrap();
+        let (daemon, mut to_leader, _) = testing::follower_on(dir.path(), &[], store).await;
+        daemon.run.create(serde_json::json!({})).await.unwrap();
+        // Step 10 of rank 0 of 1, stored and committed: its tensor is the slot's first 4000
+        // bytes, all 7s (`testing::slot_contents`).
+        let tensors = vec![Region {
+            name: "a".into(),
+            dtype: DType::F32,
+            global_shape: vec![1000],
+            slice: vec![DimRange {
+                start: 0,
+                len: 1000,
+            }],
+            offset: 0,
+            bytes: 4000,
+            kind: RegionKind::Stored,
+        }];
+        let rank_dir = dir.path().join("rank-0");
+        let mut state = testing::registered_rank_holding(&rank_dir, 1, tensors.clone());
+        let slot = testing::slot_contents();
+        let hashes = SlotChunking::Regions
+            .ranges(slot.len() as u64, crate::daemon::SLOT_CHUNK_BYTES, &tensors)
+            .unwrap()
+            .iter()
+            .map(|r| ChunkHash::of(&slot[r.start as usize..r.end as usize]))
+            .collect();
+        state.t0 = Some(testing::snap(10, 0, hashes));
+        assert!(state.request_durable(10));
+        daemon.ranks.lock().await.insert(0, state);
+        crate::daemon::pipeline::start_upload(
+            &daemon,
+            daemon.ranks.lock().await.get_mut(&0).unwrap(),
+        );
+        let stored = tokio::time::timeout(Duration::from_secs(20), async {
+            loop {
+                if let Some(Message::Stored { step, .. }) = to_leader.recv().await {
+                    return step;
+                }
+            }
+        })
+        .await
+        .expect("the upload ends within 20 s");
+        daemon.run.commit(stored, 1).await.unwrap();
+        // The rank's slots now hold zeros: what the restore writes shows where it went.
+        let zeros = vec![0u8; slot.len()];
+        for s in 0..crate::daemon::SLOTS_PER_RANK {
+            std::fs::write(rank_dir.join(format!("slot-{s}")), &zeros).unwrap();
+        }
+
+        // The restore's chunk reads wait: by then it has claimed a slot and opened its file.
+        let mut hold = objects.hold("/chunks/");
+        let restoring = tokio::spawn({
+            let daemon = daemon.clone();
+            async move { restore(&daemon, 0, None, Some(10)).await }
+        });
+        hold.reached().await;
+        let claimed = daemon.ranks.lock().await[&0]
+            .restoring
+            .expect("a slot claimed before the chunks are read");
+        let claimed_path = rank_dir.join(format!("slot-{claimed}"));
+        let claimed_file = std::fs::File::open(&claimed_path).unwrap();
+        // Another layout registers: the rank's files are made anew, and hold 9s here.
+        {
+            let mut ranks = daemon.ranks.lock().await;
+            std::fs::remove_dir_all(&rank_dir).unwrap();
+            let replaced = testing::registered_rank_holding(&rank_dir, 2, Vec::new());
+            for s in 0..crate::daemon::SLOTS_PER_RANK {
+                std::fs::write(replaced.slot_path(s), vec![9u8; slot.len()]).unwrap();
+            }
+            ranks.insert(0, replaced);
+        }
+        hold.release();
+        let error = tokio::time::timeout(Duration::from_secs(20), restoring)
+            .await
+            .expect("the restore ends within 20 s")
+            .unwrap()
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("registered again"), "{error}");
+        let mut filled = vec![0u8; slot.len()];
+        claimed_file.read_exact_at(&mut filled, 0).unwrap();
+        assert!(
+            filled[..4000].iter().all(|b| *b == 7),
+            "the claimed file was filled"
+        );
+        assert!(filled[4000..].iter().all(|b| *b == 0));
+        assert_eq!(std::fs::read(&claimed_path).unwrap(), vec![9u8; slot.len()]);
+    }
 }

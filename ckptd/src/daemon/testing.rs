@@ -4,9 +4,15 @@ use std::path::Path;
 use std::sync::Arc;
 
 use clap::Parser;
+use futures::stream::BoxStream;
 use lazarus_shared::store::{OpenMode, Store, StoreOptions};
 use lazarus_shared::wire::{JobKey, Message};
-use tokio::sync::mpsc;
+use object_store::path::Path as ObjectPath;
+use object_store::{
+    CopyOptions, GetOptions, GetResult, ListResult, MultipartUpload, ObjectMeta, ObjectStore,
+    PutMultipartOptions, PutOptions, PutPayload, PutResult,
+};
+use tokio::sync::{mpsc, oneshot, watch};
 
 use super::election::Leadership;
 use super::metrics::Metrics;
@@ -62,8 +68,20 @@ pub async fn follower(
     mpsc::UnboundedReceiver<Message>,
     mpsc::Receiver<Ending>,
 ) {
+    follower_on(dir, flags, memory_store().await).await
+}
+
+/// [`follower`] on `store`.
+pub async fn follower_on(
+    dir: &Path,
+    flags: &[&str],
+    store: Store,
+) -> (
+    Arc<Daemon>,
+    mpsc::UnboundedReceiver<Message>,
+    mpsc::Receiver<Ending>,
+) {
     let cfg = config(dir, "n2", "127.0.0.1:7002", flags);
-    let store = memory_store().await;
     let (to_leader, from_daemon) = mpsc::unbounded_channel();
     let (done, ended) = mpsc::channel(1);
     let daemon = Arc::new(Daemon {
@@ -155,5 +173,156 @@ pub fn snap(step: u64, slot: u32, hashes: Vec<lazarus_shared::ChunkHash>) -> sup
         chunking: lazarus_shared::wire::SlotChunking::Regions,
         blobs: Vec::new(),
         durable_requested: false,
+    }
+}
+
+/// An object store that passes every call to `inner`, except that the reads of objects whose
+/// path holds a held text wait until the hold is let go ([`GatedObjects::hold`]): a test can
+/// act between a daemon's claim of something and the reads that follow it.
+#[derive(Debug)]
+pub struct GatedObjects {
+    inner: Arc<dyn ObjectStore>,
+    gate: std::sync::Mutex<Option<Gate>>,
+}
+
+#[derive(Debug)]
+struct Gate {
+    matching: String,
+    reached: Option<oneshot::Sender<()>>,
+    open: watch::Receiver<bool>,
+}
+
+/// A hold on the reads of [`GatedObjects`]; dropped, it lets them go too.
+pub struct Hold {
+    reached: oneshot::Receiver<()>,
+    open: watch::Sender<bool>,
+}
+
+impl Hold {
+    /// Waits until a read has reached the hold (up to 10 s).
+    pub async fn reached(&mut self) {
+        tokio::time::timeout(std::time::Duration::from_secs(10), &mut self.reached)
+            .await
+            .expect("a held read within 10 s")
+            .expect("the store is alive");
+    }
+
+    pub fn release(self) {
+        let _ = self.open.send(true);
+    }
+}
+
+impl GatedObjects {
+    pub fn new(inner: Arc<dyn ObjectStore>) -> Self {
+        Self {
+            inner,
+            gate: Default::default(),
+        }
+    }
+
+    /// Holds every read (a get, a head or a ranged get) of an object whose path contains
+    /// `matching` from now on, until the hold is released or dropped.
+    pub fn hold(&self, matching: &str) -> Hold {
+        let (reached_tx, reached) = oneshot::channel();
+        let (open, open_rx) = watch::channel(false);
+        *self.gate.lock().expect("not poisoned") = Some(Gate {
+            matching: matching.into(),
+            reached: Some(reached_tx),
+            open: open_rx,
+        });
+        Hold { reached, open }
+    }
+
+    async fn wait(&self, location: &ObjectPath) {
+        let open = {
+            let mut gate = self.gate.lock().expect("not poisoned");
+            match gate.as_mut() {
+                Some(gate) if location.as_ref().contains(&gate.matching) => {
+                    if let Some(reached) = gate.reached.take() {
+                        let _ = reached.send(());
+                    }
+                    Some(gate.open.clone())
+                }
+                _ => None,
+            }
+        };
+        if let Some(mut open) = open {
+            // A dropped hold lets the read go as a released one does.
+            let _ = open.wait_for(|open| *open).await;
+        }
+    }
+}
+
+impl std::fmt::Display for GatedObjects {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "gated {}", self.inner)
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for GatedObjects {
+    async fn put_opts(
+        &self,
+        location: &ObjectPath,
+        payload: PutPayload,
+        options: PutOptions,
+    ) -> object_store::Result<PutResult> {
+        self.inner.put_opts(location, payload, options).await
+    }
+
+    async fn put_multipart_opts(
+        &self,
+        location: &ObjectPath,
+        options: PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn MultipartUpload>> {
+        self.inner.put_multipart_opts(location, options).await
+    }
+
+    async fn get_opts(
+        &self,
+        location: &ObjectPath,
+        options: GetOptions,
+    ) -> object_store::Result<GetResult> {
+        self.wait(location).await;
+        self.inner.get_opts(location, options).await
+    }
+
+    async fn get_ranges(
+        &self,
+        location: &ObjectPath,
+        ranges: &[std::ops::Range<u64>],
+    ) -> object_store::Result<Vec<bytes::Bytes>> {
+        self.wait(location).await;
+        self.inner.get_ranges(location, ranges).await
+    }
+
+    fn delete_stream(
+        &self,
+        locations: BoxStream<'static, object_store::Result<ObjectPath>>,
+    ) -> BoxStream<'static, object_store::Result<ObjectPath>> {
+        self.inner.delete_stream(locations)
+    }
+
+    fn list(
+        &self,
+        prefix: Option<&ObjectPath>,
+    ) -> BoxStream<'static, object_store::Result<ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&ObjectPath>,
+    ) -> object_store::Result<ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+
+    async fn copy_opts(
+        &self,
+        from: &ObjectPath,
+        to: &ObjectPath,
+        options: CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
     }
 }
