@@ -300,7 +300,7 @@ fn encode(
     bytes.extend_from_slice(&header.to_bytes());
     match codec {
         Codec::Raw => bytes.extend_from_slice(raw),
-        Codec::Zstd => bytes.extend_from_slice(&compress(raw, zstd_level)),
+        Codec::Zstd => put_compressed(&mut bytes, raw, zstd_level),
         _ => put_transposed(&mut bytes, codec, raw, companion, zstd_level),
     }
     EncodedChunk { header, bytes }
@@ -346,7 +346,7 @@ fn put_transposed(
         Codec::Shuffle4Zstd | Codec::XorShuffle4Zstd => {
             with_scratch(&SHUFFLED, raw.len(), |shuffled| {
                 shuffle4_xor_into(raw, companion, shuffled);
-                out.extend_from_slice(&compress(shuffled, zstd_level))
+                put_compressed(out, shuffled, zstd_level)
             })
         }
         Codec::Raw | Codec::Zstd => unreachable!("{codec:?} does not transpose"),
@@ -507,8 +507,29 @@ pub fn decode(
     Ok(raw)
 }
 
-fn compress(bytes: &[u8], level: i32) -> Vec<u8> {
-    zstd::bulk::compress(bytes, level).expect("zstd compression of an in-memory buffer cannot fail")
+/// `bytes` compressed at `level` into `frame`, which it replaces.
+fn compress_into(bytes: &[u8], level: i32, frame: &mut Vec<u8>) {
+    let mut compressor = zstd::bulk::Compressor::new(level).expect("a zstd compression context");
+    compress_with(&mut compressor, bytes, frame);
+}
+
+/// `bytes` compressed by `compressor` into `frame`, which it replaces: a frame written into
+/// the capacity a thread's buffer kept (see [`FRAME`]).
+fn compress_with(compressor: &mut zstd::bulk::Compressor<'_>, bytes: &[u8], frame: &mut Vec<u8>) {
+    frame.clear();
+    frame.reserve(zstd::zstd_safe::compress_bound(bytes.len()));
+    compressor
+        .compress_to_buffer(bytes, frame)
+        .expect("zstd compression into a buffer of the bound's size cannot fail");
+}
+
+/// Appends `bytes` compressed at `level` to `out`.
+fn put_compressed(out: &mut PageBuf, bytes: &[u8], level: i32) {
+    FRAME.with(|frame| {
+        let mut frame = frame.borrow_mut();
+        compress_into(bytes, level, &mut frame);
+        out.extend_from_slice(&frame);
+    })
 }
 
 /// Decompresses with this thread's context, made once: a fresh one per call (`zstd::bulk::
@@ -545,10 +566,10 @@ fn decompress(payload: &[u8], raw_len: u64) -> Result<Vec<u8>, CodecError> {
 /// instead of 0.60, 0.9% larger. The whole state stores 1.1% (plain) and 0.3% (delta) more
 /// bytes, and encodes in 0.45 and 0.71 ns per byte instead of 0.62 and 0.98. Higher levels are
 /// used as they are. The frames are standard zstd: any decoder reads them.
-fn compress_plane(plane: &[u8], level: i32) -> Vec<u8> {
+fn compress_plane_into(plane: &[u8], level: i32, frame: &mut Vec<u8>) {
     use zstd::zstd_safe::{CParameter, ParamSwitch};
     if level > 1 {
-        return compress(plane, level);
+        return compress_into(plane, level, frame);
     }
     thread_local! {
         static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
@@ -570,9 +591,7 @@ fn compress_plane(plane: &[u8], level: i32) -> Vec<u8> {
             }
             compressor
         });
-        compressor
-            .compress(plane)
-            .expect("zstd compression of an in-memory buffer cannot fail")
+        compress_with(compressor, plane, frame);
     })
 }
 
@@ -595,26 +614,25 @@ fn put_planes(out: &mut PageBuf, raw: &[u8], companion: Option<Companion<'_>>, z
     let planes_at = out.len();
     shuffle4_xor_into(raw, companion, out.grow(raw.len()));
     let mut at = planes_at;
+    let mut frame = FRAME.with(|frame| std::mem::take(&mut *frame.borrow_mut()));
     for lane in 0..4 {
         let from = planes_at + lane * plane_len;
         let plane = &out[from..from + plane_len];
-        let frame = (entropy_bits(plane) < PLANE_ENTROPY_BITS_MAX)
-            .then(|| compress_plane(plane, zstd_level))
-            .filter(|frame| frame.len() < plane.len());
+        let compressed = entropy_bits(plane) < PLANE_ENTROPY_BITS_MAX && {
+            compress_plane_into(plane, zstd_level, &mut frame);
+            frame.len() < plane.len()
+        };
         // What is stored lands at `at`, which never passes `from`: the planes before this one
         // were stored at their length or shorter. A frame, shorter than the plane, ends before
         // the next plane starts.
-        let stored_len = match frame {
-            Some(frame) => {
-                out[at..at + frame.len()].copy_from_slice(&frame);
-                frame.len()
+        let stored_len = if compressed {
+            out[at..at + frame.len()].copy_from_slice(&frame);
+            frame.len()
+        } else {
+            if at != from {
+                out.copy_within(from..from + plane_len, at);
             }
-            None => {
-                if at != from {
-                    out.copy_within(from..from + plane_len, at);
-                }
-                plane_len
-            }
+            plane_len
         };
         let stored_len_bytes = u32::try_from(stored_len)
             .expect("a plane of a chunk fits u32")
@@ -622,6 +640,7 @@ fn put_planes(out: &mut PageBuf, raw: &[u8], companion: Option<Companion<'_>>, z
         out[table_at + 4 * lane..table_at + 4 * (lane + 1)].copy_from_slice(&stored_len_bytes);
         at += stored_len;
     }
+    FRAME.with(|kept| *kept.borrow_mut() = frame);
     let tail = planes_at + 4 * plane_len..planes_at + raw.len();
     let tail_len = tail.len();
     out.copy_within(tail, at);
@@ -828,6 +847,10 @@ std::thread_local! {
     static SHUFFLED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Each thread's block of interleaved bytes ([`unshuffle4_blocks`]).
     static BLOCK: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+    /// Each thread's buffer for a zstd frame on its way into a chunk: a fresh one per plane
+    /// (zstd's bound, over a quarter of the chunk) cost page faults, zeroed pages and an
+    /// unmap for every plane compressed.
+    static FRAME: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs `work` on this thread's `buffer`, `len` bytes long (contents unspecified).
@@ -1445,8 +1468,9 @@ mod tests {
             .collect();
         let raw = floats(&values);
         let exponents = &shuffle4(&raw)[3 * values.len()..];
-        let tuned = compress_plane(exponents, 1);
-        let plain = compress(exponents, 1);
+        let (mut tuned, mut plain) = (Vec::new(), Vec::new());
+        compress_plane_into(exponents, 1, &mut tuned);
+        compress_into(exponents, 1, &mut plain);
         assert!(
             tuned.len() <= plain.len(),
             "{} bytes against plain level 1's {}",
