@@ -711,17 +711,7 @@ mod tests {
             t0.chunking = chunking;
             state.t0 = Some(t0);
             assert!(state.request_durable(10));
-            daemon.ranks.lock().await.insert(0, state);
-            start_upload(&daemon, daemon.ranks.lock().await.get_mut(&0).unwrap());
-            let stored = tokio::time::timeout(Duration::from_secs(20), async {
-                loop {
-                    if let Some(Message::Stored { step, .. }) = to_leader.recv().await {
-                        return step;
-                    }
-                }
-            })
-            .await
-            .expect("the upload ends within 20 s");
+            let stored = testing::upload_as_rank_0(&daemon, &mut to_leader, state).await;
             assert_eq!(stored.step, 10);
             let base = daemon.ranks.lock().await[&0]
                 .base

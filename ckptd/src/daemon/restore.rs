@@ -404,7 +404,7 @@ mod tests {
     async fn a_restore_from_storage_fills_the_file_it_claimed() {
         use lazarus_shared::format::{DType, DimRange};
         use lazarus_shared::store::{Region, RegionKind, Store, StoreOptions};
-        use lazarus_shared::wire::{Message, SlotChunking};
+        use lazarus_shared::wire::SlotChunking;
         use std::os::unix::fs::FileExt;
         use std::sync::Arc;
 
@@ -442,20 +442,7 @@ mod tests {
             .collect();
         state.t0 = Some(testing::snap(10, 0, hashes));
         assert!(state.request_durable(10));
-        daemon.ranks.lock().await.insert(0, state);
-        crate::daemon::pipeline::start_upload(
-            &daemon,
-            daemon.ranks.lock().await.get_mut(&0).unwrap(),
-        );
-        let stored = tokio::time::timeout(Duration::from_secs(20), async {
-            loop {
-                if let Some(Message::Stored { step, .. }) = to_leader.recv().await {
-                    return step;
-                }
-            }
-        })
-        .await
-        .expect("the upload ends within 20 s");
+        let stored = testing::upload_as_rank_0(&daemon, &mut to_leader, state).await;
         daemon.run.commit(stored, 1).await.unwrap();
         // The rank's slots now hold zeros: what the restore writes shows where it went.
         let zeros = vec![0u8; slot.len()];

@@ -164,6 +164,37 @@ pub fn registered_rank_holding(
     state
 }
 
+/// Makes `state` rank 0's and uploads its T0 as a durable step (`state` must have asked for
+/// it): the step stored, from the daemon's message to the leader, within 20 s.
+pub async fn upload_as_rank_0(
+    daemon: &Arc<Daemon>,
+    to_leader: &mut mpsc::UnboundedReceiver<Message>,
+    state: super::rank::RankState,
+) -> lazarus_shared::StepKey {
+    daemon.ranks.lock().await.insert(0, state);
+    super::pipeline::start_upload(
+        daemon,
+        daemon
+            .ranks
+            .lock()
+            .await
+            .get_mut(&0)
+            .expect("just inserted"),
+    );
+    let stored = async {
+        loop {
+            match to_leader.recv().await {
+                Some(Message::Stored { step, .. }) => return step,
+                Some(_) => {}
+                None => panic!("the daemon's channel to the leader closed"),
+            }
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(20), stored)
+        .await
+        .expect("the upload ends within 20 s")
+}
+
 /// A snapshot of `step` in `slot` with its chunks' `hashes`, and no blobs.
 pub fn snap(step: u64, slot: u32, hashes: Vec<lazarus_shared::ChunkHash>) -> super::rank::Snap {
     super::rank::Snap {
