@@ -525,11 +525,15 @@ fn compress_with(compressor: &mut zstd::bulk::Compressor<'_>, bytes: &[u8], fram
 
 /// Appends `bytes` compressed at `level` to `out`.
 fn put_compressed(out: &mut PageBuf, bytes: &[u8], level: i32) {
-    FRAME.with(|frame| {
-        let mut frame = frame.borrow_mut();
-        compress_into(bytes, level, &mut frame);
-        out.extend_from_slice(&frame);
+    with_frame(|frame| {
+        compress_into(bytes, level, frame);
+        out.extend_from_slice(frame);
     })
+}
+
+/// Runs `work` on this thread's frame buffer ([`FRAME`]).
+fn with_frame<T>(work: impl FnOnce(&mut Vec<u8>) -> T) -> T {
+    FRAME.with(|frame| work(&mut frame.borrow_mut()))
 }
 
 /// Decompresses with this thread's context, made once: a fresh one per call (`zstd::bulk::
@@ -614,33 +618,33 @@ fn put_planes(out: &mut PageBuf, raw: &[u8], companion: Option<Companion<'_>>, z
     let planes_at = out.len();
     shuffle4_xor_into(raw, companion, out.grow(raw.len()));
     let mut at = planes_at;
-    let mut frame = FRAME.with(|frame| std::mem::take(&mut *frame.borrow_mut()));
-    for lane in 0..4 {
-        let from = planes_at + lane * plane_len;
-        let plane = &out[from..from + plane_len];
-        let compressed = entropy_bits(plane) < PLANE_ENTROPY_BITS_MAX && {
-            compress_plane_into(plane, zstd_level, &mut frame);
-            frame.len() < plane.len()
-        };
-        // What is stored lands at `at`, which never passes `from`: the planes before this one
-        // were stored at their length or shorter. A frame, shorter than the plane, ends before
-        // the next plane starts.
-        let stored_len = if compressed {
-            out[at..at + frame.len()].copy_from_slice(&frame);
-            frame.len()
-        } else {
-            if at != from {
-                out.copy_within(from..from + plane_len, at);
-            }
-            plane_len
-        };
-        let stored_len_bytes = u32::try_from(stored_len)
-            .expect("a plane of a chunk fits u32")
-            .to_le_bytes();
-        out[table_at + 4 * lane..table_at + 4 * (lane + 1)].copy_from_slice(&stored_len_bytes);
-        at += stored_len;
-    }
-    FRAME.with(|kept| *kept.borrow_mut() = frame);
+    with_frame(|frame| {
+        for lane in 0..4 {
+            let from = planes_at + lane * plane_len;
+            let plane = &out[from..from + plane_len];
+            let compressed = entropy_bits(plane) < PLANE_ENTROPY_BITS_MAX && {
+                compress_plane_into(plane, zstd_level, frame);
+                frame.len() < plane.len()
+            };
+            // What is stored lands at `at`, which never passes `from`: the planes before this one
+            // were stored at their length or shorter. A frame, shorter than the plane, ends before
+            // the next plane starts.
+            let stored_len = if compressed {
+                out[at..at + frame.len()].copy_from_slice(frame);
+                frame.len()
+            } else {
+                if at != from {
+                    out.copy_within(from..from + plane_len, at);
+                }
+                plane_len
+            };
+            let stored_len_bytes = u32::try_from(stored_len)
+                .expect("a plane of a chunk fits u32")
+                .to_le_bytes();
+            out[table_at + 4 * lane..table_at + 4 * (lane + 1)].copy_from_slice(&stored_len_bytes);
+            at += stored_len;
+        }
+    });
     let tail = planes_at + 4 * plane_len..planes_at + raw.len();
     let tail_len = tail.len();
     out.copy_within(tail, at);
