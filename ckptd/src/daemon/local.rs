@@ -509,34 +509,19 @@ fn make_slots(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use lazarus_shared::format::{DType, DimRange};
-
-    fn tensor(name: &str, offset: u64, elements: u64, kind: RegionKind) -> SlotTensor {
-        SlotTensor {
-            name: name.into(),
-            dtype: DType::F32,
-            global_shape: vec![elements],
-            slice: vec![DimRange {
-                start: 0,
-                len: elements,
-            }],
-            offset,
-            bytes: elements * 4,
-            kind,
-        }
-    }
+    use crate::daemon::testing::slot_tensor;
 
     /// A layout whose stored tensors overlap in the slot is refused: an upload maps each
     /// chunk's range of the delta base to copy over it while others are encoded from theirs.
     /// Tensors end to end, or a region only read, are fine.
     #[test]
     fn stored_tensors_that_overlap_are_refused() {
-        let a = tensor("a", 0, 100, RegionKind::Stored);
-        let b = tensor("b", 400, 100, RegionKind::Stored);
+        let a = slot_tensor("a", 0, 100, RegionKind::Stored);
+        let b = slot_tensor("b", 400, 100, RegionKind::Stored);
         check_layout(800, &[b.clone(), a.clone()]).unwrap();
-        let read = tensor("r", 200, 100, RegionKind::Read);
+        let read = slot_tensor("r", 200, 100, RegionKind::Read);
         check_layout(800, &[a.clone(), read, b]).unwrap();
-        let overlapping = tensor("c", 396, 10, RegionKind::Stored);
+        let overlapping = slot_tensor("c", 396, 10, RegionKind::Stored);
         let error = check_layout(800, &[a, overlapping]).unwrap_err();
         assert!(error.to_string().contains("overlap"), "{error}");
     }

@@ -667,24 +667,14 @@ mod tests {
     /// its chunks hashed: no hash taken of other bytes names one.
     #[tokio::test]
     async fn an_upload_names_its_chunks_by_the_hashes_taken_at_hand_over() {
-        use lazarus_shared::format::{DType, DimRange};
-        use lazarus_shared::store::{Region, RegionKind};
+        use lazarus_shared::store::RegionKind::Stored;
         use lazarus_shared::wire::SlotChunking;
         use lazarus_shared::ChunkHash;
 
-        let region = |name: &str, offset: u64, floats: u64| Region {
-            name: name.into(),
-            dtype: DType::F32,
-            global_shape: vec![floats],
-            slice: vec![DimRange {
-                start: 0,
-                len: floats,
-            }],
-            offset,
-            bytes: 4 * floats,
-            kind: RegionKind::Stored,
-        };
-        let tensors = vec![region("a", 0, 1000), region("b", 8192, 2048)];
+        let tensors = vec![
+            testing::slot_tensor("a", 0, 1000, Stored),
+            testing::slot_tensor("b", 8192, 2048, Stored),
+        ];
         // Each slot file is all 7s: chunk a's bytes hash to this.
         let a_bytes = ChunkHash::of(&[7u8; 4000]);
         let marker = ChunkHash::of(b"taken at hand-over");

@@ -402,8 +402,7 @@ mod tests {
     /// makes the rank's files anew, and the new state's files are left as they were.
     #[tokio::test]
     async fn a_restore_from_storage_fills_the_file_it_claimed() {
-        use lazarus_shared::format::{DType, DimRange};
-        use lazarus_shared::store::{Region, RegionKind, Store, StoreOptions};
+        use lazarus_shared::store::{RegionKind, Store, StoreOptions};
         use lazarus_shared::wire::SlotChunking;
         use std::os::unix::fs::FileExt;
         use std::sync::Arc;
@@ -419,18 +418,7 @@ mod tests {
         daemon.run.create(serde_json::json!({})).await.unwrap();
         // Step 10 of rank 0 of 1, stored and committed: its tensor is the slot's first 4000
         // bytes, all 7s (`testing::slot_contents`).
-        let tensors = vec![Region {
-            name: "a".into(),
-            dtype: DType::F32,
-            global_shape: vec![1000],
-            slice: vec![DimRange {
-                start: 0,
-                len: 1000,
-            }],
-            offset: 0,
-            bytes: 4000,
-            kind: RegionKind::Stored,
-        }];
+        let tensors = vec![testing::slot_tensor("a", 0, 1000, RegionKind::Stored)];
         let rank_dir = dir.path().join("rank-0");
         let mut state = testing::registered_rank_holding(&rank_dir, 1, tensors.clone());
         let slot = testing::slot_contents();

@@ -164,6 +164,27 @@ pub fn registered_rank_holding(
     state
 }
 
+/// A region of the slot: tensor `name`, `elements` f32s whole, at byte `offset`.
+pub fn slot_tensor(
+    name: &str,
+    offset: u64,
+    elements: u64,
+    kind: lazarus_shared::store::RegionKind,
+) -> lazarus_shared::wire::SlotTensor {
+    lazarus_shared::wire::SlotTensor {
+        name: name.into(),
+        dtype: lazarus_shared::format::DType::F32,
+        global_shape: vec![elements],
+        slice: vec![lazarus_shared::format::DimRange {
+            start: 0,
+            len: elements,
+        }],
+        offset,
+        bytes: elements * 4,
+        kind,
+    }
+}
+
 /// Makes `state` rank 0's and uploads its T0 as a durable step (`state` must have asked for
 /// it): the step stored, from the daemon's message to the leader, within 20 s.
 pub async fn upload_as_rank_0(
