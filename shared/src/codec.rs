@@ -296,7 +296,16 @@ fn encode(
         raw_hash,
         base: delta.map(|(hash, _)| hash),
     };
-    let mut bytes = PageBuf::with_capacity(HEADER_BYTES + PLANE_TABLE_BYTES + raw.len());
+    let payload_max = match codec {
+        Codec::Raw => raw.len(),
+        Codec::Zstd | Codec::Shuffle4Zstd | Codec::XorShuffle4Zstd => {
+            zstd::zstd_safe::compress_bound(raw.len())
+        }
+        Codec::Planes4 | Codec::XorPlanes4 => {
+            PLANE_TABLE_BYTES + raw.len() + frame_slack(raw.len())
+        }
+    };
+    let mut bytes = PageBuf::with_capacity(HEADER_BYTES + payload_max);
     bytes.extend_from_slice(&header.to_bytes());
     match codec {
         Codec::Raw => bytes.extend_from_slice(raw),
@@ -328,7 +337,16 @@ impl Companion<'_> {
 
     /// Whether the chunk is encoded against it.
     fn is_base(&self) -> bool {
-        !matches!(self, Companion::Copy(_))
+        self.base().is_some()
+    }
+
+    /// The bytes of the base the chunk is encoded against, if it is one.
+    fn base(&self) -> Option<&[u8]> {
+        match self {
+            Companion::Xor(base) => Some(base),
+            Companion::XorThenCopy(base) => Some(base),
+            Companion::Copy(_) => None,
+        }
     }
 }
 
@@ -507,33 +525,29 @@ pub fn decode(
     Ok(raw)
 }
 
-/// `bytes` compressed at `level` into `frame`, which it replaces.
-fn compress_into(bytes: &[u8], level: i32, frame: &mut Vec<u8>) {
-    let mut compressor = zstd::bulk::Compressor::new(level).expect("a zstd compression context");
-    compress_with(&mut compressor, bytes, frame);
+/// `bytes` compressed at `level` into `frame`, which holds at least zstd's bound for them;
+/// returns the frame's length.
+fn compress_to(bytes: &[u8], level: i32, frame: &mut [u8]) -> usize {
+    zstd::bulk::Compressor::new(level)
+        .expect("a zstd compression context")
+        .compress_to_buffer(bytes, frame)
+        .expect(FRAME_FITS)
 }
 
-/// `bytes` compressed by `compressor` into `frame`, which it replaces: a frame written into
-/// the capacity a thread's buffer kept (see [`FRAME`]).
-fn compress_with(compressor: &mut zstd::bulk::Compressor<'_>, bytes: &[u8], frame: &mut Vec<u8>) {
-    frame.clear();
-    frame.reserve(zstd::zstd_safe::compress_bound(bytes.len()));
-    compressor
-        .compress_to_buffer(bytes, frame)
-        .expect("zstd compression into a buffer of the bound's size cannot fail");
-}
+const FRAME_FITS: &str = "zstd compression into a buffer of the bound's size cannot fail";
 
 /// Appends `bytes` compressed at `level` to `out`.
 fn put_compressed(out: &mut PageBuf, bytes: &[u8], level: i32) {
-    with_frame(|frame| {
-        compress_into(bytes, level, frame);
-        out.extend_from_slice(frame);
-    })
+    put_frame(out, bytes.len(), |frame| compress_to(bytes, level, frame));
 }
 
-/// Runs `work` on this thread's frame buffer ([`FRAME`]).
-fn with_frame<T>(work: impl FnOnce(&mut Vec<u8>) -> T) -> T {
-    FRAME.with(|frame| work(&mut frame.borrow_mut()))
+/// Appends the frame `compress` writes of `len` bytes to `out`, straight into its memory
+/// (room for zstd's bound of them), and returns the frame's length.
+fn put_frame(out: &mut PageBuf, len: usize, compress: impl FnOnce(&mut [u8]) -> usize) -> usize {
+    let start = out.len();
+    let frame_len = compress(out.grow(zstd::zstd_safe::compress_bound(len)));
+    out.truncate(start + frame_len);
+    frame_len
 }
 
 /// Decompresses with this thread's context, made once: a fresh one per call (`zstd::bulk::
@@ -570,10 +584,10 @@ fn decompress(payload: &[u8], raw_len: u64) -> Result<Vec<u8>, CodecError> {
 /// instead of 0.60, 0.9% larger. The whole state stores 1.1% (plain) and 0.3% (delta) more
 /// bytes, and encodes in 0.45 and 0.71 ns per byte instead of 0.62 and 0.98. Higher levels are
 /// used as they are. The frames are standard zstd: any decoder reads them.
-fn compress_plane_into(plane: &[u8], level: i32, frame: &mut Vec<u8>) {
+fn compress_plane_to(plane: &[u8], level: i32, frame: &mut [u8]) -> usize {
     use zstd::zstd_safe::{CParameter, ParamSwitch};
     if level > 1 {
-        return compress_into(plane, level, frame);
+        return compress_to(plane, level, frame);
     }
     thread_local! {
         static COMPRESSOR: std::cell::RefCell<Option<zstd::bulk::Compressor<'static>>> =
@@ -595,8 +609,32 @@ fn compress_plane_into(plane: &[u8], level: i32, frame: &mut Vec<u8>) {
             }
             compressor
         });
-        compress_with(compressor, plane, frame);
+        compressor
+            .compress_to_buffer(plane, frame)
+            .expect(FRAME_FITS)
     })
+}
+
+/// Appends `plane` compressed as [`compress_plane_to`] does to `out`, straight into its
+/// memory, if the frame is shorter than the plane. Returns the frame's length; `None` (and
+/// `out` as it was) where it is not shorter.
+fn put_plane_frame(out: &mut PageBuf, plane: &[u8], level: i32) -> Option<usize> {
+    let start = out.len();
+    let frame_len = put_frame(out, plane.len(), |frame| {
+        compress_plane_to(plane, level, frame)
+    });
+    if frame_len < plane.len() {
+        return Some(frame_len);
+    }
+    out.truncate(start);
+    None
+}
+
+/// The bytes a chunk of `raw_len` bytes may need past its raw length while a plane's frame is
+/// compressed into it: room for zstd's bound of a plane, where the plane itself would take
+/// its length.
+fn frame_slack(raw_len: usize) -> usize {
+    zstd::zstd_safe::compress_bound(raw_len / 4) - raw_len / 4
 }
 
 /// The planes4 payload's table: the stored length of each of the four planes, u32 LE.
@@ -607,48 +645,58 @@ const PLANE_TABLE_BYTES: usize = 16;
 /// spends the most time on exactly such bytes (the low mantissa bytes of trained floats).
 const PLANE_ENTROPY_BITS_MAX: f64 = 7.8;
 
-/// Appends the planes4 payload of `raw`, or of its XOR delta against the `companion`. The
-/// transpose is written where the planes go; a plane that compresses is then replaced by its
-/// frame and the planes after it move down. The planes stored raw (the low bytes of trained
-/// floats) come first, so they are written once, by the transpose, and never copied.
+/// Appends the planes4 payload of `raw`, or of its XOR delta against the `companion`. Which
+/// planes zstd is tried on is judged first, on the bytes each plane will hold
+/// ([`plane_entropy_bits`]). The transpose writes the planes stored raw before the first one
+/// tried (the low bytes of trained floats come first) where they are stored, and the others
+/// into a buffer of the thread's, from which each is compressed straight into the chunk (or,
+/// where its frame is not shorter, copied). Every stored byte is written into the chunk once:
+/// compressed into a buffer of its own and copied into the chunk, the frames' copies were 4%
+/// of a daemon's CPU in an upload of XOR deltas, whose planes all compress.
 fn put_planes(out: &mut PageBuf, raw: &[u8], companion: Option<Companion<'_>>, zstd_level: i32) {
     let plane_len = raw.len() / 4;
+    let base = companion.as_ref().and_then(Companion::base);
+    let tried: [bool; 4] =
+        std::array::from_fn(|lane| plane_entropy_bits(raw, base, lane) < PLANE_ENTROPY_BITS_MAX);
+    let in_place = tried.iter().take_while(|&&tried| !tried).count();
     let table_at = out.len();
     out.extend_from_slice(&[0; PLANE_TABLE_BYTES]);
-    let planes_at = out.len();
-    shuffle4_xor_into(raw, companion, out.grow(raw.len()));
-    let mut at = planes_at;
-    with_frame(|frame| {
-        for lane in 0..4 {
-            let from = planes_at + lane * plane_len;
-            let plane = &out[from..from + plane_len];
-            let compressed = entropy_bits(plane) < PLANE_ENTROPY_BITS_MAX && {
-                compress_plane_into(plane, zstd_level, frame);
-                frame.len() < plane.len()
-            };
-            // What is stored lands at `at`, which never passes `from`: the planes before this one
-            // were stored at their length or shorter. A frame, shorter than the plane, ends before
-            // the next plane starts.
-            let stored_len = if compressed {
-                out[at..at + frame.len()].copy_from_slice(frame);
-                frame.len()
-            } else {
-                if at != from {
-                    out.copy_within(from..from + plane_len, at);
+    let mut stored_lens = [plane_len; 4];
+    with_scratch(&SHUFFLED, raw.len(), |shuffled| {
+        let (later, tail) = shuffled.split_at_mut(4 * plane_len);
+        {
+            // A plane's place in `later` is its lane's, whether or not it goes there.
+            let mut placed = out.grow(in_place * plane_len).chunks_mut(plane_len.max(1));
+            let mut apart = later.chunks_mut(plane_len.max(1));
+            let planes: [&mut [u8]; 4] = std::array::from_fn(|lane| {
+                let apart = apart.next().unwrap_or_default();
+                if lane < in_place {
+                    placed.next().unwrap_or_default()
+                } else {
+                    apart
                 }
-                plane_len
-            };
-            let stored_len_bytes = u32::try_from(stored_len)
-                .expect("a plane of a chunk fits u32")
-                .to_le_bytes();
-            out[table_at + 4 * lane..table_at + 4 * (lane + 1)].copy_from_slice(&stored_len_bytes);
-            at += stored_len;
+            });
+            transpose_into(raw, companion, planes, tail);
         }
+        for lane in in_place..4 {
+            let plane = &later[lane * plane_len..(lane + 1) * plane_len];
+            let frame_len = if tried[lane] {
+                put_plane_frame(out, plane, zstd_level)
+            } else {
+                None
+            };
+            match frame_len {
+                Some(frame_len) => stored_lens[lane] = frame_len,
+                None => out.extend_from_slice(plane),
+            }
+        }
+        out.extend_from_slice(tail);
     });
-    let tail = planes_at + 4 * plane_len..planes_at + raw.len();
-    let tail_len = tail.len();
-    out.copy_within(tail, at);
-    out.truncate(at + tail_len);
+    for (lane, stored_len) in stored_lens.into_iter().enumerate() {
+        let stored_len = u32::try_from(stored_len).expect("a plane of a chunk fits u32");
+        out[table_at + 4 * lane..table_at + 4 * (lane + 1)]
+            .copy_from_slice(&stored_len.to_le_bytes());
+    }
 }
 
 /// The four planes of a planes4 payload of `raw_len` bytes (a raw plane borrowed, a
@@ -774,16 +822,18 @@ const ESTIMATE_SAMPLE_BYTES: usize = 512 << 10;
 fn estimated_planes_bytes(raw: &[u8], base: Option<&[u8]>) -> f64 {
     let plane_len = raw.len() / 4;
     (0..4)
-        .map(|lane| {
-            let bits = match base {
-                Some(base) => {
-                    entropy_bits_of(plane_len, |i| raw[4 * i + lane] ^ base[4 * i + lane])
-                }
-                None => entropy_bits_of(plane_len, |i| raw[4 * i + lane]),
-            };
-            plane_len as f64 * (bits / 8.0).min(1.0)
-        })
+        .map(|lane| plane_len as f64 * (plane_entropy_bits(raw, base, lane) / 8.0).min(1.0))
         .sum()
+}
+
+/// The order-0 entropy ([`entropy_bits_of`]) of plane `lane` of `raw`'s transpose, or of its
+/// XOR with `base`: read where its bytes lie in `raw`, with no transpose.
+fn plane_entropy_bits(raw: &[u8], base: Option<&[u8]>, lane: usize) -> f64 {
+    let plane_len = raw.len() / 4;
+    match base {
+        Some(base) => entropy_bits_of(plane_len, |i| raw[4 * i + lane] ^ base[4 * i + lane]),
+        None => entropy_bits_of(plane_len, |i| raw[4 * i + lane]),
+    }
 }
 
 /// The bytes [`entropy_bits_of`] counts at most, and in how many runs.
@@ -791,6 +841,7 @@ const ENTROPY_SAMPLE_BYTES: usize = 16 << 10;
 const ENTROPY_SAMPLE_BLOCKS: usize = 16;
 
 /// Order-0 entropy of `bytes` in bits per byte ([`entropy_bits_of`]).
+#[cfg(test)]
 fn entropy_bits(bytes: &[u8]) -> f64 {
     entropy_bits_of(bytes.len(), |i| bytes[i])
 }
@@ -846,15 +897,12 @@ fn entropy_bits_of(len: usize, byte: impl Fn(usize) -> u8) -> f64 {
 }
 
 std::thread_local! {
-    /// Each thread's buffer for a chunk's shuffled bytes (or its delta's): a fresh one per
-    /// chunk costs a page fault and a zeroed page every 4 KiB of it.
+    /// Each thread's buffer for a chunk's shuffled bytes (or its delta's; of a planes4 chunk,
+    /// the planes compressed from there): a fresh one per chunk costs a page fault and a
+    /// zeroed page every 4 KiB of it.
     static SHUFFLED: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
     /// Each thread's block of interleaved bytes ([`unshuffle4_blocks`]).
     static BLOCK: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
-    /// Each thread's buffer for a zstd frame on its way into a chunk: a fresh one per plane
-    /// (zstd's bound, over a quarter of the chunk) cost page faults, zeroed pages and an
-    /// unmap for every plane compressed.
-    static FRAME: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Runs `work` on this thread's `buffer`, `len` bytes long (contents unspecified).
@@ -895,10 +943,25 @@ fn shuffle4_xor_into(bytes: &[u8], companion: Option<Companion<'_>>, out: &mut [
     let (p1, rest) = rest.split_at_mut(elements);
     let (p2, rest) = rest.split_at_mut(elements);
     let (p3, tail) = rest.split_at_mut(elements);
+    transpose_into(bytes, companion, [p0, p1, p2, p3], tail)
+}
+
+/// [`shuffle4_xor_into`] with each plane, and the bytes of an incomplete last element
+/// (`tail`), wherever they go.
+fn transpose_into(
+    bytes: &[u8],
+    companion: Option<Companion<'_>>,
+    planes: [&mut [u8]; 4],
+    tail: &mut [u8],
+) {
+    let elements = bytes.len() / 4;
+    assert!(
+        planes.iter().all(|plane| plane.len() == elements) && tail.len() == bytes.len() % 4,
+        "the planes and the tail hold the bytes' length"
+    );
     let (bytes, raw_tail) = bytes.split_at(4 * elements);
     let whole = bytes.len();
     tail.copy_from_slice(raw_tail);
-    let planes = [p0, p1, p2, p3];
     let companion = companion.map(|companion| {
         assert_eq!(
             companion.len(),
@@ -1243,8 +1306,9 @@ mod tests {
         }
     }
 
-    /// The estimate counts each plane's bytes where they lie in the chunk: it must count what
-    /// the transpose would put in the plane, whole and sampled (planes under and over 16 KiB).
+    /// The estimate, and the choice of the planes zstd is tried on, count each plane's bytes
+    /// where they lie in the chunk: they must count what the transpose would put in the plane,
+    /// whole and sampled (planes under and over 16 KiB).
     #[test]
     fn the_estimate_counts_the_planes_the_transpose_makes() {
         for len in [0usize, 3, 4101, 300_001] {
@@ -1259,6 +1323,7 @@ mod tests {
                 let expected: f64 = (0..4)
                     .map(|lane| {
                         let plane = &shuffled[lane * plane_len..(lane + 1) * plane_len];
+                        assert_eq!(plane_entropy_bits(&raw, base, lane), entropy_bits(plane));
                         plane_len as f64 * (entropy_bits(plane) / 8.0).min(1.0)
                     })
                     .sum();
@@ -1401,10 +1466,10 @@ mod tests {
             .collect()
     }
 
-    /// A raw plane after a compressed one is moved down to where the frame ended, and the
-    /// tail after it; the planes are encoded where they were transposed.
+    /// A raw plane after a compressed one follows its frame whole, and the tail the last
+    /// plane.
     #[test]
-    fn raw_planes_after_compressed_ones_are_moved_down_whole() {
+    fn raw_planes_after_compressed_ones_follow_their_frames_whole() {
         let noise: Vec<u8> = uniform(0x2545_f491_4f6c_dd1d, 1 << 16)
             .map(|u| (u * 256.0) as u8)
             .collect();
@@ -1472,9 +1537,14 @@ mod tests {
             .collect();
         let raw = floats(&values);
         let exponents = &shuffle4(&raw)[3 * values.len()..];
-        let (mut tuned, mut plain) = (Vec::new(), Vec::new());
-        compress_plane_into(exponents, 1, &mut tuned);
-        compress_into(exponents, 1, &mut plain);
+        let framed = |compress: &dyn Fn(&mut [u8]) -> usize| {
+            let mut frame = vec![0; zstd::zstd_safe::compress_bound(exponents.len())];
+            let len = compress(&mut frame);
+            frame.truncate(len);
+            frame
+        };
+        let tuned = framed(&|frame| compress_plane_to(exponents, 1, frame));
+        let plain = framed(&|frame| compress_to(exponents, 1, frame));
         assert!(
             tuned.len() <= plain.len(),
             "{} bytes against plain level 1's {}",
