@@ -10,9 +10,10 @@
 //!    others were skipped while a daemon was busy with the one before).
 //! 2. Stored/raw bytes over a 100-step run, against plain zstd (level 3) of every durable step.
 //! 3. Upload MB/s of the two daemons' shards of the d512 run's last step (uploaded at once,
-//!    after the ranks finished), against two `dd` sequential writes (fsync) of as many bytes
-//!    at once to the same file system, and against one alone, each run right after the
-//!    upload: five rounds of a fresh run each, and the median of the rounds' ratios.
+//!    as the ranks finish), with the bytes each wrote to the store, against two `dd`
+//!    sequential writes (fsync) of as many bytes as the shard at once to the same file
+//!    system, and against one alone, each run right after the upload: five rounds of a fresh
+//!    run each, and the median of the rounds' ratios.
 //! 4. Both daemons' CPU per durable upload: their CPU over row 3's uploads, per raw byte, and
 //!    as a share of the cores.
 //! 5. Peak RSS of a daemon against its node's snapshot bytes.
@@ -171,21 +172,23 @@ fn cpu_between(samples: &[(SystemTime, f64)], from: SystemTime, to: SystemTime) 
     after.unwrap_or_else(|| samples.last().unwrap()).1 - before.unwrap_or(&samples[0]).1
 }
 
-/// When the upload of `step` in a daemon's log started and ended: its "shard stored" line's
-/// time less its seconds, and that time.
-fn upload_window(log: &str, step: u64) -> (SystemTime, SystemTime) {
+/// The upload of `step` in a daemon's log: when it started and ended (its "shard stored"
+/// line's time less its seconds, and that time), and the bytes it wrote to the store.
+fn upload_window(log: &str, step: u64) -> (SystemTime, SystemTime, u64) {
     let line = log
         .lines()
         .find(|l| l.contains("shard stored") && l.contains(&format!(" step={step} ")))
         .unwrap_or_else(|| panic!("no upload of step {step} in {log}"));
     let end = humantime::parse_rfc3339(line.split_whitespace().next().unwrap()).unwrap();
-    let seconds: f64 = line[line.find("seconds=").unwrap() + "seconds=".len()..]
-        .split_whitespace()
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
-    (end - Duration::from_secs_f64(seconds), end)
+    let field = |name: &str| {
+        line[line.find(name).unwrap() + name.len()..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+    };
+    let seconds: f64 = field(" seconds=").parse().unwrap();
+    let uploaded: u64 = field(" uploaded=").parse().unwrap();
+    (end - Duration::from_secs_f64(seconds), end, uploaded)
 }
 
 fn vm_hwm_bytes(pid: u32) -> u64 {
@@ -298,11 +301,13 @@ fn dd_rates(folder: &Path, streams: usize, bytes: u64) -> Vec<f64> {
 /// run right after it, and the figure is the median of the rounds' ratios.
 const UPLOAD_ROUNDS: usize = 5;
 
-/// One upload of row 3: both daemons' raw bytes per second (their metric), the bytes of a
-/// rank's shard, where the store keeps its files, and both daemons' CPU seconds from the
-/// first of their uploads' start to the last one's end, with the seconds between.
+/// One upload of row 3: both daemons' raw bytes per second (their metric) and the bytes each
+/// wrote to the store, the bytes of a rank's shard, where the store keeps its files, and both
+/// daemons' CPU seconds from the first of their uploads' start to the last one's end, with the
+/// seconds between.
 struct Upload {
     rates: [f64; 2],
+    written: [u64; 2],
     shard_bytes: u64,
     folder: std::path::PathBuf,
     cpu_seconds: f64,
@@ -310,8 +315,9 @@ struct Upload {
 }
 
 /// Row 1's run at d_model 512 (a snapshot every step, steps 5 and 10 durable) on a fresh pair
-/// of daemons, and the upload of its last step, which both daemons make at once after the
-/// ranks exit, with nothing else on the cores.
+/// of daemons, and the upload of its last step, which both daemons make at once as the ranks
+/// exit (a profile showed their exit on up to half of both cores for the upload's first
+/// 0.15 s of about 0.5), with nothing else on the cores.
 fn upload_round(dir: &Path, round: usize) -> Upload {
     let run = format!("upload-{round}");
     let folder = dir.join(&run);
@@ -337,6 +343,7 @@ fn upload_round(dir: &Path, round: usize) -> Upload {
     );
     Upload {
         rates: [0, 1].map(|node| cluster.metric(node, "lazarus_ckptd_upload_bytes_per_second")),
+        written: windows.map(|w| w.2),
         shard_bytes: stall(&text).4,
         folder,
         cpu_seconds: cpu_between(&samples, from, to),
@@ -465,7 +472,7 @@ fn main() {
 
     println!();
     println!(
-        "3. upload rate of the last durable step of the d_model 512 run of row 1 (uploaded after the ranks finished) against dd to the same file system, in {UPLOAD_ROUNDS} rounds of a fresh run each, then dd two at once and one alone"
+        "3. upload rate of the last durable step of the d_model 512 run of row 1 (uploaded as the ranks finish), with the bytes each daemon wrote, against dd to the same file system, in {UPLOAD_ROUNDS} rounds of a fresh run each, then dd two at once and one alone"
     );
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
     let (mut paired, mut against_alone) = (Vec::new(), Vec::new());
@@ -481,9 +488,11 @@ fn main() {
         let per_byte = upload.cpu_seconds * 1e9 / (2 * upload.shard_bytes) as f64;
         let share = upload.cpu_seconds / (cores as f64 * upload.wall_seconds);
         println!(
-            "round {round}: ckptd {:.0} and {:.0} MB/s raw; dd two at once {:.0} and {:.0} MB/s, one alone {:.0}; ckptd/dd {:.2}, both daemons against one dd alone {:.2}; over their uploads the daemons used {:.0}% of the {cores} cores ({:.2} s of CPU in {:.2} s, {:.2} ns per raw byte)",
+            "round {round}: ckptd {:.0} and {:.0} MB/s raw (writing {:.1} and {:.1} MB); dd two at once {:.0} and {:.0} MB/s, one alone {:.0}; ckptd/dd {:.2}, both daemons against one dd alone {:.2}; over their uploads the daemons used {:.0}% of the {cores} cores ({:.2} s of CPU in {:.2} s, {:.2} ns per raw byte)",
             upload.rates[0] / 1e6,
             upload.rates[1] / 1e6,
+            upload.written[0] as f64 / 1e6,
+            upload.written[1] as f64 / 1e6,
             pair[0] / 1e6,
             pair[1] / 1e6,
             alone / 1e6,
