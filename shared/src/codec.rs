@@ -651,8 +651,9 @@ const PLANE_ENTROPY_BITS_MAX: f64 = 7.8;
 /// tried (the low bytes of trained floats come first) where they are stored, and the others
 /// into a buffer of the thread's, from which each is compressed straight into the chunk (or,
 /// where its frame is not shorter, copied). Every stored byte is written into the chunk once:
-/// compressed into a buffer of its own and copied into the chunk, the frames' copies were 4%
-/// of a daemon's CPU in an upload of XOR deltas, whose planes all compress.
+/// when frames were compressed into a buffer of their own and then copied into the chunk,
+/// memory copies, the frames' most of them, were 4% of a daemon's CPU in an upload of XOR
+/// deltas, whose planes all compress.
 fn put_planes(out: &mut PageBuf, raw: &[u8], companion: Option<Companion<'_>>, zstd_level: i32) {
     let plane_len = raw.len() / 4;
     let base = companion.as_ref().and_then(Companion::base);
