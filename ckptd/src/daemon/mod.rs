@@ -290,9 +290,16 @@ pub async fn run(cfg: Config, data: data_path::DataPath) -> Result<()> {
     if daemon.cfg.buddy.is_none() {
         tracing::warn!("no buddy configured: snapshots live in this node's memory only (T0), and a lost node falls back to storage (T2)");
     }
+    // How the slots' tmpfs gives out pages (see `slots::tmpfs_huge`): "none" off tmpfs.
+    let shm_huge = std::fs::read_to_string("/proc/self/mountinfo")
+        .ok()
+        .zip(std::fs::canonicalize(&daemon.cfg.shm_dir).ok())
+        .and_then(|(mountinfo, dir)| slots::tmpfs_huge(&mountinfo, &dir))
+        .unwrap_or_else(|| "none".into());
     tracing::info!(
         node = %daemon.cfg.node,
         run = %daemon.cfg.run,
+        shm_huge,
         listen = %daemon.cfg.listen,
         leader = %daemon.leadership.borrow().address,
         epoch = daemon.leadership.borrow().epoch,
