@@ -499,9 +499,9 @@ mod tests {
     fn the_tmpfs_holding_a_directory_says_how_it_gives_out_pages() {
         let mountinfo = "\
 22 27 0:21 / /proc rw,relatime - proc proc rw
-21 1 8:1 / / rw,relatime - ext4 /dev/vda rw
-25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=24683652k
-30 25 0:27 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=1024k,huge=advise
+21 1 8:1 / / rw,relatime - ext4 rootfs rw
+25 24 0:23 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=64g
+30 25 0:27 / /dev/shm rw,relatime - tmpfs tmpfs rw,size=32g,huge=advise
 31 21 0:28 / /run/lazarus\\040slots rw,relatime shared:5 - tmpfs tmpfs rw,size=8g,huge=within_size
 ";
         let huge = |dir: &str| tmpfs_huge(mountinfo, Path::new(dir));
