@@ -146,15 +146,8 @@ pub fn tmpfs_huge(mountinfo: &str, dir: &Path) -> Option<String> {
             Some((PathBuf::from(point), fs_type, options))
         })
         .filter(|(point, _, _)| dir.starts_with(point))
-        .fold(
-            None::<(PathBuf, &str, &str)>,
-            |deepest, mount| match deepest {
-                Some(deepest) if deepest.0.components().count() > mount.0.components().count() => {
-                    Some(deepest)
-                }
-                _ => Some(mount),
-            },
-        )
+        // The deepest; of equals, the last (`max_by_key`'s tie rule).
+        .max_by_key(|(point, _, _)| point.components().count())
         .map(|(_, fs_type, options)| (fs_type, options))?;
     if fs_type != "tmpfs" {
         return None;
