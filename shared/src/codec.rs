@@ -272,7 +272,7 @@ fn encode(
     );
     assert_eq!(
         codec.is_delta(),
-        delta.is_some() && companion.as_ref().is_some_and(Companion::is_base),
+        delta.is_some() && companion.as_ref().and_then(Companion::base).is_some(),
         "a delta codec, and only one, is encoded against a base"
     );
     assert!(
@@ -333,11 +333,6 @@ impl Companion<'_> {
             Companion::Xor(bytes) => bytes.len(),
             Companion::XorThenCopy(bytes) | Companion::Copy(bytes) => bytes.len(),
         }
-    }
-
-    /// Whether the chunk is encoded against it.
-    fn is_base(&self) -> bool {
-        self.base().is_some()
     }
 
     /// The bytes of the base the chunk is encoded against, if it is one.
