@@ -317,7 +317,7 @@ struct Upload {
 /// Row 1's run at d_model 512 (a snapshot every step, steps 5 and 10 durable) on a fresh pair
 /// of daemons, and the upload of its last step, which both daemons make at once as the ranks
 /// exit (a profile showed their exit on up to half of both cores for the upload's first
-/// 0.15 s of about 0.5), with nothing else on the cores.
+/// 0.15 s of about 0.5), and nothing else on the cores after that.
 fn upload_round(dir: &Path, round: usize) -> Upload {
     let run = format!("upload-{round}");
     let folder = dir.join(&run);
