@@ -14,7 +14,8 @@ pub use crate::logging::LogFormat;
 /// spends part of its time waiting on its write and fsyncs, and with 4 in flight two daemons
 /// on 2 cores used 54-70% of the cores over an upload; with 8, 71-78%, and they uploaded
 /// 670-712 MB/s each instead of 491-594 (16: 636-678), in four interleaved rounds. Once the
-/// codec compressed planes straight into the chunk, 671-750 instead of 651-710 (README).
+/// codec compressed planes straight into the chunk, 671-750 instead of 651-710
+/// (docs/benchmarks.md).
 pub const UPLOAD_CONCURRENCY: usize = 8;
 
 /// How the daemon's data path (hashing and replicating snapshots, receiving replicas,

@@ -131,7 +131,7 @@ pub fn reserve(file: &std::fs::File, len: u64, path: &Path) -> Result<()> {
 /// kernel's mount table, `/proc/self/mountinfo`): "never" where the mount has none. `None`
 /// where `dir` is not on a tmpfs. The daemon maps a slot's chunks one at a time, and on 4 KiB
 /// pages those maps' page tables were a fifth of its CPU in an upload on 2 cores; with 2 MiB
-/// pages (`huge=within_size`) they cost a fraction of that (README).
+/// pages (`huge=within_size`) they cost a fraction of that (docs/benchmarks.md).
 pub fn tmpfs_huge(mountinfo: &str, dir: &Path) -> Option<String> {
     // Fields: id, parent, device, root, mount point, options, optional fields, "-", file
     // system type, source, the file system's own options. Later mounts cover earlier ones.
