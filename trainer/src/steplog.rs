@@ -10,6 +10,7 @@ use anyhow::{Context, Result};
 use serde::Serialize;
 
 use crate::config::Config;
+use crate::layout::Layout;
 use crate::optim::UpdateStats;
 use crate::pipeline::StepFigures;
 
@@ -45,6 +46,12 @@ pub enum Phase {
     Optimizer = 2,
 }
 
+/// The tokens one step trains on: the global batch, a micro-batch per data-parallel replica.
+/// The ranks that split one replica's model (tensor and pipeline parallel) share its tokens.
+fn tokens_per_step(config: &Config, layout: &Layout) -> usize {
+    config.train.micro_batch * config.model.seq_len * layout.dp
+}
+
 /// The window of steps since the last log line and where lines go.
 pub struct StepLog {
     metrics: Box<dyn Write>,
@@ -73,7 +80,7 @@ impl StepLog {
     /// the other ranks. Says on `log` when no matmul peak was measured for CPU-MFU.
     pub fn open(
         config: &Config,
-        world_size: usize,
+        layout: &Layout,
         speaks: bool,
         metrics_dir: &Path,
         log: &mut dyn Write,
@@ -100,7 +107,7 @@ impl StepLog {
             metrics,
             log_every: config.train.log_every,
             last_step: config.train.steps,
-            tokens_per_step: config.train.micro_batch * config.model.seq_len * world_size,
+            tokens_per_step: tokens_per_step(config, layout),
             flops_per_token: crate::model::training_flops_per_token(&config.model),
             peak_gflops,
             window_start: Instant::now(),
@@ -194,4 +201,31 @@ impl StepLog {
 fn saved_peak(dir: &Path) -> Option<f64> {
     let text = std::fs::read(dir.join("peak.json")).ok()?;
     serde_json::from_slice::<serde_json::Value>(&text).ok()?["gflops"].as_f64()
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::config::Config;
+
+    /// Tokens/s and CPU-MFU count each replica's tokens once, however many ranks split its
+    /// model: 4 ranks as TP2 x PP2 train one micro-batch per step, not four.
+    #[test]
+    fn a_step_counts_the_tokens_of_its_global_batch() {
+        for (sets, ranks, replicas) in [
+            (&[][..], 1, 1),
+            (&[][..], 4, 4),
+            (&["parallel.tp=2"][..], 4, 2),
+            (&["parallel.tp=2", "parallel.pp=2"][..], 4, 1),
+            (&["parallel.pp=2", "parallel.ep=2"][..], 8, 4),
+        ] {
+            let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+            let config = Config::load("tiny", &sets).unwrap();
+            let layout = config.layout(ranks).unwrap();
+            assert_eq!(
+                super::tokens_per_step(&config, &layout),
+                config.train.micro_batch * config.model.seq_len * replicas,
+                "{sets:?} on {ranks} ranks"
+            );
+        }
+    }
 }

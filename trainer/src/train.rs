@@ -1467,7 +1467,7 @@ pub fn train(
             );
         }
     }
-    let mut step_log = StepLog::open(config, world.size, world.rank == 0, metrics_dir, log)?;
+    let mut step_log = StepLog::open(config, layout, world.rank == 0, metrics_dir, log)?;
     let batch = config.train.micro_batch;
     let global_batch = (batch * layout.dp) as u64;
     // Data to skip right after the step this start resumed: the supervisor's, once it rolled
