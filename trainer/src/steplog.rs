@@ -52,6 +52,15 @@ fn tokens_per_step(config: &Config, layout: &Layout) -> usize {
     config.train.micro_batch * config.model.seq_len * layout.dp
 }
 
+/// How many machines `processes` (each rank's process id and host name) run on.
+pub fn distinct_hosts(processes: &[(u32, String)]) -> usize {
+    processes
+        .iter()
+        .map(|(_, host)| host.as_str())
+        .collect::<std::collections::HashSet<_>>()
+        .len()
+}
+
 /// The window of steps since the last log line and where lines go.
 pub struct StepLog {
     metrics: Box<dyn Write>,
@@ -59,6 +68,7 @@ pub struct StepLog {
     last_step: u64,
     tokens_per_step: usize,
     flops_per_token: f64,
+    /// The world's peak: the measured one machine's, times the machines.
     peak_gflops: Option<f64>,
     window_start: Instant,
     window_tokens: usize,
@@ -77,10 +87,12 @@ impl std::fmt::Debug for StepLog {
 
 impl StepLog {
     /// Appends to `<metrics_dir>/<run>/metrics.jsonl` on rank 0 (`speaks`), to nothing on
-    /// the other ranks. Says on `log` when no matmul peak was measured for CPU-MFU.
+    /// the other ranks. Says on `log` when no matmul peak was measured for CPU-MFU, which is
+    /// taken against the measured peak (one machine's) times the `hosts` the world runs on.
     pub fn open(
         config: &Config,
         layout: &Layout,
+        hosts: usize,
         speaks: bool,
         metrics_dir: &Path,
         log: &mut dyn Write,
@@ -109,7 +121,7 @@ impl StepLog {
             last_step: config.train.steps,
             tokens_per_step: tokens_per_step(config, layout),
             flops_per_token: crate::model::training_flops_per_token(&config.model),
-            peak_gflops,
+            peak_gflops: peak_gflops.map(|peak| peak * hosts.max(1) as f64),
             window_start: Instant::now(),
             window_tokens: 0,
             window_steps: 0,
@@ -226,6 +238,32 @@ mod tests {
                 config.train.micro_batch * config.model.seq_len * replicas,
                 "{sets:?} on {ranks} ranks"
             );
+        }
+    }
+
+    /// CPU-MFU is against the peak of every machine the ranks run on: ranks on one machine
+    /// share its peak, ranks on two have twice it.
+    #[test]
+    fn the_world_peak_counts_each_machine_once() {
+        let world = |hosts: &[&str]| -> Vec<(u32, String)> {
+            hosts
+                .iter()
+                .enumerate()
+                .map(|(pid, host)| (pid as u32, host.to_string()))
+                .collect()
+        };
+        assert_eq!(super::distinct_hosts(&world(&["n1"])), 1);
+        assert_eq!(super::distinct_hosts(&world(&["n1", "n1", "n1", "n1"])), 1);
+        assert_eq!(super::distinct_hosts(&world(&["n1", "n2", "n1", "n2"])), 2);
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("peak.json"), r#"{"gflops": 100.0}"#).unwrap();
+        let config = Config::load("tiny", &[]).unwrap();
+        let layout = config.layout(4).unwrap();
+        for hosts in [1, 2] {
+            let log =
+                super::StepLog::open(&config, &layout, hosts, false, dir.path(), &mut Vec::new())
+                    .unwrap();
+            assert_eq!(log.peak_gflops, Some(100.0 * hosts as f64));
         }
     }
 }

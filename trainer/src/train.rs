@@ -1432,8 +1432,11 @@ pub fn train(
             .unwrap_or_default()
     )?;
     writeln!(log, "{}", config.checkpoint.describe())?;
+    // The machines the world runs on, whose matmul peaks together bound its CPU-MFU.
+    let mut hosts = 1;
     if world.size > 1 {
         let processes = world.processes();
+        hosts = crate::steplog::distinct_hosts(&processes);
         let ranks: Vec<String> = processes
             .iter()
             .enumerate()
@@ -1467,7 +1470,7 @@ pub fn train(
             );
         }
     }
-    let mut step_log = StepLog::open(config, layout, world.rank == 0, metrics_dir, log)?;
+    let mut step_log = StepLog::open(config, layout, hosts, world.rank == 0, metrics_dir, log)?;
     let batch = config.train.micro_batch;
     let global_batch = (batch * layout.dp) as u64;
     // Data to skip right after the step this start resumed: the supervisor's, once it rolled
