@@ -351,6 +351,12 @@ impl Config {
         crate::layout::Layout::new(&self.parallel, &self.model, self.train.micro_batch, ranks)
     }
 
+    /// The samples one step trains on in `layout`: a micro-batch per data-parallel replica
+    /// (the ranks that split a replica's model, tensor and pipeline parallel, share its).
+    pub fn global_batch(&self, layout: &crate::layout::Layout) -> usize {
+        self.train.micro_batch * layout.dp
+    }
+
     /// Checks that the numbers describe a model and a run that can exist.
     pub fn validate(&self) -> Result<(), ConfigError> {
         let m = &self.model;

@@ -46,10 +46,9 @@ pub enum Phase {
     Optimizer = 2,
 }
 
-/// The tokens one step trains on: the global batch, a micro-batch per data-parallel replica.
-/// The ranks that split one replica's model (tensor and pipeline parallel) share its tokens.
+/// The tokens one step trains on: its global batch's ([`Config::global_batch`]).
 fn tokens_per_step(config: &Config, layout: &Layout) -> usize {
-    config.train.micro_batch * config.model.seq_len * layout.dp
+    config.global_batch(layout) * config.model.seq_len
 }
 
 /// How many machines `processes` (each rank's process id and host name) run on.

@@ -1472,7 +1472,7 @@ pub fn train(
     }
     let mut step_log = StepLog::open(config, layout, hosts, world.rank == 0, metrics_dir, log)?;
     let batch = config.train.micro_batch;
-    let global_batch = (batch * layout.dp) as u64;
+    let global_batch = config.global_batch(layout) as u64;
     // Data to skip right after the step this start resumed: the supervisor's, once it rolled
     // the run back past data that made it go bad, and the operator's `--skip-batches`.
     let resumed_step = session.state.step;
@@ -1657,7 +1657,7 @@ pub fn train(
             ..StepFigures::default()
         };
         session.state.step = step;
-        session.state.samples_seen += (batch * layout.dp) as u64;
+        session.state.samples_seen += global_batch;
         session.state.optimizer_step = session.optim.step;
         losses.push((step, loss));
         session.last_loss = Some(loss);
