@@ -469,6 +469,48 @@ fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
         bits(&dp2_ep2_pp2_losses),
         "DP2 x EP2 x PP2 repeats bit for bit"
     );
+
+    // Stages of unequal layers (`parallel.pipeline_layers`) on a model of three: two layers
+    // on the first stage and one beside the LM head on the last to step 5, then one and two
+    // to step 10 (each stage reads the layers it holds now from the checkpoint). Both match
+    // one process.
+    let three = ["model.layers=3", "parallel.micro_batches=4"];
+    run(1, &args_layout(&dir, "single-l3", 10, 4, &three));
+    let uneven = |split| [three[0], three[1], "parallel.pp=2", split];
+    let said = run(
+        2,
+        &args_layout(
+            &dir,
+            "pp2-uneven",
+            5,
+            4,
+            &uneven("parallel.pipeline_layers=[2, 1]"),
+        ),
+    );
+    assert!(
+        said.contains(
+            "layout: tp 1 x pp 2 x dp 1 (ep 1), 4 micro-batches, 1f1b, layers per stage [2, 1]"
+        ),
+        "{said}"
+    );
+    let shown = ctl.expect(0, &["show", "pp2-uneven", "5"]);
+    assert!(shown.contains("layers per stage [2, 1]"), "{shown}");
+    let said = run(
+        2,
+        &args_layout(
+            &dir,
+            "pp2-uneven",
+            10,
+            4,
+            &uneven("parallel.pipeline_layers=[1, 2]"),
+        ),
+    );
+    assert!(said.contains("resumed from step 5"), "{said}");
+    assert_close(
+        &losses(&dir, "single-l3"),
+        &losses(&dir, "pp2-uneven"),
+        "PP2 over layers [2, 1], then [1, 2], vs one process",
+    );
 }
 
 /// A layout that does not fit the world, or a schedule not built yet, ends the job with exit 2 and
@@ -491,6 +533,11 @@ fn a_layout_that_does_not_fit_exits_2_with_the_reason() {
             2,
             "parallel.schedule=interleaved",
             "the interleaved pipeline schedule is not built yet",
+        ),
+        (
+            2,
+            "parallel.pipeline_layers=[1, 1]",
+            "parallel.pipeline_layers [1, 1] must give each of the parallel.pp 1 stages at least one layer, 2 in all",
         ),
     ] {
         let output = Command::new("mpiexec")

@@ -46,6 +46,9 @@ pub struct WrittenLayout {
     pub dp: usize,
     pub ep: usize,
     pub micro_batches: usize,
+    /// Layers per pipeline stage where they are not an equal share; empty where they are.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pipeline_layers: Vec<usize>,
     /// Each rank's place, by rank: `[tp, pp, dp, ep]`.
     pub ranks: Vec<[usize; 4]>,
 }
@@ -72,6 +75,7 @@ mod tests {
                 dp: 1,
                 ep: 1,
                 micro_batches: 1,
+                pipeline_layers: Vec::new(),
                 ranks: vec![[0, 0, 0, 0], [1, 0, 0, 0]],
             }),
             skipped: vec![SkippedData {

@@ -5,7 +5,10 @@
 //!    sequences, next to plain data parallel (DP4).
 //! 2. The pipeline bubble: each stage's share of a step spent waiting on its neighbours, as
 //!    the trainer measures it, against the 1F1B formula, for 2, 4 and 8 micro-batches (PP4).
-//! 3. Per-rank memory: what each rank holds (weights, gradients, optimizer state) next to the
+//! 3. Pipeline balance: PP2 on 2 ranks (a core each), tokens/s with `tiny`'s four layers cut
+//!    [3, 1] (`parallel.pipeline_layers`, the last stage beside the LM head) against an equal
+//!    [2, 2], in interleaved pairs, with each split's stage waits.
+//! 4. Per-rank memory: what each rank holds (weights, gradients, optimizer state) next to the
 //!    layout's prediction, from rank 0's table; the peak activations measured on the heap
 //!    next to their prediction; and each rank's peak resident memory.
 //!
@@ -18,6 +21,7 @@ use std::path::Path;
 use std::process::Command;
 
 use lazarus_tests::bin;
+use lazarus_tests::stats::spread;
 use lazarus_tests::train::{line_with, mean_tokens_per_second, TrainerArgs};
 
 const RANKS: usize = 4;
@@ -65,18 +69,26 @@ const LAYOUTS: [Layout; 6] = [
     },
 ];
 
+/// Interleaved pairs of the pipeline-balance comparison.
+const BALANCE_PAIRS: usize = 3;
+
 /// Trains `steps` of `tiny` under `mpiexec -n 4`; returns the mean tokens/s after the warm-up
 /// steps and what the ranks printed.
 fn train(dir: &Path, run: &str, dp: usize, sets: &[&str]) -> (f64, String) {
+    train_on(RANKS, dir, run, dp, sets)
+}
+
+/// [`train`] on `ranks` ranks.
+fn train_on(ranks: usize, dir: &Path, run: &str, dp: usize, sets: &[&str]) -> (f64, String) {
     let output = Command::new("mpiexec")
-        .args(["-n", &RANKS.to_string()])
+        .args(["-n", &ranks.to_string()])
         .arg(bin("trainer"))
         .args(
             TrainerArgs::new("tiny")
                 .metrics(&dir.join("metrics"))
                 .run(run)
                 .steps(STEPS)
-                .set("train.micro_batch", GLOBAL_BATCH / dp)
+                .set("train.micro_batch", GLOBAL_BATCH * ranks / RANKS / dp)
                 .sets([
                     "train.threads=1",
                     "train.log_every=1",
@@ -145,6 +157,26 @@ fn main() {
             line_with(&text, "pipeline bubble:")
         );
     }
+
+    println!(
+        "pipeline balance, PP2 on 2 ranks, 4 micro-batches of a global batch of {}: layers [3, 1] against [2, 2]:",
+        GLOBAL_BATCH / 2
+    );
+    let pp2 = ["parallel.pp=2", "parallel.micro_batches=4"];
+    let uneven = [pp2[0], pp2[1], "parallel.pipeline_layers=[3, 1]"];
+    let mut ratios = Vec::new();
+    for pair in 0..BALANCE_PAIRS {
+        let (equal, equal_text) = train_on(2, dir.path(), &format!("pp2-equal-{pair}"), 1, &pp2);
+        let (rate, text) = train_on(2, dir.path(), &format!("pp2-31-{pair}"), 1, &uneven);
+        ratios.push(rate / equal);
+        println!(
+            "  pair {pair}: [2, 2] {equal:>6.0} tokens/s, [3, 1] {rate:>6.0} tokens/s, {:.2}x",
+            rate / equal
+        );
+        println!("    [2, 2]: {}", line_with(&equal_text, "pipeline bubble:"));
+        println!("    [3, 1]: {}", line_with(&text, "pipeline bubble:"));
+    }
+    println!("  [3, 1] against [2, 2]: {}", spread(&ratios, "pairs"));
 
     println!("memory per rank: held (prediction) from rank 0's table, then measured peaks:");
     for (layout, text) in LAYOUTS.iter().zip(&texts) {

@@ -145,6 +145,13 @@ pub struct ParallelConfig {
     /// pass (the step's last micro-batch), rather than all of them after it.
     #[serde(default = "yes")]
     pub overlap_grad_reduce: bool,
+    /// Layers per pipeline stage, first to last: `pp` counts of at least 1 that sum to
+    /// `model.layers`. Empty: an equal share each. The last stage also runs the final norm,
+    /// the LM head and the loss, which at a small model's shapes cost as much as several
+    /// layers; fewer layers there balance the stages (as Megatron's
+    /// `--decoder-last-pipeline-num-layers` does).
+    #[serde(default)]
+    pub pipeline_layers: Vec<usize>,
 }
 
 fn yes() -> bool {
@@ -169,6 +176,7 @@ impl Default for ParallelConfig {
             schedule: one_f_one_b(),
             virtual_stages: 1,
             overlap_grad_reduce: true,
+            pipeline_layers: Vec::new(),
         }
     }
 }
@@ -316,12 +324,24 @@ impl Config {
         let mut table: toml::Table = text
             .parse()
             .map_err(|e: toml::de::Error| parse_error(e.to_string()))?;
-        // `--set SECTION.KEY=V` on a config without an optional section: it starts from the
-        // section's defaults (`[test_faults]`: every fault off, and it goes again if no
-        // override changed them).
-        if !table.contains_key("health") {
-            let defaults = toml::Value::try_from(HealthConfig::default()).expect("plain fields");
-            table.insert("health".into(), defaults);
+        // `--set SECTION.KEY=V` on a config without an optional section, or whose section
+        // leaves the key out: it starts from the section's defaults (`[test_faults]`: every
+        // fault off, and it goes again if no override changed them).
+        let defaults = [
+            ("health", toml::Value::try_from(HealthConfig::default())),
+            ("parallel", toml::Value::try_from(ParallelConfig::default())),
+        ];
+        for (section, defaults) in defaults {
+            let Ok(toml::Value::Table(defaults)) = defaults else {
+                unreachable!("a section of plain fields is a table");
+            };
+            if let Some(toml::Value::Table(given)) = table.get_mut(section) {
+                for (key, value) in defaults {
+                    given.entry(key).or_insert(value);
+                }
+            } else if !table.contains_key(section) {
+                table.insert(section.into(), toml::Value::Table(defaults));
+            }
         }
         let seeded = !table.contains_key("test_faults");
         if seeded {
@@ -619,6 +639,43 @@ mod tests {
         ] {
             let error = Config::load("tiny", &[bad.into()]).unwrap_err().to_string();
             assert!(error.contains(says), "{bad}: {error}");
+        }
+    }
+
+    /// `--set parallel.KEY=V` works on a config file whose `[parallel]` section leaves the key
+    /// out, or that has no such section: a missing key is its default.
+    #[test]
+    fn a_parallel_key_a_config_leaves_out_can_still_be_set() {
+        let dir = tempfile::tempdir().unwrap();
+        let tiny = PRESETS.iter().find(|(name, _)| *name == "tiny").unwrap().1;
+        let (head, _) = tiny.split_once("[parallel]").unwrap();
+        let (_, tail) = tiny.split_once("[health]").unwrap();
+        for (name, text) in [
+            (
+                "partial",
+                format!("{head}[parallel]\ntp = 1\n\n[health]{tail}"),
+            ),
+            ("absent", format!("{head}[health]{tail}")),
+        ] {
+            let path = dir.path().join(format!("{name}.toml"));
+            std::fs::write(&path, text).unwrap();
+            let path = path.to_str().unwrap();
+            let config = Config::load(
+                path,
+                &[
+                    "parallel.pp=2".into(),
+                    "parallel.pipeline_layers=[3, 1]".into(),
+                ],
+            )
+            .unwrap();
+            assert_eq!(config.parallel.pipeline_layers, [3, 1], "{name}");
+            assert_eq!(config.parallel.pp, 2, "{name}");
+            let unset = Config::load(path, &[]).unwrap();
+            assert_eq!(unset.parallel, ParallelConfig::default(), "{name}");
+            let error = Config::load(path, &["parallel.pipeline_layer=[3, 1]".into()])
+                .unwrap_err()
+                .to_string();
+            assert!(error.contains("unknown key \"pipeline_layer\""), "{error}");
         }
     }
 

@@ -36,6 +36,9 @@ pub struct Layout {
     pub schedule: Schedule,
     /// Model chunks per pipeline rank (1 unless the schedule is interleaved).
     pub virtual_stages: usize,
+    /// Layers per pipeline stage where they are not an equal share (`parallel.pipeline_layers`);
+    /// empty for an equal share.
+    pub pipeline_layers: Vec<usize>,
 }
 
 /// One rank's place in each dimension.
@@ -83,6 +86,7 @@ impl Layout {
         } = *parallel;
         let schedule = parallel.schedule()?;
         let virtual_stages = parallel.virtual_stages;
+        let uneven = &parallel.pipeline_layers;
         if tp == 0 || pp == 0 || ep == 0 || micro_batches == 0 || virtual_stages == 0 {
             return Err(ConfigError::Invalid(
                 "parallel.tp, pp, ep, micro_batches and virtual_stages must be at least 1".into(),
@@ -123,13 +127,29 @@ impl Layout {
                 model.experts
             ),
         );
-        require(
-            model.layers.is_multiple_of(pp * virtual_stages),
-            format!(
-                "parallel.pp x parallel.virtual_stages = {pp} x {virtual_stages} must divide model.layers {}",
-                model.layers
-            ),
-        );
+        if uneven.is_empty() {
+            require(
+                model.layers.is_multiple_of(pp * virtual_stages),
+                format!(
+                    "parallel.pp x parallel.virtual_stages = {pp} x {virtual_stages} must divide model.layers {} (or parallel.pipeline_layers give each stage's layers)",
+                    model.layers
+                ),
+            );
+        } else {
+            require(
+                uneven.len() == pp
+                    && uneven.iter().all(|layers| *layers > 0)
+                    && uneven.iter().sum::<usize>() == model.layers,
+                format!(
+                    "parallel.pipeline_layers {uneven:?} must give each of the parallel.pp {pp} stages at least one layer, {} in all (model.layers)",
+                    model.layers
+                ),
+            );
+            require(
+                virtual_stages == 1,
+                format!("parallel.pipeline_layers cannot be given with parallel.virtual_stages {virtual_stages}"),
+            );
+        }
         require(
             micro_batch.is_multiple_of(micro_batches),
             format!("parallel.micro_batches {micro_batches} must divide train.micro_batch {micro_batch}"),
@@ -153,6 +173,12 @@ impl Layout {
             micro_batches,
             schedule,
             virtual_stages,
+            // A split that is the equal one is recorded as such.
+            pipeline_layers: if uneven.iter().all(|layers| *layers == model.layers / pp) {
+                Vec::new()
+            } else {
+                uneven.clone()
+            },
         })
     }
 
@@ -166,6 +192,7 @@ impl Layout {
             micro_batches: 1,
             schedule: Schedule::OneFOneB,
             virtual_stages: 1,
+            pipeline_layers: Vec::new(),
         }
     }
 
@@ -232,10 +259,15 @@ impl Layout {
     }
 
     /// The layers pipeline stage `stage` runs, for a model of `layers` layers (one model
-    /// chunk per stage; the interleaved schedule's chunks are `virtual_chunk_layers`).
+    /// chunk per stage; the interleaved schedule's chunks are `virtual_chunk_layers`): an
+    /// equal share, or the stage's `parallel.pipeline_layers`.
     pub fn stage_layers(&self, layers: usize, stage: usize) -> Range<usize> {
-        let per_stage = layers / self.pp;
-        stage * per_stage..(stage + 1) * per_stage
+        if self.pipeline_layers.is_empty() {
+            let per_stage = layers / self.pp;
+            return stage * per_stage..(stage + 1) * per_stage;
+        }
+        let start = self.pipeline_layers[..stage].iter().sum();
+        start..start + self.pipeline_layers[stage]
     }
 
     /// The layers of model chunk `chunk` (`0..virtual_stages`) of pipeline stage `stage`:
@@ -262,6 +294,7 @@ impl Layout {
             dp: self.dp,
             ep: self.ep,
             micro_batches: self.micro_batches,
+            pipeline_layers: self.pipeline_layers.clone(),
             ranks: (0..self.ranks())
                 .map(|rank| {
                     let at = self.coords(rank);
@@ -271,7 +304,8 @@ impl Layout {
         }
     }
 
-    /// One line: `tp 2 x pp 2 x dp 2 (ep 2), 4 micro-batches, 1f1b`.
+    /// One line: `tp 2 x pp 2 x dp 2 (ep 2), 4 micro-batches, 1f1b`, and `, layers per stage
+    /// [3, 1]` where the stages' layers are not an equal share.
     pub fn describe(&self) -> String {
         let schedule = match self.schedule {
             Schedule::OneFOneB => "1f1b".to_string(),
@@ -282,8 +316,13 @@ impl Layout {
         } else {
             format!("{} micro-batches", self.micro_batches)
         };
+        let layers = if self.pipeline_layers.is_empty() {
+            String::new()
+        } else {
+            format!(", layers per stage {:?}", self.pipeline_layers)
+        };
         format!(
-            "tp {} x pp {} x dp {} (ep {}), {micro}, {schedule}",
+            "tp {} x pp {} x dp {} (ep {}), {micro}, {schedule}{layers}",
             self.tp, self.pp, self.dp, self.ep
         )
     }
@@ -313,7 +352,7 @@ impl RankBytes {
             model.expert_ffn as f64,
         );
         let tp = layout.tp as f64;
-        let layers = (model.layers / layout.pp) as f64;
+        let layers = layout.stage_layers(model.layers, at.pp).len() as f64;
         let mut dense =
             layers * (4.0 * d * d / tp + 2.0 * d / tp + 2.0 * d + d * model.experts as f64);
         if at.pp == 0 {
@@ -377,7 +416,7 @@ pub fn predicted_activation_bytes(
     let attention = 3.0 * d + 8.0 * d / t + heads / t * seq;
     let moe = 4.0 * d + 6.0 * e + k * d / t * (3.0 + expert_parallel) + 3.0 * k * f / t + k / t;
     let per_token_layer = attention + moe + split * (4.0 * d + e);
-    let layers = (model.layers / layout.pp) as f64;
+    let layers = layout.stage_layers(model.layers, at.pp).len() as f64;
     let tokens = (micro_batch / layout.micro_batches * model.seq_len) as f64;
     let mut per_micro_batch = tokens * layers * per_token_layer;
     // Every stage's input: the embedding's rows, or the activations received.
@@ -508,6 +547,32 @@ mod tests {
             ),
             (vec!["parallel.tp=0"], 1, "at least 1"),
             (vec!["parallel.schedule=\"gpipe\""], 1, "parallel.schedule"),
+            (
+                vec!["parallel.pp=2", "parallel.pipeline_layers=[3]"],
+                2,
+                "must give each of the parallel.pp 2 stages at least one layer, 4 in all",
+            ),
+            (
+                vec!["parallel.pp=2", "parallel.pipeline_layers=[4, 0]"],
+                2,
+                "at least one layer",
+            ),
+            (
+                vec!["parallel.pp=2", "parallel.pipeline_layers=[2, 3]"],
+                2,
+                "4 in all",
+            ),
+            (
+                vec![
+                    "parallel.pp=2",
+                    "parallel.pipeline_layers=[3, 1]",
+                    "parallel.schedule=\"interleaved\"",
+                    "parallel.virtual_stages=2",
+                    "parallel.micro_batches=2",
+                ],
+                2,
+                "cannot be given with parallel.virtual_stages 2",
+            ),
         ] {
             let error = layout(&sets, ranks).unwrap_err().to_string();
             assert!(error.contains(says), "{sets:?} on {ranks}: {error}");
@@ -556,5 +621,49 @@ mod tests {
         assert_eq!(l.virtual_chunk_layers(4, 0, 1), 2..3);
         assert_eq!(l.virtual_chunk_layers(4, 1, 1), 3..4);
         assert!((l.bubble_fraction() - 1.0 / 9.0).abs() < 1e-12);
+    }
+
+    /// `parallel.pipeline_layers` gives each stage its run of layers, in order, and the
+    /// layout names it; a split that is the equal one is the layout without it.
+    #[test]
+    fn stages_take_the_layers_they_are_given() {
+        let sets = ["parallel.pp=2", "parallel.pipeline_layers=[3, 1]"];
+        let l = layout(&sets, 4).unwrap();
+        assert_eq!(l.stage_layers(4, 0), 0..3);
+        assert_eq!(l.stage_layers(4, 1), 3..4);
+        assert_eq!(
+            l.describe(),
+            "tp 1 x pp 2 x dp 2 (ep 1), 1 micro-batch, 1f1b, layers per stage [3, 1]"
+        );
+        assert_eq!(l.written().pipeline_layers, vec![3, 1]);
+        let l = layout(&["parallel.pp=3", "parallel.pipeline_layers=[1, 2, 1]"], 3).unwrap();
+        let runs: Vec<Range<usize>> = (0..3).map(|stage| l.stage_layers(4, stage)).collect();
+        assert_eq!(runs, [0..1, 1..3, 3..4]);
+
+        let equal = layout(&["parallel.pp=2", "parallel.pipeline_layers=[2, 2]"], 2).unwrap();
+        assert_eq!(equal, layout(&["parallel.pp=2"], 2).unwrap());
+        assert!(equal.written().pipeline_layers.is_empty());
+    }
+
+    /// What a stage is predicted to hold follows its layers: the stage with three of `tiny`'s
+    /// four layers holds three layers' weights and activations where an equal split's holds two.
+    #[test]
+    fn predictions_count_the_layers_a_stage_holds() {
+        let config = Config::load("tiny", &[]).unwrap();
+        let m = &config.model;
+        let equal = layout(&["parallel.pp=2"], 2).unwrap();
+        let uneven = layout(&["parallel.pp=2", "parallel.pipeline_layers=[3, 1]"], 2).unwrap();
+        let first = |l: &Layout| RankBytes::predict(m, l, l.coords(0)).weights;
+        let last = |l: &Layout| RankBytes::predict(m, l, l.coords(1)).weights;
+        // One layer's weights, from the equal split's two.
+        let layer = (first(&uneven) - first(&equal)).abs();
+        assert!(layer > 0.0);
+        assert!((first(&equal) - first(&uneven) + layer).abs() < 1.0);
+        assert!((last(&equal) - last(&uneven) - layer).abs() < 1.0);
+        let activations = |l: &Layout, rank| {
+            predicted_activation_bytes(m, l, l.coords(rank), config.train.micro_batch)
+        };
+        assert!(activations(&uneven, 0) > activations(&equal, 0));
+        assert!(activations(&uneven, 1) < activations(&equal, 1));
     }
 }

@@ -120,12 +120,6 @@ impl Place {
         self.stage + 1 == self.pp
     }
 
-    /// The layers this rank's stage runs, of a model of `layers`: an equal run each.
-    pub fn layers(&self, layers: usize) -> Range<usize> {
-        let per_stage = layers / self.pp;
-        self.stage * per_stage..(self.stage + 1) * per_stage
-    }
-
     /// How the parameter `name` is cut, or `None` for a parameter every rank of a
     /// tensor-parallel group holds whole (norms before a split part, the router).
     ///
@@ -279,7 +273,7 @@ impl Model {
     /// A freshly initialised model. Every parameter has its own seed derived from `seed`, so
     /// initialisation does not depend on construction order.
     pub fn new(config: &ModelConfig, seed: u64, dtype: DType) -> Result<Self> {
-        Self::part(config, seed, dtype, Place::WHOLE)
+        Self::part(config, seed, dtype, Place::WHOLE, 0..config.layers)
     }
 
     /// The part of the model that `world`'s rank holds, trained together with the other ranks
@@ -299,15 +293,23 @@ impl Model {
             pp: world.layout.pp,
             stage: at.pp,
         };
-        let mut model = Self::part(config, seed, dtype, place)?;
+        let stage = world.layout.stage_layers(config.layers, at.pp);
+        let mut model = Self::part(config, seed, dtype, place, stage)?;
         model.world = Some(world);
         Ok(model)
     }
 
-    /// The part `place` of a freshly initialised model: each parameter is made whole from its
-    /// own seed, then cut, so that every layout starts from the same weights. Parameters of
-    /// other stages are not made (their seeds are skipped).
-    fn part(config: &ModelConfig, seed: u64, dtype: DType, place: Place) -> Result<Self> {
+    /// The part `place` of a freshly initialised model, whose stage runs the layers `stage`:
+    /// each parameter is made whole from its own seed, then cut, so that every layout starts
+    /// from the same weights. Parameters of other stages are not made (their seeds are
+    /// skipped).
+    fn part(
+        config: &ModelConfig,
+        seed: u64,
+        dtype: DType,
+        place: Place,
+        stage: Range<usize>,
+    ) -> Result<Self> {
         let device = Device::Cpu;
         let (h, f, e, v) = (
             config.d_model,
@@ -316,7 +318,6 @@ impl Model {
             config.vocab_size,
         );
         let mut next_seed = seed.wrapping_mul(1_000_003);
-        let stage = place.layers(config.layers);
         // `held`: whether this stage holds the parameter; an empty stand-in where not.
         let mut make = |name: &str, shape: &[usize], init: Option<f64>, held: bool| {
             next_seed = next_seed.wrapping_add(1);
