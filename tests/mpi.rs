@@ -493,6 +493,8 @@ fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
         ),
         "{said}"
     );
+    // Each rank holds what the layout predicts for its stage's layers.
+    assert_layout_table(&said, 2, |rank| [0, rank, 0, 0]);
     let shown = ctl.expect(0, &["show", "pp2-uneven", "5"]);
     assert!(shown.contains("layers per stage [2, 1]"), "{shown}");
     let said = run(
@@ -506,6 +508,8 @@ fn pipeline_layouts_train_like_one_process_and_repeat_bit_for_bit() {
         ),
     );
     assert!(said.contains("resumed from step 5"), "{said}");
+    assert!(said.contains("layers per stage [1, 2]"), "{said}");
+    assert_layout_table(&said, 2, |rank| [0, rank, 0, 0]);
     assert_close(
         &losses(&dir, "single-l3"),
         &losses(&dir, "pp2-uneven"),
@@ -537,7 +541,7 @@ fn a_layout_that_does_not_fit_exits_2_with_the_reason() {
         (
             2,
             "parallel.pipeline_layers=[1, 1]",
-            "parallel.pipeline_layers [1, 1] must give each of the parallel.pp 1 stages at least one layer, 2 in all",
+            "parallel.pipeline_layers [1, 1] gives 2 stages their layers, but parallel.pp is 1",
         ),
     ] {
         let output = Command::new("mpiexec")

@@ -122,7 +122,8 @@ pub struct TestFaults {
 /// How ranks split the work when launched under MPI (`mpiexec -n N`): see [`crate::layout`].
 /// Tensor parallel `tp` and pipeline parallel `pp`; the data-parallel size is
 /// `N / (tp * pp)`, and expert-parallel groups of `ep` data-parallel ranks split each layer's
-/// experts. Keys a config file leaves out are 1 (and `schedule` is `1f1b`).
+/// experts. Keys a config file leaves out are 1 (`schedule` is `1f1b`, `overlap_grad_reduce`
+/// true, `pipeline_layers` empty): [`ParallelConfig::default`].
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ParallelConfig {
@@ -672,6 +673,9 @@ mod tests {
             assert_eq!(config.parallel.pp, 2, "{name}");
             let unset = Config::load(path, &[]).unwrap();
             assert_eq!(unset.parallel, ParallelConfig::default(), "{name}");
+            // The defaults a section starts from are the ones serde gives a key left out.
+            let left_out: ParallelConfig = toml::from_str("").unwrap();
+            assert_eq!(left_out, ParallelConfig::default());
             let error = Config::load(path, &["parallel.pipeline_layer=[3, 1]".into()])
                 .unwrap_err()
                 .to_string();

@@ -137,11 +137,23 @@ impl Layout {
             );
         } else {
             require(
-                uneven.len() == pp
-                    && uneven.iter().all(|layers| *layers > 0)
-                    && uneven.iter().sum::<usize>() == model.layers,
+                uneven.len() == pp,
                 format!(
-                    "parallel.pipeline_layers {uneven:?} must give each of the parallel.pp {pp} stages at least one layer, {} in all (model.layers)",
+                    "parallel.pipeline_layers {uneven:?} gives {} stages their layers, but parallel.pp is {pp}",
+                    uneven.len()
+                ),
+            );
+            require(
+                uneven.iter().all(|layers| *layers > 0),
+                format!(
+                    "parallel.pipeline_layers {uneven:?} must give every stage at least one layer"
+                ),
+            );
+            let sum: usize = uneven.iter().sum();
+            require(
+                sum == model.layers,
+                format!(
+                    "parallel.pipeline_layers {uneven:?} sums to {sum} layers, but model.layers is {}",
                     model.layers
                 ),
             );
@@ -266,6 +278,7 @@ impl Layout {
             let per_stage = layers / self.pp;
             return stage * per_stage..(stage + 1) * per_stage;
         }
+        debug_assert_eq!(self.pipeline_layers.iter().sum::<usize>(), layers);
         let start = self.pipeline_layers[..stage].iter().sum();
         start..start + self.pipeline_layers[stage]
     }
@@ -548,19 +561,19 @@ mod tests {
             (vec!["parallel.tp=0"], 1, "at least 1"),
             (vec!["parallel.schedule=\"gpipe\""], 1, "parallel.schedule"),
             (
-                vec!["parallel.pp=2", "parallel.pipeline_layers=[3]"],
+                vec!["parallel.pp=2", "parallel.pipeline_layers=[4]"],
                 2,
-                "must give each of the parallel.pp 2 stages at least one layer, 4 in all",
+                "parallel.pipeline_layers [4] gives 1 stages their layers, but parallel.pp is 2",
             ),
             (
                 vec!["parallel.pp=2", "parallel.pipeline_layers=[4, 0]"],
                 2,
-                "at least one layer",
+                "parallel.pipeline_layers [4, 0] must give every stage at least one layer",
             ),
             (
                 vec!["parallel.pp=2", "parallel.pipeline_layers=[2, 3]"],
                 2,
-                "4 in all",
+                "parallel.pipeline_layers [2, 3] sums to 5 layers, but model.layers is 4",
             ),
             (
                 vec![

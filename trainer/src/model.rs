@@ -3,7 +3,7 @@
 //! experts, top-k without renormalising the kept weights, SwiGLU experts stacked per layer),
 //! a final norm and an untied LM head. One expert with top-1 is the dense variant.
 //! The model may be split over a tensor-parallel group (see [`Place::split`]) and into
-//! pipeline stages (see [`Place::layers`], [`Model::stage_forward`]).
+//! pipeline stages (see [`crate::layout::Layout::stage_layers`], [`Model::stage_forward`]).
 //!
 //! Only ops that have a backward are used: candle-nn's fused RMSNorm, softmax and rope have
 //! none and would silently cut the gradient. RMSNorm ([`crate::norm`]), attention with RoPE

@@ -656,7 +656,7 @@ impl Ckptd {
     }
 
     /// The loop's heartbeat, with `step`'s loss once it is known, written without waiting
-    /// for its answer (read with the answers that come later). Past [`PENDING_MAX`] pending
+    /// for its answer (read with the answers that come later). Past `PENDING_MAX` pending
     /// requests, it first waits for the oldest answers.
     pub fn heartbeat(&mut self, step: u64, compute: Duration, loss: Option<f64>) -> Result<()> {
         let poll = Message::Poll {
