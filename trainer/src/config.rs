@@ -336,12 +336,14 @@ impl Config {
             let Ok(toml::Value::Table(defaults)) = defaults else {
                 unreachable!("a section of plain fields is a table");
             };
-            if let Some(toml::Value::Table(given)) = table.get_mut(section) {
+            let given = table
+                .entry(section)
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            // A section that is not a table is left for serde to refuse.
+            if let toml::Value::Table(given) = given {
                 for (key, value) in defaults {
                     given.entry(key).or_insert(value);
                 }
-            } else if !table.contains_key(section) {
-                table.insert(section.into(), toml::Value::Table(defaults));
             }
         }
         let seeded = !table.contains_key("test_faults");
@@ -647,6 +649,9 @@ mod tests {
     /// out, or that has no such section: a missing key is its default.
     #[test]
     fn a_parallel_key_a_config_leaves_out_can_still_be_set() {
+        // The defaults a section starts from are the ones serde gives a key left out.
+        let left_out: ParallelConfig = toml::from_str("").unwrap();
+        assert_eq!(left_out, ParallelConfig::default());
         let dir = tempfile::tempdir().unwrap();
         let tiny = PRESETS.iter().find(|(name, _)| *name == "tiny").unwrap().1;
         let (head, _) = tiny.split_once("[parallel]").unwrap();
@@ -673,9 +678,6 @@ mod tests {
             assert_eq!(config.parallel.pp, 2, "{name}");
             let unset = Config::load(path, &[]).unwrap();
             assert_eq!(unset.parallel, ParallelConfig::default(), "{name}");
-            // The defaults a section starts from are the ones serde gives a key left out.
-            let left_out: ParallelConfig = toml::from_str("").unwrap();
-            assert_eq!(left_out, ParallelConfig::default());
             let error = Config::load(path, &["parallel.pipeline_layer=[3, 1]".into()])
                 .unwrap_err()
                 .to_string();
