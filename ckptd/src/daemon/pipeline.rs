@@ -608,7 +608,7 @@ async fn upload_replica_inner(
     let (data, meta) = replica::held(daemon, rank, step)?
         .ok_or_else(|| anyhow!("no replica of rank {rank} step {step} here"))?;
     verify_slot(
-        &data,
+        &MappedFile::open(&data)?,
         meta.slot_bytes,
         &meta.tensors,
         meta.chunking,

@@ -26,6 +26,22 @@ use serde::{Deserialize, Serialize};
 
 use super::SLOTS_PER_RANK;
 
+/// Wakes the tasks waiting for a rank's snapshot in flight or restore to end: every change of
+/// what a rank holds is published ([`RankState::publish`]), and wakes them all. A waiter
+/// looks again under the ranks lock, so a change of another rank (or another daemon's, in a
+/// test process) only costs it that look.
+static CHANGES: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+/// Ends when the next change is published, or at `deadline`. Take it *before* looking at the
+/// state: a change published between the look and the wait is not missed, since a future
+/// from [`tokio::sync::Notify::notified`] counts the changes published once it exists.
+pub fn next_change(deadline: Instant) -> impl std::future::Future<Output = ()> {
+    let changed = CHANGES.notified();
+    async move {
+        let _ = tokio::time::timeout_at(deadline.into(), changed).await;
+    }
+}
+
 /// A snapshot the daemon holds: which slot, which step, the chunk hashes of the slot.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct Snap {
@@ -327,6 +343,7 @@ impl RankState {
             word.set_held(&self.held());
             word.set(self.busy());
         }
+        CHANGES.notify_waiters();
     }
 
     /// The `Held` answer to the rank: the slots it must not write, its T0 step, and `busy`

@@ -17,7 +17,7 @@ use lazarus_shared::store::RestoreChoice;
 use lazarus_shared::wire::{self, Message, SlotTensor, Tier};
 use lazarus_shared::{ChunkHash, Rank, StepKey};
 
-use super::rank::{Life, RankState, Snap};
+use super::rank::{next_change, Life, RankState, Snap};
 use super::slots::{chunks_of, hash_ranges, verify_slot, MappedFile};
 use super::{replica, Daemon, SLOT_CHUNKING};
 
@@ -30,6 +30,7 @@ use super::{replica, Daemon, SLOT_CHUNKING};
 pub async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<super::uplink::Offer> {
     let deadline = Instant::now() + Duration::from_secs(10);
     let world_size = loop {
+        let changed = next_change(deadline);
         {
             let ranks = daemon.ranks.lock().await;
             let state = ranks
@@ -39,7 +40,7 @@ pub async fn choose(daemon: &Arc<Daemon>, rank: Rank) -> Result<super::uplink::O
                 break state.world_size;
             }
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        changed.await;
     };
     match super::uplink::which_step(daemon, world_size, rank).await {
         Ok(offer) => {
@@ -71,6 +72,7 @@ pub async fn restore(
     // this one installs lets the rank write every slot not held, that one's included.
     let deadline = Instant::now() + SUPERSEDED_RESTORE_WAIT;
     let (slot_bytes, tensors, world_size, candidate, holder, asker) = loop {
+        let changed = next_change(deadline);
         {
             let ranks = daemon.ranks.lock().await;
             let state = ranks
@@ -78,14 +80,19 @@ pub async fn restore(
                 .ok_or_else(|| anyhow!("rank {rank} vanished"))?;
             match state.restoring {
                 None => {
+                    // A T0 candidate's slot is opened here, under the lock, where the file at
+                    // its path is this state's (see `begin_fill`).
+                    let candidate = state
+                        .memory_candidate(memory)
+                        .map(|(path, snap)| (MappedFile::open(&path), snap));
                     break (
                         state.slot_bytes,
                         state.tensors.clone(),
                         state.world_size,
-                        state.memory_candidate(memory),
+                        candidate,
                         state.replica_at,
                         state.life(),
-                    )
+                    );
                 }
                 Some(slot) if Instant::now() > deadline => bail!(
                     "an earlier process's restore of rank {rank} still fills slot {slot} after {SUPERSEDED_RESTORE_WAIT:?}"
@@ -93,11 +100,17 @@ pub async fn restore(
                 Some(_) => {}
             }
         }
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        changed.await;
     };
     if let Some(m) = memory {
-        if let Some((path, snap)) = candidate {
-            match verify_slot(&path, slot_bytes, &tensors, snap.chunking, &snap.hashes).await {
+        if let Some((file, snap)) = candidate {
+            let verified = match file {
+                Ok(file) => {
+                    verify_slot(&file, slot_bytes, &tensors, snap.chunking, &snap.hashes).await
+                }
+                Err(error) => Err(error),
+            };
+            match verified {
                 Ok(()) => return install(daemon, rank, asker, Some(snap), Tier::T0).await,
                 Err(error) => {
                     daemon.metrics.error("t0_corrupt");

@@ -405,10 +405,11 @@ impl ByteSource for MappedFile {
     }
 }
 
-/// Re-hashes a slot against the hashes taken when it was handed over, of its chunks as
-/// `chunking` cut it.
+/// Re-hashes a slot (or replica) file, opened by the caller where it knew the file to be the
+/// one meant, against the hashes taken when it was handed over, of its chunks as `chunking`
+/// cut it.
 pub async fn verify_slot(
-    path: &Path,
+    file: &Arc<MappedFile>,
     slot_bytes: u64,
     tensors: &[SlotTensor],
     chunking: SlotChunking,
@@ -422,13 +423,12 @@ pub async fn verify_slot(
             ranges.len()
         );
     }
-    let file = MappedFile::open(path)?;
-    let found = hash_ranges(&file, &ranges).await?;
+    let found = hash_ranges(file, &ranges).await?;
     for (index, (found, expected)) in found.iter().zip(hashes).enumerate() {
         if found != expected {
             bail!(
                 "{} chunk {index}: hashes to {}, recorded {}",
-                path.display(),
+                file.describe(),
                 found.short(),
                 expected.short()
             );
@@ -610,7 +610,10 @@ mod tests {
         assert_eq!((fixed.len(), regions.len()), (1, 3));
         let verify = |chunking, hashes: Vec<ChunkHash>| {
             let (path, tensors) = (path.clone(), tensors.clone());
-            async move { verify_slot(&path, 8192, &tensors, chunking, &hashes).await }
+            async move {
+                let file = MappedFile::open(&path).unwrap();
+                verify_slot(&file, 8192, &tensors, chunking, &hashes).await
+            }
         };
         verify(SlotChunking::Fixed, fixed.clone()).await.unwrap();
         verify(SlotChunking::Regions, regions.clone())
