@@ -270,6 +270,20 @@ struct Fault {
     restores: [u64; 3],
 }
 
+impl Fault {
+    /// A relaunch or a takeover the fault should have caused and did not, within its window.
+    fn missed(&self) -> bool {
+        (self.expect.relaunch == Some(true) && self.relaunches == 0)
+            || (self.expect.takeover && self.takeovers == 0)
+    }
+
+    /// A relaunch or a takeover in the fault's window that it should not have caused.
+    fn unasked(&self) -> bool {
+        (self.expect.relaunch == Some(false) && self.relaunches > 0)
+            || (!self.expect.takeover && self.takeovers > 0)
+    }
+}
+
 /// One round's cluster and what the round keeps track of.
 struct Round<'a> {
     number: usize,
@@ -734,6 +748,9 @@ fn restored_tiers(detail: &str) -> [u64; 3] {
 struct RoundReport {
     faults: Vec<Fault>,
     unattributed: Vec<String>,
+    /// When each leader began (`elected` or `adopted` in the timeline), and its epoch: the
+    /// round's summary places those near a fault that missed its takeover.
+    leaders: Vec<(u64, u64)>,
     loss_lines: usize,
     committed: usize,
     stale_refused: f64,
@@ -891,6 +908,9 @@ fn check(round: &mut Round, reference: &BTreeMap<u64, String>, report: &mut Roun
             continue;
         }
         let epoch = event["epoch"].as_u64().unwrap_or(0);
+        if kind == "elected" || kind == "adopted" {
+            report.leaders.push((at, epoch));
+        }
         let window = report
             .faults
             .iter_mut()
@@ -1078,6 +1098,34 @@ fn main() {
         for line in &report.unattributed {
             println!("  outside a window: {line}");
         }
+        for fault in report.faults.iter().filter(|f| f.missed() || f.unasked()) {
+            // The first leader to begin after the fault started, if any, and when.
+            let next_leader = report
+                .leaders
+                .iter()
+                .find(|(at, _)| *at >= fault.start_ms)
+                .map_or("no leader began after it".to_string(), |(at, epoch)| {
+                    format!(
+                        "the next leader (epoch {epoch}) began {:.2} s after it started, its window {}",
+                        (at - fault.start_ms) as f64 / 1e3,
+                        if fault.end_ms == u64::MAX {
+                            "open to the round's end".to_string()
+                        } else {
+                            format!("{:.2} s long", (fault.end_ms - fault.start_ms) as f64 / 1e3)
+                        }
+                    )
+                });
+            println!(
+                "  {} at step {}: {} {}: expected {:?}, saw {} relaunches and {} takeovers; {next_leader}",
+                if fault.missed() { "missed" } else { "unasked" },
+                fault.step,
+                fault.kind.name(),
+                fault.detail,
+                fault.expect,
+                fault.relaunches,
+                fault.takeovers,
+            );
+        }
         let failed = report.failure.is_some();
         rounds.push(report);
         if failed && rounds.iter().filter(|r| r.failure.is_some()).count() >= 3 {
@@ -1116,21 +1164,13 @@ fn summary(rounds: &[RoundReport], wall: Duration) {
     let mut all: Vec<(&str, Vec<&Fault>)> = rows.into_iter().map(|(k, f)| (k.name(), f)).collect();
     all.push(("all", faults.clone()));
     for (name, group) in all {
-        let missed = |f: &&&Fault| {
-            (f.expect.relaunch == Some(true) && f.relaunches == 0)
-                || (f.expect.takeover && f.takeovers == 0)
-        };
-        let unasked = |f: &&&Fault| {
-            (f.expect.relaunch == Some(false) && f.relaunches > 0)
-                || (!f.expect.takeover && f.takeovers > 0)
-        };
         let relaunches: u64 = group.iter().map(|f| f.relaunches).sum();
         let takeovers: u64 = group.iter().map(|f| f.takeovers).sum();
         let tiers: Vec<u64> = (0..3)
             .map(|t| group.iter().map(|f| f.restores[t]).sum())
             .collect();
-        let missing = group.iter().filter(missed).count();
-        let unexpected = group.iter().filter(unasked).count();
+        let missing = group.iter().filter(|f| f.missed()).count();
+        let unexpected = group.iter().filter(|f| f.unasked()).count();
         let mut lost: Vec<f64> = group.iter().map(|f| f.lost_s).collect();
         lost.sort_by(f64::total_cmp);
         let sum: f64 = lost.iter().sum();
