@@ -1192,11 +1192,44 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
     assert!(kill("KILL", pid));
     wait_for_event(&ctl, "adopted", "completed", 1, &cluster);
     let timeline = events(&ctl, "adopted");
-    println!("{}", ctl.expect(0, &["events", "adopted"]));
+    let shown = ctl.expect(0, &["events", "adopted"]);
+    println!("{shown}");
     let kinds = kinds(&timeline);
     let count = |kind: &str| kinds.iter().filter(|k| *k == kind).count();
     assert_eq!(count("launch"), 1, "no second world: {kinds:?}");
     assert_eq!(count("adopted"), 1, "{kinds:?}");
+    // The timeline names the restarted leader's new epoch, after the one it lost, and times
+    // the succession as a takeover's.
+    let find = |kind: &str| timeline.iter().find(|e| e["kind"] == kind).unwrap();
+    let (lost, elected) = (find("leader_lost"), find("elected"));
+    assert_eq!(
+        (lost["epoch"].as_u64(), elected["epoch"].as_u64()),
+        (Some(2), Some(2))
+    );
+    assert!(
+        lost["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("n1 (epoch 1) was last heard from"),
+        "{lost}"
+    );
+    assert!(
+        elected["detail"]
+            .as_str()
+            .unwrap()
+            .starts_with("n1 leads epoch 2 from its start, "),
+        "{elected}"
+    );
+    assert_eq!(
+        (count("leader_lost"), count("elected")),
+        (1, 1),
+        "{kinds:?}"
+    );
+    assert!(
+        shown.contains("takeover to epoch 2: elected ")
+            && shown.contains("supervising again (adopted) after "),
+        "{shown}"
+    );
     assert_eq!(count("fault"), 1, "{kinds:?}");
     assert_eq!(count("relaunch"), 1, "{kinds:?}");
     let fault = timeline.iter().find(|e| e["kind"] == "fault").unwrap();

@@ -62,8 +62,22 @@ pub fn lease_interval(cfg: &Config) -> Duration {
 /// How a daemon starts.
 #[derive(Debug)]
 pub enum Start {
-    Lead(u64),
+    /// It leads this epoch; after the leadership named in the store before it, if any, whose
+    /// leader renews no lease (this daemon before its restart, or a lost one).
+    Lead(u64, Option<Takeover>),
     Follow(Leadership),
+}
+
+/// How a daemon came to lead.
+#[derive(Debug)]
+pub enum Began {
+    /// At its start: the run's first leader (`None`), or one after a leader that renews no
+    /// lease (a restart of its own, or a requeued job's daemon). Its timeline records the
+    /// succession as a takeover's; a world still running is adopted as after a restart.
+    AtStart(Option<Takeover>),
+    /// A candidate that lost the leader while it ran: the lost leader's nodes are told at
+    /// once, and its world, which may still run, is adopted as after a takeover.
+    TookOver(Takeover),
 }
 
 /// At start, before the daemon's ports open: a `lead` daemon claims the next epoch, unless
@@ -96,13 +110,17 @@ pub async fn start(cfg: &Config, run: &RunStore) -> Result<Start> {
             return Ok(Start::Follow(Leadership::of(record)?));
         }
     }
-    let mut epoch = newest.map_or(1, |r| r.epoch + 1);
+    let mut epoch = newest.as_ref().map_or(1, |r| r.epoch + 1);
     loop {
         if run
             .claim_leadership(epoch, &cfg.node, &cfg.advertise.to_string())
             .await?
         {
-            return Ok(Start::Lead(epoch));
+            let after = match &newest {
+                Some(record) => Some(lost_at_start(cfg, run, record).await?),
+                None => None,
+            };
+            return Ok(Start::Lead(epoch, after));
         }
         if let Some(record) = run.leadership_at(epoch).await? {
             tracing::warn!(leader = %record.node, epoch, "another daemon claimed the epoch first: following it");
@@ -110,6 +128,20 @@ pub async fn start(cfg: &Config, run: &RunStore) -> Result<Start> {
         }
         epoch += 1;
     }
+}
+
+/// The leadership `record` names, lost by the time a daemon starts and leads after it: last
+/// heard from at its lease's last renewal (when it renewed one), else when it was claimed.
+async fn lost_at_start(cfg: &Config, run: &RunStore, record: &LeaderRecord) -> Result<Takeover> {
+    let lease = tokio::time::timeout(lease_interval(cfg) * 4, run.lease()).await;
+    let renewed = match lease {
+        Ok(Ok(Some(lease))) if lease.epoch == record.epoch => Some(lease.unix_ms),
+        _ => None,
+    };
+    Ok(Takeover {
+        lost: Leadership::of(record)?,
+        last_heard_unix_ms: renewed.unwrap_or(record.created_unix_ms),
+    })
 }
 
 /// Whether the lease of `epoch` (or a newer one) is renewed within three lease intervals.
@@ -146,7 +178,11 @@ pub struct Takeover {
 
 /// This daemon leads `epoch` from now: its books, its lease, its nodes told, and the
 /// supervision of the world (adopted when a world runs).
-pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) {
+pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, began: Began) {
+    let (after, took_over) = match began {
+        Began::AtStart(after) => (after, false),
+        Began::TookOver(takeover) => (Some(takeover), true),
+    };
     let cfg = &daemon.cfg;
     // The store gets 2 s for each start-up read: a leader that waits on a hung store while
     // its lease stands still invites another takeover.
@@ -189,7 +225,7 @@ pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) 
     });
     tracing::info!(epoch, node = %cfg.node, "leading");
     tokio::spawn(keep_lease(daemon.clone(), leader.clone()));
-    if let Some(takeover) = &takeover {
+    if let Some(takeover) = after.as_ref().filter(|_| took_over) {
         daemon.metrics.takeovers.inc();
         // Every node the lost leader named links here now, without waiting for its own
         // timeout; the others find the record in the store.
@@ -214,49 +250,29 @@ pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) 
                 let _ = framing::request(&key, address, &message).await;
             });
         }
-        let generation = match tokio::time::timeout(limit, leader.stored_events()).await {
-            Ok(events) => events.iter().map(|e| e.generation).max().unwrap_or(0),
-            Err(_) => 0,
-        };
-        leader
-            .record_at(
-                takeover.last_heard_unix_ms,
-                generation,
-                "leader_lost",
-                format!(
-                    "{} (epoch {}) was last heard from at this time",
-                    if takeover.lost.node.is_empty() {
-                        takeover.lost.address.to_string()
-                    } else {
-                        takeover.lost.node.clone()
-                    },
-                    takeover.lost.epoch
-                ),
-            )
-            .await;
-        leader
-            .record(
-                generation,
-                "elected",
-                format!(
-                    "{} leads epoch {epoch}, {:.2} s after the lost leader was last heard from",
-                    cfg.node,
-                    now_unix_ms().saturating_sub(takeover.last_heard_unix_ms) as f64 / 1e3
-                ),
-            )
-            .await;
+    }
+    // The timeline names who leads after whom, and when the one before was last heard from
+    // (`ckptctl events` times the succession from the two).
+    if let Some(after) = &after {
+        let events = tokio::time::timeout(limit, leader.stored_events())
+            .await
+            .unwrap_or_default();
+        let generation = events.iter().map(|e| e.generation).max().unwrap_or(0);
+        // A leader that ended the run's supervision itself (a preempted job requeued, say)
+        // was not lost: its successor at start is a fresh start.
+        let ended = events
+            .last()
+            .is_some_and(|e| ["completed", "preempted", "failed"].contains(&e.kind.as_str()));
+        if took_over || !ended {
+            record_succession(&leader, &cfg.node, generation, after, took_over).await;
+        }
     }
     if let Some(plan) = cfg.supervision.clone() {
         tracing::info!(launcher = ?plan.launcher, active_nodes = plan.active_nodes, "supervising the training world");
         let (daemon, exit_when_done) = (daemon.clone(), plan.exit_when_done);
         tokio::spawn(async move {
-            let ending = super::supervisor::supervise(
-                daemon.clone(),
-                leader.clone(),
-                plan,
-                takeover.is_some(),
-            )
-            .await;
+            let ending =
+                super::supervisor::supervise(daemon.clone(), leader.clone(), plan, took_over).await;
             if ending == super::supervisor::Ending::Deposed {
                 return;
             }
@@ -266,6 +282,46 @@ pub async fn lead(daemon: &Arc<Daemon>, epoch: u64, takeover: Option<Takeover>) 
             }
         });
     }
+}
+
+/// Records in the timeline who leads after whom (`elected`), and when the one before was last
+/// heard from (`leader_lost`): `ckptctl events` times the succession from the two.
+async fn record_succession(
+    leader: &Leader,
+    node: &str,
+    generation: u32,
+    after: &Takeover,
+    took_over: bool,
+) {
+    let epoch = leader.epoch();
+    leader
+        .record_at(
+            after.last_heard_unix_ms,
+            generation,
+            "leader_lost",
+            format!(
+                "{} (epoch {}) was last heard from at this time",
+                if after.lost.node.is_empty() {
+                    after.lost.address.to_string()
+                } else {
+                    after.lost.node.clone()
+                },
+                after.lost.epoch
+            ),
+        )
+        .await;
+    leader
+        .record(
+            generation,
+            "elected",
+            format!(
+                "{} leads epoch {epoch}{}, {:.2} s after the lost leader was last heard from",
+                node,
+                if took_over { "" } else { " from its start" },
+                now_unix_ms().saturating_sub(after.last_heard_unix_ms) as f64 / 1e3
+            ),
+        )
+        .await;
 }
 
 /// The leader's lease: renewed every interval while most nodes are heard from; and the look
@@ -447,7 +503,7 @@ async fn take_over(daemon: &Arc<Daemon>, timeout: Duration) {
             lead(
                 daemon,
                 epoch,
-                Some(Takeover {
+                Began::TookOver(Takeover {
                     lost,
                     last_heard_unix_ms,
                 }),

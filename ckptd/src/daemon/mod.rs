@@ -255,7 +255,7 @@ pub async fn run(cfg: Config, data: data_path::DataPath) -> Result<()> {
     let unix = local::bind_socket(&cfg)?;
     let following = match &start {
         election::Start::Follow(leadership) => leadership.clone(),
-        election::Start::Lead(epoch) => election::Leadership {
+        election::Start::Lead(epoch, _) => election::Leadership {
             epoch: *epoch,
             node: cfg.node.clone(),
             address: cfg.advertise,
@@ -314,8 +314,8 @@ pub async fn run(cfg: Config, data: data_path::DataPath) -> Result<()> {
     tokio::spawn(peer::serve(daemon.clone(), listener));
     tokio::spawn(local::serve(daemon.clone(), unix));
     // A leader's books exist before its own node links to it.
-    if let election::Start::Lead(epoch) = start {
-        election::lead(&daemon, epoch, None).await;
+    if let election::Start::Lead(epoch, after) = start {
+        election::lead(&daemon, epoch, election::Began::AtStart(after)).await;
     }
     tokio::spawn(uplink::link(daemon.clone(), from_node));
     tokio::spawn(pipeline::expire_pending(daemon.clone()));
