@@ -117,7 +117,7 @@ pub async fn start(cfg: &Config, run: &RunStore) -> Result<Start> {
             .await?
         {
             let after = match &newest {
-                Some(record) => Some(lost_at_start(cfg, run, record).await?),
+                Some(record) => lost_at_start(cfg, run, record).await,
                 None => None,
             };
             return Ok(Start::Lead(epoch, after));
@@ -132,14 +132,17 @@ pub async fn start(cfg: &Config, run: &RunStore) -> Result<Start> {
 
 /// The leadership `record` names, lost by the time a daemon starts and leads after it: last
 /// heard from at its lease's last renewal (when it renewed one), else when it was claimed.
-async fn lost_at_start(cfg: &Config, run: &RunStore, record: &LeaderRecord) -> Result<Takeover> {
+/// `None` for a record whose address does not parse: it only goes into the timeline, and is
+/// no reason to refuse to lead.
+async fn lost_at_start(cfg: &Config, run: &RunStore, record: &LeaderRecord) -> Option<Takeover> {
+    let lost = Leadership::of(record).ok()?;
     let lease = tokio::time::timeout(lease_interval(cfg) * 4, run.lease()).await;
     let renewed = match lease {
         Ok(Ok(Some(lease))) if lease.epoch == record.epoch => Some(lease.unix_ms),
         _ => None,
     };
-    Ok(Takeover {
-        lost: Leadership::of(record)?,
+    Some(Takeover {
+        lost,
         last_heard_unix_ms: renewed.unwrap_or(record.created_unix_ms),
     })
 }
