@@ -66,6 +66,8 @@ const HANG_TIMEOUT_S: f64 = 3.0;
 const QUIET_END_STEPS: u64 = 40;
 /// How long a recovery that a fault must cause may take to show before it counts as missing.
 const RECOVERY_SHOWS_WITHIN: Duration = Duration::from_secs(30);
+/// A round that trained more than this many steps again keeps its logs.
+const RECOMPUTED_TO_KEEP_LOGS: u64 = 100;
 /// A window that has not settled by then fails its round.
 const SETTLE_WITHIN: Duration = Duration::from_secs(240);
 
@@ -852,6 +854,11 @@ fn round(
                 fault.detail,
                 fault.lost_s
             );
+            // A fault whose settling saw the run's last step left its window open; the run
+            // went on (a relaunch from an earlier step), so that window ends here.
+            if let Some(before) = report.faults.last_mut() {
+                before.end_ms = before.end_ms.min(fault.start_ms);
+            }
             report.faults.push(fault);
         }
         round.repair(true);
@@ -879,12 +886,21 @@ fn round(
             .unwrap_or_else(|| "a panic".into());
         report.failure = Some(why);
     }
+    let logs = std::env::temp_dir().join(format!("lazarus-soak-round-{number}.log"));
     if report.failure.is_some() {
-        let logs = std::env::temp_dir().join(format!("lazarus-soak-round-{number}.log"));
         let _ = std::fs::write(&logs, logs_under(&round.dir));
         println!(
             "round {number} FAILED: {}\n  its logs: {}",
             report.failure.as_deref().unwrap_or_default(),
+            logs.display()
+        );
+    } else if report.loss_lines as u64 > steps + RECOMPUTED_TO_KEEP_LOGS {
+        // Many steps trained twice: a recovery went back further than a fault should take
+        // it. The round passed, but its logs say why.
+        let _ = std::fs::write(&logs, logs_under(&round.dir));
+        println!(
+            "round {number}: {} steps trained again; its logs: {}",
+            report.loss_lines as u64 - steps,
             logs.display()
         );
     }
