@@ -389,6 +389,22 @@ impl Leader {
         active.get(rank as usize / per_node).map(String::as_str)
     }
 
+    /// Whether the store says, within 1 s, that a newer epoch exists, which deposes this
+    /// leader. `false` when it says none does, or cannot say: a leader that hears from most
+    /// of its nodes acts on a lost one as it would without the store.
+    pub async fn superseded(&self) -> bool {
+        let newer = tokio::time::timeout(
+            Duration::from_secs(1),
+            self.run.leadership_at(self.epoch + 1),
+        )
+        .await;
+        if let Ok(Ok(Some(_))) = newer {
+            self.depose();
+            return true;
+        }
+        false
+    }
+
     /// Whether the store says, within 2 s, that no newer epoch exists (a leader about to act
     /// without hearing from most of its nodes asks first; a newer one deposes it). `false`
     /// when the store cannot say.
