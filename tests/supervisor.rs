@@ -1241,6 +1241,53 @@ fn a_restarted_leader_adopts_the_running_world_and_supervision_resumes() {
     nothing_lost(&dir, &ctl, "adopted", &before, &expected);
 }
 
+/// The cut heals the moment the successor has claimed the next epoch, before the old leader
+/// looks for it (once a lease interval): it sees its nodes disconnect as they move to the
+/// successor. It must not take them for lost and stop the world; the successor adopts it.
+/// (The soak found a leader that did: it killed the world's ranks 9 ms before it learned.)
+#[test]
+fn a_leader_healed_just_after_its_successor_claimed_does_not_act() {
+    let (_guard, dir) = prepared();
+    let expected = reference_losses(&dir);
+    let (cluster, ctl) = three_candidates(&dir, "healed", true);
+    let relays = cluster.relays.as_ref().expect("relayed");
+    let before = past_first_durable(&cluster, &ctl, "healed");
+
+    let claimed = dir.join("store/runs/healed/leaders/000000000002.json");
+    relays.cut(0, &[1, 2]);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !claimed.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "no successor claimed epoch 2\n{}",
+            cluster.logs()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    relays.heal();
+    let healed_ms = now_ms();
+    wait_for_event(&ctl, "healed", "completed", 1, &cluster);
+    println!("{}", ctl.expect(0, &["events", "healed"]));
+    let timeline = events(&ctl, "healed");
+    let late: Vec<_> = timeline
+        .iter()
+        .filter(|e| e["epoch"] == 1 && e["unix_ms"].as_u64().unwrap() >= healed_ms)
+        .filter(|e| e["kind"] != "deposed")
+        .collect();
+    assert!(
+        late.is_empty(),
+        "the deposed leader acted: {late:#?}\n{}",
+        cluster.logs()
+    );
+    assert!(
+        timeline
+            .iter()
+            .any(|e| e["kind"] == "completed" && e["epoch"] == 2),
+        "{timeline:#?}"
+    );
+    nothing_lost(&dir, &ctl, "healed", &before, &expected);
+}
+
 /// Three daemons that may all lead (the two after the first are candidates with the same
 /// flags), through fault-injecting relays when `relayed`: n1 leads, n1 and n2 train, n3 is a
 /// hot spare.

@@ -864,8 +864,10 @@ async fn watch(
             // The nodes of a leader that a successor deposed disconnect as they move to it,
             // before this leader's lease loop (once an interval) finds the newer epoch: a
             // leader healed from a cut saw its nodes go, declared one lost and killed the
-            // world's ranks 9 ms before it learned (found by the soak). It asks the store.
-            if wary && leader.superseded().await {
+            // world's ranks 9 ms before it learned (found by the soak). It asks the store,
+            // whether or not it still counts successors: candidates that disconnected have
+            // left its order of succession.
+            if lost && leader.superseded().await {
                 continue;
             }
         }
