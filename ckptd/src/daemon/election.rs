@@ -172,7 +172,7 @@ async fn lease_renewed(cfg: &Config, run: &RunStore, epoch: u64) -> bool {
 }
 
 /// What a successor knows of the leadership it took over.
-#[derive(Clone, Debug)]
+#[derive(Debug)]
 pub struct Takeover {
     pub lost: Leadership,
     /// When the lost leader was last heard from, Unix ms.

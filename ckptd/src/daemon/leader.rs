@@ -393,34 +393,26 @@ impl Leader {
     /// leader. `false` when it says none does, or cannot say: a leader that hears from most
     /// of its nodes acts on a lost one as it would without the store.
     pub async fn superseded(&self) -> bool {
-        let newer = tokio::time::timeout(
-            Duration::from_secs(1),
-            self.run.leadership_at(self.epoch + 1),
-        )
-        .await;
-        if let Ok(Ok(Some(_))) = newer {
-            self.depose();
-            return true;
-        }
-        false
+        self.newer_epoch(Duration::from_secs(1)).await == Some(true)
     }
 
     /// Whether the store says, within 2 s, that no newer epoch exists (a leader about to act
     /// without hearing from most of its nodes asks first; a newer one deposes it). `false`
     /// when the store cannot say.
     pub async fn still_leads(&self) -> bool {
-        match tokio::time::timeout(
-            Duration::from_secs(2),
-            self.run.leadership_at(self.epoch + 1),
-        )
-        .await
-        {
-            Ok(Ok(None)) => true,
+        self.newer_epoch(Duration::from_secs(2)).await == Some(false)
+    }
+
+    /// What the store says within `limit` of an epoch newer than this leader's: `Some(true)`
+    /// one exists (and deposes this leader), `Some(false)` none does, `None` it cannot say.
+    async fn newer_epoch(&self, limit: Duration) -> Option<bool> {
+        match tokio::time::timeout(limit, self.run.leadership_at(self.epoch + 1)).await {
+            Ok(Ok(None)) => Some(false),
             Ok(Ok(Some(_))) => {
                 self.depose();
-                false
+                Some(true)
             }
-            _ => false,
+            _ => None,
         }
     }
 
