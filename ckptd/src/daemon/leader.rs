@@ -1647,6 +1647,32 @@ pub(crate) mod tests {
             .0
     }
 
+    /// `node`'s daemon says its rank `rank` (process `pid`, of a world of 2) registered.
+    pub(crate) async fn rank_up(leader: &Leader, node: &str, rank: Rank, pid: u32) {
+        let message = Message::RankUp {
+            node: node.into(),
+            run: leader.cfg.run.clone(),
+            rank,
+            world_size: 2,
+            pid,
+        };
+        leader.handle(node, 0, message).await.expect("handled");
+    }
+
+    /// `node`'s daemon says its rank `rank` (process `pid`) exited at `unix_us`.
+    pub(crate) async fn rank_down(leader: &Leader, node: &str, rank: Rank, pid: u32, unix_us: u64) {
+        let message = Message::RankDown {
+            node: node.into(),
+            run: leader.cfg.run.clone(),
+            rank,
+            pid,
+            unix_ms: unix_us / 1000,
+            unix_us,
+            step: 0,
+        };
+        leader.handle(node, 0, message).await.expect("handled");
+    }
+
     /// Node `name`'s daemon process `instance`, having applied the rollback `mark`,
     /// (re)connects to the leader, as its hello does; what it receives after the first frame,
     /// and the first frame's rollback mark.

@@ -131,6 +131,9 @@ pub async fn supervise(
                 active = previous.clone();
             }
             Found::Nothing => {
+                // Ranks it heard of and that went (done, or reported late) are not the next
+                // world's: a death left in the books would stop that world once it runs.
+                leader.forget_ranks().await;
                 generation += 1;
                 active = previous.clone();
             }
@@ -448,6 +451,8 @@ pub async fn supervise(
 
 /// Waits (a few heartbeats) for the ranks of a world that kept running while no leader was
 /// there: the nodes' hellos list them, and each rank re-registers with its restarted daemon.
+/// A rank its daemon saw die ends the wait at once: a world with a dead rank is stopped
+/// whatever else comes back.
 async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
     let grace = Duration::from_secs_f64((2.0 * plan.heartbeat_timeout_seconds).max(3.0));
     // The grace runs from the last rank that registered: thousands of nodes reconnecting
@@ -458,6 +463,20 @@ async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
         let (ranks, _) = leader.view().await;
         let world = leader.world_size().await as usize;
         let live: Vec<_> = ranks.iter().filter(|r| r.alive).collect();
+        let after = if took_over {
+            "was replaced"
+        } else {
+            "restarted"
+        };
+        if ranks.iter().any(|r| !r.alive && !r.done) {
+            let downs = leader.take_downs().await;
+            if !downs.is_empty() {
+                return Found::Partial(format!(
+                    "after the leader {after}, {}",
+                    death_detail(downs, lazarus_shared::store::now_unix_us())
+                ));
+            }
+        }
         if live.len() > seen {
             seen = live.len();
             started = Instant::now();
@@ -477,12 +496,7 @@ async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
             }
             let names: Vec<String> = live.iter().map(|r| r.rank.to_string()).collect();
             return Found::Partial(format!(
-                "after the leader {}, only ranks {} of {world} came back",
-                if took_over {
-                    "was replaced"
-                } else {
-                    "restarted"
-                },
+                "after the leader {after}, only ranks {} of {world} came back",
                 names.join(",")
             ));
         }
@@ -1298,8 +1312,8 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use super::{death_detail, repeat_count, socket_template, wait_for_nodes};
-    use crate::daemon::leader::tests::add_node;
+    use super::{adopt, death_detail, repeat_count, socket_template, wait_for_nodes, Found};
+    use crate::daemon::leader::tests::{add_node, rank_down, rank_up};
     use crate::daemon::leader::{Leader, RankDown};
     use crate::daemon::testing;
 
@@ -1336,6 +1350,53 @@ mod tests {
         let world = wait_for_nodes(&leader, &plan, &mut target, Vec::new(), &[], 0).await;
         assert_eq!(world, Some(vec!["n1".to_string(), "n2".to_string()]));
         drop(own.await);
+    }
+
+    /// Found by the soak under srun: a successor adopting a world whose other rank died just
+    /// after the takeover (n2 was lost whole with the old leader, and srun ended rank 0 on n4
+    /// only when n2's slurmd came back) waited out the grace, found nothing, and left that
+    /// death in its books; the relaunched world was stopped for it at once, 5 s more.
+    #[tokio::test]
+    async fn a_successor_stops_waiting_for_a_world_once_one_of_its_ranks_died() {
+        let flags = [
+            "--leader-candidate",
+            "--supervise",
+            "mpiexec",
+            "--active-nodes",
+            "2",
+            "--trainer-arg=train",
+        ];
+        let cfg = testing::config(Path::new("/unused"), "n3", "127.0.0.1:7001", &flags);
+        let plan = cfg.supervision.clone().expect("a supervising config");
+        let store = testing::memory_store().await;
+        let leader = Arc::new(Leader::new(
+            cfg.clone(),
+            store.run(&cfg.run),
+            Arc::default(),
+            None,
+            2,
+        ));
+        let _n4 = add_node(&leader, "n4").await;
+        let _n1 = add_node(&leader, "n1").await;
+        rank_up(&leader, "n4", 0, 100).await;
+        let dies = Arc::clone(&leader);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            rank_down(&dies, "n4", 0, 100, lazarus_shared::store::now_unix_us()).await;
+        });
+        let started = std::time::Instant::now();
+        let found = adopt(&leader, &plan, true).await;
+        let waited = started.elapsed();
+        let Found::Partial(detail) = found else {
+            panic!("a world with a dead rank is not adopted");
+        };
+        assert!(
+            detail.starts_with("after the leader was replaced, rank 0 (pid 100 on n4) died;"),
+            "{detail}"
+        );
+        // The grace is at least 3 s; the death was known after 0.3 s.
+        assert!(waited < Duration::from_secs(2), "waited {waited:?}");
+        assert!(leader.take_downs().await.is_empty(), "the death is taken");
     }
 
     #[test]
