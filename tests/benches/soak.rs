@@ -62,6 +62,11 @@ const ACTIVE: usize = 2;
 /// The supervisor's timeouts.
 const HEARTBEAT_TIMEOUT_S: f64 = 2.0;
 const HANG_TIMEOUT_S: f64 = 3.0;
+/// How long a leader must be silent before its successor claims: the heartbeat timeout, then
+/// three lease intervals (a quarter of the timeout each) in which its lease must not move,
+/// and half a second for the store's reads and the 100 ms looks. A leader silent for less may
+/// be back before the claim; either is right.
+const TAKEOVER_AFTER_S: f64 = HEARTBEAT_TIMEOUT_S * 1.75 + 0.5;
 /// No fault in the last steps of a round: the run ends, and the checks run.
 const QUIET_END_STEPS: u64 = 40;
 /// How long a recovery that a fault must cause may take to show before it counts as missing.
@@ -221,28 +226,28 @@ fn node_index(name: &str) -> Option<usize> {
         .checked_sub(1)
 }
 
-/// What a fault must cause: a relaunch of the world (`None`: it may or may not), a new leader.
+/// What a fault must cause: a relaunch of the world, a new leader (`None`: it may or may not).
 #[derive(Clone, Copy, Debug, Default)]
 struct Expect {
     relaunch: Option<bool>,
-    takeover: bool,
+    takeover: Option<bool>,
 }
 
 impl Expect {
     const NOTHING: Expect = Expect {
         relaunch: Some(false),
-        takeover: false,
+        takeover: Some(false),
     };
     const RELAUNCH: Expect = Expect {
         relaunch: Some(true),
-        takeover: false,
+        takeover: Some(false),
     };
 
     /// A relaunch when `active`, else nothing.
     fn relaunch_if(active: bool) -> Self {
         Expect {
             relaunch: Some(active),
-            takeover: false,
+            takeover: Some(false),
         }
     }
 
@@ -250,7 +255,16 @@ impl Expect {
     fn takeover(relaunch: Option<bool>) -> Self {
         Expect {
             relaunch,
-            takeover: true,
+            takeover: Some(true),
+        }
+    }
+
+    /// After a leader silent for `seconds`: a new leader if that is past [`TAKEOVER_AFTER_S`],
+    /// else either.
+    fn takeover_after(seconds: f64, relaunch: Option<bool>) -> Self {
+        Expect {
+            relaunch,
+            takeover: (seconds >= TAKEOVER_AFTER_S).then_some(true),
         }
     }
 }
@@ -276,13 +290,13 @@ impl Fault {
     /// A relaunch or a takeover the fault should have caused and did not, within its window.
     fn missed(&self) -> bool {
         (self.expect.relaunch == Some(true) && self.relaunches == 0)
-            || (self.expect.takeover && self.takeovers == 0)
+            || (self.expect.takeover == Some(true) && self.takeovers == 0)
     }
 
     /// A relaunch or a takeover in the fault's window that it should not have caused.
     fn unasked(&self) -> bool {
         (self.expect.relaunch == Some(false) && self.relaunches > 0)
-            || (!self.expect.takeover && self.takeovers > 0)
+            || (self.expect.takeover == Some(false) && self.takeovers > 0)
     }
 }
 
@@ -528,7 +542,7 @@ impl Round<'_> {
                     ),
                     // Its node's ranks, without their daemon, are restarted elsewhere, or
                     // found again when it is back in time: either may happen.
-                    Expect::takeover(None),
+                    Expect::takeover_after(seconds, None),
                 )
             }
             Kind::StallStore => {
@@ -564,7 +578,7 @@ impl Round<'_> {
                         name(seen.leader),
                         seen.epoch
                     ),
-                    Expect::takeover(relaunch),
+                    Expect::takeover_after(seconds, relaunch),
                 )
             }
             Kind::BriefCut => {
@@ -683,7 +697,7 @@ impl Round<'_> {
                 continue;
             };
             let shown = (expect.relaunch != Some(true) || generation != seen.generation)
-                && (!expect.takeover || epoch != seen.epoch);
+                && (expect.takeover != Some(true) || epoch != seen.epoch);
             if !shown && since.elapsed() < RECOVERY_SHOWS_WITHIN {
                 continue;
             }
@@ -710,6 +724,36 @@ impl Round<'_> {
         std::thread::sleep(Duration::from_secs_f64(seconds));
         let advanced = self.progress.newest().saturating_sub(start).max(1);
         at.elapsed().as_secs_f64() / advanced as f64
+    }
+
+    /// What a kept round's log holds: its faults with when each began and what it cost, the
+    /// leader's timeline as `ckptctl events` prints it, then the last lines of every log under
+    /// the round's directory.
+    fn kept_logs(&self, faults: &[Fault]) -> String {
+        let faults: Vec<String> = faults
+            .iter()
+            .map(|f| {
+                let at = std::time::UNIX_EPOCH + Duration::from_millis(f.start_ms);
+                format!(
+                    "{} step {} {} {}: {:.2} s lost",
+                    humantime::format_rfc3339_millis(at),
+                    f.step,
+                    f.kind.name(),
+                    f.detail,
+                    f.lost_s
+                )
+            })
+            .collect();
+        let events = self
+            .ctl
+            .run_within(&["events", &self.run], Duration::from_secs(30))
+            .map_or_else(|| "(no answer within 30 s)".to_string(), |o| text_of(&o));
+        format!(
+            "--- faults ---\n{}\n--- ckptctl events {} ---\n{events}\n{}",
+            faults.join("\n"),
+            self.run,
+            logs_under(&self.dir)
+        )
     }
 
     fn events(&self) -> Vec<serde_json::Value> {
@@ -888,7 +932,7 @@ fn round(
     }
     let logs = std::env::temp_dir().join(format!("lazarus-soak-round-{number}.log"));
     if report.failure.is_some() {
-        let _ = std::fs::write(&logs, logs_under(&round.dir));
+        let _ = std::fs::write(&logs, round.kept_logs(&report.faults));
         println!(
             "round {number} FAILED: {}\n  its logs: {}",
             report.failure.as_deref().unwrap_or_default(),
@@ -897,7 +941,7 @@ fn round(
     } else if report.loss_lines as u64 > steps + RECOMPUTED_TO_KEEP_LOGS {
         // Many steps trained twice: a recovery went back further than a fault should take
         // it. The round passed, but its logs say why.
-        let _ = std::fs::write(&logs, logs_under(&round.dir));
+        let _ = std::fs::write(&logs, round.kept_logs(&report.faults));
         println!(
             "round {number}: {} steps trained again; its logs: {}",
             report.loss_lines as u64 - steps,
