@@ -264,6 +264,16 @@ pub struct Leader {
     deposed: std::sync::atomic::AtomicBool,
 }
 
+/// The buddy of `active[i]` in the world's ring: the next node's address (none in a world
+/// of one node, or while the next node is unknown).
+fn ring_buddy(state: &State, active: &[String], i: usize) -> Option<String> {
+    if active.len() < 2 {
+        return None;
+    }
+    let next = &active[(i + 1) % active.len()];
+    state.nodes.get(next).map(|n| n.address.clone())
+}
+
 impl Leader {
     /// `durable`: the store's newest durable step when the daemon started.
     pub fn new(
@@ -754,16 +764,8 @@ impl Leader {
     /// Pairs the active nodes in a ring: each replicates to the next.
     pub async fn pair(&self, active: &[String]) {
         let mut state = self.state.lock().await;
-        let addresses: Vec<Option<String>> = active
-            .iter()
-            .map(|n| state.nodes.get(n).map(|i| i.address.clone()))
-            .collect();
         for (i, name) in active.iter().enumerate() {
-            let buddy = if active.len() > 1 {
-                addresses[(i + 1) % active.len()].clone()
-            } else {
-                None
-            };
+            let buddy = ring_buddy(&state, active, i);
             if let Some(info) = state.nodes.get_mut(name) {
                 info.buddy = buddy.clone();
                 if !self.deposed() {
@@ -774,6 +776,32 @@ impl Leader {
                 }
             }
         }
+    }
+
+    /// A node of the supervised world that says hello again (its daemon restarted) names the
+    /// buddy of its own configuration, or none: it is told the one the world's ring gives it,
+    /// or it would replicate to a node outside the world, and stop replicating when that one
+    /// is lost, which keeps every later step from being committed.
+    fn pair_again(&self, state: &mut State, node: &str) {
+        let Some((_, active, _)) = &state.supervision else {
+            return;
+        };
+        let Some(i) = active.iter().position(|n| n == node) else {
+            return;
+        };
+        let buddy = ring_buddy(state, active, i);
+        let Some(info) = state.nodes.get_mut(node) else {
+            return;
+        };
+        if info.buddy == buddy || self.deposed() {
+            return;
+        }
+        tracing::info!(%node, said = ?info.buddy, ?buddy, "pairing a node that came back with another buddy");
+        info.buddy = buddy.clone();
+        let _ = info.sender.send(Message::SetBuddy {
+            address: buddy,
+            epoch: self.epoch,
+        });
     }
 
     /// Asks every connected node to SIGKILL its ranks.
@@ -984,6 +1012,7 @@ impl Leader {
                 },
             );
             self.learn_from_hello(&mut state, &address, &t0, &replicas);
+            self.pair_again(&mut state, &node);
             self.order_succession(&mut state);
             if let Message::Leading { succession, .. } = &mut first {
                 // As it stands with this node in it.
@@ -1791,6 +1820,39 @@ pub(crate) mod tests {
     /// waiting for a commit that could not come: the other node held it, and its rank took
     /// no snapshot, for `commit_timeout_seconds`. The leader now gives the step up as soon
     /// as a report shows it cannot complete.
+    /// Found by the soak: n4's daemon restarted while its rank trained on, and came back
+    /// with the buddy of its configuration (n1, a spare) instead of the world's (n3). When n1
+    /// was lost, n4's snapshots were no longer replicated, no step was committed again, and
+    /// the world, done with its last step, hung and was relaunched from 216 steps before.
+    #[tokio::test]
+    async fn a_node_of_the_world_that_comes_back_with_another_buddy_is_paired_again() {
+        let (leader, mut n1) = leader().await;
+        let mut n2 = add_node(&leader, "n2").await;
+        let mut n3 = add_node(&leader, "n3").await;
+        let active = ["n1", "n2"].map(String::from);
+        leader.set_supervision(0, &active, &[]).await;
+        leader.pair(&active).await;
+        let told = |receiver: &mut mpsc::UnboundedReceiver<Message>| match receiver.try_recv() {
+            Ok(Message::SetBuddy { address, .. }) => Some(address),
+            Ok(other) => panic!("not a buddy: {other:?}"),
+            Err(_) => None,
+        };
+        assert_eq!(told(&mut n1), Some(Some("n2:7001".to_string())));
+        assert_eq!(told(&mut n2), Some(Some("n1:7001".to_string())));
+        // n1's daemon says hello again, naming the spare n3 as its buddy.
+        let mut state = leader.state.lock().await;
+        state.nodes.get_mut("n1").unwrap().buddy = Some("n3:7001".into());
+        leader.pair_again(&mut state, "n1");
+        assert_eq!(told(&mut n1), Some(Some("n2:7001".to_string())));
+        assert_eq!(state.nodes["n1"].buddy.as_deref(), Some("n2:7001"));
+        // Again with the buddy the ring gives it, or from a node outside the world: nothing.
+        leader.pair_again(&mut state, "n1");
+        assert_eq!(told(&mut n1), None);
+        state.nodes.get_mut("n3").unwrap().buddy = Some("n1:7001".into());
+        leader.pair_again(&mut state, "n3");
+        assert_eq!(told(&mut n3), None);
+    }
+
     /// Found by the soak under srun: n2 and n3 were lost, drained in Slurm and replaced, and
     /// their daemons came back and stayed connected. The leader, n4, training with n1, counted
     /// only n1 and itself; when n1 was lost too it heard 1 of 2, stopped renewing its lease

@@ -146,6 +146,11 @@ pub async fn supervise(
         let mut child = None;
         if let Some(nodes) = adopted.take() {
             active = nodes;
+            // The nodes replicate in the world's ring again: a node whose daemon restarted
+            // while no leader was there came back with its configured buddy, which may be
+            // outside the world (found by the soak: its buddy, a spare, was lost, and no step
+            // was committed again until the world hung and was relaunched).
+            leader.pair(&active).await;
             leader.set_supervision(generation, &active, &drained).await;
             leader
                 .record_world(
