@@ -1869,34 +1869,23 @@ pub(crate) mod tests {
         );
         leader.set_supervision(3, &active, &drained).await;
         assert!(leader.has_quorum().await, "every node is heard");
-        leader
-            .state
-            .lock()
-            .await
-            .nodes
-            .get_mut("n1")
-            .unwrap()
-            .connected = false;
+        let disconnect = |name: &'static str| async {
+            leader
+                .state
+                .lock()
+                .await
+                .nodes
+                .get_mut(name)
+                .unwrap()
+                .connected = false;
+        };
+        disconnect("n1").await;
         // n2, n3 and n4 are heard; n1 of the world is not.
         assert!(leader.has_quorum().await, "3 of 4 nodes are heard");
         // A drained node whose daemon is gone counts neither way.
-        leader
-            .state
-            .lock()
-            .await
-            .nodes
-            .get_mut("n2")
-            .unwrap()
-            .connected = false;
+        disconnect("n2").await;
         assert!(leader.has_quorum().await, "2 of 3 nodes are heard");
-        leader
-            .state
-            .lock()
-            .await
-            .nodes
-            .get_mut("n3")
-            .unwrap()
-            .connected = false;
+        disconnect("n3").await;
         assert!(!leader.has_quorum().await, "1 of 2 nodes is heard");
     }
 

@@ -1317,15 +1317,16 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use super::{adopt, death_detail, repeat_count, socket_template, wait_for_nodes, Found};
+    use super::{
+        adopt, death_detail, repeat_count, socket_template, wait_for_nodes, Found, Supervision,
+    };
     use crate::daemon::leader::tests::{add_node, rank_down, rank_up};
     use crate::daemon::leader::{Leader, RankDown};
     use crate::daemon::testing;
 
-    /// Found by the full suite: the batch job's first world started on n2 and n3, whose
-    /// hellos reached the leader (n1) before its own uplink's, and left n1 a spare.
-    #[tokio::test]
-    async fn a_first_world_waits_for_the_leaders_own_node_and_fills_in_name_order() {
+    /// Node `node`'s daemon leading `epoch` with a world of 2 nodes under mpiexec to supervise,
+    /// and its plan.
+    async fn supervising(node: &str, epoch: u64) -> (Arc<Leader>, Supervision) {
         let flags = [
             "--leader-candidate",
             "--supervise",
@@ -1334,16 +1335,24 @@ mod tests {
             "2",
             "--trainer-arg=train",
         ];
-        let cfg = testing::config(Path::new("/unused"), "n1", "127.0.0.1:7001", &flags);
+        let cfg = testing::config(Path::new("/unused"), node, "127.0.0.1:7001", &flags);
         let plan = cfg.supervision.clone().expect("a supervising config");
         let store = testing::memory_store().await;
-        let leader = Arc::new(Leader::new(
+        let leader = Leader::new(
             cfg.clone(),
             store.run(&cfg.run),
             Arc::default(),
             None,
-            1,
-        ));
+            epoch,
+        );
+        (Arc::new(leader), plan)
+    }
+
+    /// Found by the full suite: the batch job's first world started on n2 and n3, whose
+    /// hellos reached the leader (n1) before its own uplink's, and left n1 a spare.
+    #[tokio::test]
+    async fn a_first_world_waits_for_the_leaders_own_node_and_fills_in_name_order() {
+        let (leader, plan) = supervising("n1", 1).await;
         let _n3 = add_node(&leader, "n3").await;
         let _n2 = add_node(&leader, "n2").await;
         let late = Arc::clone(&leader);
@@ -1363,24 +1372,7 @@ mod tests {
     /// death in its books; the relaunched world was stopped for it at once, 5 s more.
     #[tokio::test]
     async fn a_successor_stops_waiting_for_a_world_once_one_of_its_ranks_died() {
-        let flags = [
-            "--leader-candidate",
-            "--supervise",
-            "mpiexec",
-            "--active-nodes",
-            "2",
-            "--trainer-arg=train",
-        ];
-        let cfg = testing::config(Path::new("/unused"), "n3", "127.0.0.1:7001", &flags);
-        let plan = cfg.supervision.clone().expect("a supervising config");
-        let store = testing::memory_store().await;
-        let leader = Arc::new(Leader::new(
-            cfg.clone(),
-            store.run(&cfg.run),
-            Arc::default(),
-            None,
-            2,
-        ));
+        let (leader, plan) = supervising("n3", 2).await;
         let _n4 = add_node(&leader, "n4").await;
         let _n1 = add_node(&leader, "n1").await;
         rank_up(&leader, "n4", 0, 100).await;
