@@ -1690,6 +1690,17 @@ pub(crate) mod tests {
         leader.handle(node, 0, message).await.expect("handled");
     }
 
+    /// `node`'s daemon says its rank `rank` (process `pid`) finished its run (`Bye`).
+    pub(crate) async fn rank_done(leader: &Leader, node: &str, rank: Rank, pid: u32) {
+        let message = Message::RankDone {
+            node: node.into(),
+            run: leader.cfg.run.clone(),
+            rank,
+            pid,
+        };
+        leader.handle(node, 0, message).await.expect("handled");
+    }
+
     /// `node`'s daemon says its rank `rank` (process `pid`) exited at `unix_us`.
     pub(crate) async fn rank_down(leader: &Leader, node: &str, rank: Rank, pid: u32, unix_us: u64) {
         let message = Message::RankDown {

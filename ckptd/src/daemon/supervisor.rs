@@ -457,7 +457,8 @@ pub async fn supervise(
 /// Waits (a few heartbeats) for the ranks of a world that kept running while no leader was
 /// there: the nodes' hellos list them, and each rank re-registers with its restarted daemon.
 /// A rank its daemon saw die ends the wait at once: a world with a dead rank is stopped
-/// whatever else comes back.
+/// whatever else comes back. A rank that finished (`Bye`) came back too: a world that
+/// completed while no leader was there is adopted, and its supervision completes.
 async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
     let grace = Duration::from_secs_f64((2.0 * plan.heartbeat_timeout_seconds).max(3.0));
     // The grace runs from the last rank that registered: thousands of nodes reconnecting
@@ -467,7 +468,7 @@ async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
     loop {
         let (ranks, _) = leader.view().await;
         let world = leader.world_size().await as usize;
-        let live: Vec<_> = ranks.iter().filter(|r| r.alive).collect();
+        let back: Vec<_> = ranks.iter().filter(|r| r.alive || r.done).collect();
         let after = if took_over {
             "was replaced"
         } else {
@@ -482,13 +483,13 @@ async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
                 ));
             }
         }
-        if live.len() > seen {
-            seen = live.len();
+        if back.len() > seen {
+            seen = back.len();
             started = Instant::now();
         }
-        if world > 0 && live.len() == world {
+        if world > 0 && back.len() == world {
             let mut nodes: Vec<String> = Vec::new();
-            for rank in &live {
+            for rank in &back {
                 if !nodes.contains(&rank.node) {
                     nodes.push(rank.node.clone());
                 }
@@ -496,10 +497,10 @@ async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
             return Found::World(nodes);
         }
         if started.elapsed() > grace {
-            if live.is_empty() {
+            if back.is_empty() {
                 return Found::Nothing;
             }
-            let names: Vec<String> = live.iter().map(|r| r.rank.to_string()).collect();
+            let names: Vec<String> = back.iter().map(|r| r.rank.to_string()).collect();
             return Found::Partial(format!(
                 "after the leader {after}, only ranks {} of {world} came back",
                 names.join(",")
@@ -1320,7 +1321,7 @@ mod tests {
     use super::{
         adopt, death_detail, repeat_count, socket_template, wait_for_nodes, Found, Supervision,
     };
-    use crate::daemon::leader::tests::{add_node, rank_down, rank_up};
+    use crate::daemon::leader::tests::{add_node, rank_done, rank_down, rank_up};
     use crate::daemon::leader::{Leader, RankDown};
     use crate::daemon::testing;
 
@@ -1394,6 +1395,30 @@ mod tests {
         // The grace is at least 3 s; the death was known after 0.3 s.
         assert!(waited < Duration::from_secs(2), "waited {waited:?}");
         assert!(leader.take_downs().await.is_empty(), "the death is taken");
+    }
+
+    /// Seen in the soak: a world whose ranks finished while no leader was there was
+    /// relaunched at its last step (adoption counted the ranks alive, and a finished one is
+    /// not), where it is adopted and its supervision completes.
+    #[tokio::test]
+    async fn a_world_that_finished_while_no_leader_was_there_is_adopted() {
+        let (leader, plan) = supervising("n3", 2).await;
+        let _n4 = add_node(&leader, "n4").await;
+        let _n1 = add_node(&leader, "n1").await;
+        rank_up(&leader, "n4", 0, 100).await;
+        rank_up(&leader, "n1", 1, 101).await;
+        rank_done(&leader, "n4", 0, 100).await;
+        let last = Arc::clone(&leader);
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            rank_done(&last, "n1", 1, 101).await;
+        });
+        let started = std::time::Instant::now();
+        let Found::World(nodes) = adopt(&leader, &plan, true).await else {
+            panic!("a finished world is adopted");
+        };
+        assert_eq!(nodes, ["n4", "n1"]);
+        assert!(started.elapsed() < Duration::from_secs(2));
     }
 
     #[test]
