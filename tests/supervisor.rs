@@ -17,7 +17,7 @@ use lazarus_tests::runbook::Runbook;
 use lazarus_tests::slurm;
 use lazarus_tests::supervision::{
     events, first_dead, kill, kinds, now_ms, supervised_by, supervised_on, supervised_with,
-    wait_for_event_or, wait_for_event_within, Daemons, Status,
+    wait_for_event_or, wait_for_event_within, wait_until, Daemons, Status,
 };
 use lazarus_tests::train::{loss_texts as losses, prepared, reference_run, TrainerArgs};
 use lazarus_tests::{bin, Ctl, S3Server};
@@ -890,19 +890,17 @@ fn a_restored_state_whose_first_step_does_not_repeat_its_loss_falls_back_to_an_o
     let envs = vec![("LAZARUS_ALLOW_TEST_FAULTS".to_string(), "1".to_string())];
     let (cluster, ctl) = supervised_with(&dir, "shifted", 2, &flags, &args, envs);
     let pid = rank_pid(&cluster, &ctl, 1, 60);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while losses(&dir, "shifted")
-        .keys()
-        .next_back()
-        .is_none_or(|step| *step < 73)
-    {
-        assert!(
-            Instant::now() < deadline,
-            "step 73 was never logged\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(5),
+        || format!("step 73 was never logged\n{}", cluster.logs()),
+        || {
+            losses(&dir, "shifted")
+                .keys()
+                .next_back()
+                .is_some_and(|step| *step >= 73)
+        },
+    );
     assert!(kill("KILL", pid));
     wait_for_event(&ctl, "shifted", "completed", 1, &cluster);
     let timeline = events(&ctl, "shifted");
@@ -955,11 +953,12 @@ fn a_rank_killed_while_the_store_hangs_restores_from_memory_in_seconds() {
     let args = trainer_args(&dir, "hung", &store);
     let (cluster, ctl) = supervised_on(&store, &dir, "hung", 2, &flags, &args, s3.envs());
     rank_pid(&cluster, &ctl, 1, 55);
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while !ctl.committed("hung").iter().any(|s| *s >= 50) {
-        assert!(Instant::now() < deadline, "{}", cluster.logs());
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until(
+        Duration::from_secs(120),
+        Duration::from_millis(100),
+        || cluster.logs(),
+        || ctl.committed("hung").iter().any(|s| *s >= 50),
+    );
     let ranks = |status: &serde_json::Value| -> Vec<(u64, u64)> {
         status["runs"][0]["ranks"]
             .as_array()
@@ -1255,15 +1254,12 @@ fn a_leader_healed_just_after_its_successor_claimed_does_not_act() {
 
     let claimed = dir.join("store/runs/healed/leaders/000000000002.json");
     relays.cut(0, &[1, 2]);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !claimed.exists() {
-        assert!(
-            Instant::now() < deadline,
-            "no successor claimed epoch 2\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(2));
-    }
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(2),
+        || format!("no successor claimed epoch 2\n{}", cluster.logs()),
+        || claimed.exists(),
+    );
     relays.heal();
     let healed_ms = now_ms();
     wait_for_event(&ctl, "healed", "completed", 1, &cluster);
@@ -1488,17 +1484,17 @@ fn a_leader_cut_off_from_its_nodes_is_replaced_and_stays_harmless_when_the_cut_h
     wait_for_event(&ctl, "partition", "deposed", 1, &cluster);
     // The new leader acts (it adopts the world or, with n1's rank out of reach, relaunches
     // it on the spare); then the cut heals and n1's held bytes arrive, late.
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while !events(&ctl, "partition").iter().any(|e| {
-        e["epoch"] == 2 && ["adopted", "fault", "relaunch"].contains(&e["kind"].as_str().unwrap())
-    }) {
-        assert!(
-            Instant::now() < deadline,
-            "the new leader never acted\n{}",
-            cluster.logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(100),
+        || format!("the new leader never acted\n{}", cluster.logs()),
+        || {
+            events(&ctl, "partition").iter().any(|e| {
+                e["epoch"] == 2
+                    && ["adopted", "fault", "relaunch"].contains(&e["kind"].as_str().unwrap())
+            })
+        },
+    );
     relays.heal();
     wait_for_event(&ctl, "partition", "completed", 1, &cluster);
     println!("{}", ctl.expect(0, &["events", "partition"]));
@@ -1795,11 +1791,12 @@ fn a_throttled_rank_is_reported_as_a_straggler() {
     );
     // The slow node recovers: the straggler clears.
     drop(throttle);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while cluster.metric(0, "lazarus_ckptd_stragglers") != 0.0 {
-        assert!(Instant::now() < deadline, "the straggler never cleared");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until(
+        Duration::from_secs(60),
+        Duration::from_millis(200),
+        || "the straggler never cleared".into(),
+        || cluster.metric(0, "lazarus_ckptd_stragglers") == 0.0,
+    );
     runbook.run("Verify it worked", &env);
     // Dropping the cluster ends the daemons and the world.
 }

@@ -132,20 +132,37 @@ pub fn wait_for_event_within(
     limit: Duration,
     logs: impl Fn() -> String,
 ) {
+    wait_until(
+        limit,
+        Duration::from_millis(100),
+        || {
+            format!(
+                "no {kind} event #{count}: {:#?}\n{}",
+                events(ctl, run),
+                logs()
+            )
+        },
+        || {
+            events(ctl, run)
+                .iter()
+                .filter(|e| e["kind"] == kind)
+                .count()
+                >= count
+        },
+    );
+}
+
+/// Looks whether `done` every `every` until it is, and fails with `why` past `limit`.
+pub fn wait_until(
+    limit: Duration,
+    every: Duration,
+    why: impl Fn() -> String,
+    mut done: impl FnMut() -> bool,
+) {
     let deadline = Instant::now() + limit;
-    while events(ctl, run)
-        .iter()
-        .filter(|e| e["kind"] == kind)
-        .count()
-        < count
-    {
-        assert!(
-            Instant::now() < deadline,
-            "no {kind} event #{count}: {:#?}\n{}",
-            events(ctl, run),
-            logs()
-        );
-        std::thread::sleep(Duration::from_millis(100));
+    while !done() {
+        assert!(Instant::now() < deadline, "{}", why());
+        std::thread::sleep(every);
     }
 }
 

@@ -1827,10 +1827,6 @@ pub(crate) mod tests {
             .collect()
     }
 
-    /// A daemon killed while it replicated rank 1's snapshot of step 16 left rank 0's
-    /// waiting for a commit that could not come: the other node held it, and its rank took
-    /// no snapshot, for `commit_timeout_seconds`. The leader now gives the step up as soon
-    /// as a report shows it cannot complete.
     /// Found by the soak: n4's daemon restarted while its rank trained on, and came back
     /// with the buddy of its configuration (n1, a spare) instead of the world's (n3). When n1
     /// was lost, n4's snapshots were no longer replicated, no step was committed again, and
@@ -1900,6 +1896,10 @@ pub(crate) mod tests {
         assert!(!leader.has_quorum().await, "1 of 2 nodes is heard");
     }
 
+    /// A daemon killed while it replicated rank 1's snapshot of step 16 left rank 0's
+    /// waiting for a commit that could not come: the other node held it, and its rank took
+    /// no snapshot, for `commit_timeout_seconds`. The leader now gives the step up as soon
+    /// as a report shows it cannot complete.
     #[tokio::test]
     async fn a_step_that_can_no_longer_complete_is_given_up_at_once() {
         let (leader, mut n1) = leader().await;

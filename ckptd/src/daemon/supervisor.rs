@@ -465,15 +465,15 @@ async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
     // take longer than a few, and a world still arriving is not a partial one.
     let mut started = Instant::now();
     let mut seen = 0;
+    let after = if took_over {
+        "was replaced"
+    } else {
+        "restarted"
+    };
     loop {
         let (ranks, _) = leader.view().await;
         let world = leader.world_size().await as usize;
         let back: Vec<_> = ranks.iter().filter(|r| r.alive || r.done).collect();
-        let after = if took_over {
-            "was replaced"
-        } else {
-            "restarted"
-        };
         if ranks.iter().any(|r| !r.alive && !r.done) {
             let downs = leader.take_downs().await;
             if !downs.is_empty() {
