@@ -315,9 +315,12 @@ enum Pending {
     Note,
 }
 
-/// The most requests a rank leaves unanswered before it waits for the oldest answer: a
-/// daemon that falls behind holds the rank back only after this many steps' heartbeats.
-const PENDING_MAX: usize = 4;
+/// The most requests a rank leaves unanswered. Past it, heartbeats and word of skipped
+/// snapshots are not written (counted in [`Ckptd::unsent`]) rather than waited on: a daemon
+/// that stopped reading (SIGSTOPped, or starved of CPU) must not stop its node's ranks, and
+/// with them the world. It bounds what the socket's buffer holds for a daemon that is gone;
+/// past the heartbeat timeout the leader finds such a node for itself.
+pub const PENDING_MAX: usize = 64;
 
 /// The rank's connection to its node's `ckptd` (Unix socket). The daemon answers requests
 /// in order; the loop's heartbeats and hand-overs go on without waiting for theirs, which are
@@ -350,6 +353,10 @@ pub struct Ckptd {
     busy_word: Option<BusyWordReader>,
     /// How long this client has been blocked reading the daemon's answers, in all.
     answer_wait: Duration,
+    /// Heartbeats and skips not written because [`PENDING_MAX`] requests were unanswered,
+    /// and whether the last one was such.
+    unsent: u64,
+    unsending: bool,
 }
 
 impl Ckptd {
@@ -382,6 +389,8 @@ impl Ckptd {
             answers: Vec::new(),
             busy_word: None,
             answer_wait: Duration::ZERO,
+            unsent: 0,
+            unsending: false,
         };
         client.reconnect().with_context(|| {
             format!(
@@ -656,8 +665,8 @@ impl Ckptd {
     }
 
     /// The loop's heartbeat, with `step`'s loss once it is known, written without waiting
-    /// for its answer (read with the answers that come later). Past `PENDING_MAX` pending
-    /// requests, it first waits for the oldest answers.
+    /// for its answer (read with the answers that come later). Past [`PENDING_MAX`] pending
+    /// requests it is not written.
     pub fn heartbeat(&mut self, step: u64, compute: Duration, loss: Option<f64>) -> Result<()> {
         let poll = Message::Poll {
             step,
@@ -667,12 +676,22 @@ impl Ckptd {
         self.note(&poll)
     }
 
-    /// Writes a request answered with the held slots, without waiting for the answer.
+    /// Writes a request answered with the held slots, without waiting for the answer; with
+    /// [`PENDING_MAX`] requests unanswered, drops it instead.
     fn note(&mut self, message: &Message) -> Result<()> {
         self.take_arrived();
-        while self.pending.len() >= PENDING_MAX {
-            let _ = self.read_pending();
+        if self.pending.len() >= PENDING_MAX {
+            if !self.unsending {
+                tracing::warn!(
+                    pending = self.pending.len(),
+                    "ckptd has not answered this rank's last requests; training goes on, sending it no heartbeats until it does"
+                );
+            }
+            self.unsending = true;
+            self.unsent += 1;
+            return Ok(());
         }
+        self.unsending = false;
         self.send(message, &[])?;
         self.pending.push_back(Pending::Note);
         Ok(())
@@ -812,6 +831,12 @@ impl Ckptd {
             }
         }
         result
+    }
+
+    /// How many heartbeats and skips were not written because the daemon had not answered
+    /// [`PENDING_MAX`] requests.
+    pub fn unsent(&self) -> u64 {
+        self.unsent
     }
 
     /// The hand-overs answered since the last call: step, and whether the daemon took it.
@@ -1152,37 +1177,55 @@ mod tests {
         );
     }
 
-    /// Heartbeats do not wait for their answers until [`PENDING_MAX`] are pending: then the
-    /// next waits for the oldest.
+    /// Heartbeats never wait for their answers: past [`PENDING_MAX`] pending, the next are
+    /// not written (a daemon that stopped reading does not stop the rank), and once the
+    /// daemon answers they are written again. Regression: past 4 pending the heartbeat waited
+    /// for the oldest answer, so a daemon SIGSTOPped for seconds held its ranks (and the
+    /// world) that long.
     #[test]
-    fn heartbeats_wait_for_answers_only_past_the_pending_limit() {
+    fn heartbeats_past_the_pending_limit_are_dropped_not_waited_on() {
+        const AFTER: u64 = 1_000;
         let (_dir, mut client, release, daemon) = held_back_daemon(move |mut stream, released| {
+            let mut steps = Vec::new();
             for _ in 0..PENDING_MAX {
-                wire::read_frame_sync(&mut stream, None).unwrap();
+                steps.push(
+                    match wire::read_frame_sync(&mut stream, None).unwrap().message {
+                        Message::Poll { step, .. } => step,
+                        other => panic!("{other:?} instead of a heartbeat"),
+                    },
+                );
             }
             let went_on = released.recv_timeout(Duration::from_secs(30)).is_ok();
-            for _ in 0..=PENDING_MAX {
+            for _ in 0..PENDING_MAX {
                 wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None)
                     .unwrap();
             }
-            wire::read_frame_sync(&mut stream, None).unwrap();
+            // The next request written is the one after the answers, none of those dropped.
+            steps.push(
+                match wire::read_frame_sync(&mut stream, None).unwrap().message {
+                    Message::Poll { step, .. } => step,
+                    other => panic!("{other:?} instead of a heartbeat"),
+                },
+            );
             wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None).unwrap();
-            went_on
+            (went_on, steps)
         });
-        for step in 0..PENDING_MAX as u64 {
+        let extra = 3;
+        for step in 0..PENDING_MAX as u64 + extra {
             client.heartbeat(step, Duration::ZERO, None).unwrap();
         }
         assert_eq!(client.pending.len(), PENDING_MAX);
+        assert_eq!(client.unsent(), extra);
         release.send(()).unwrap();
-        client
-            .heartbeat(PENDING_MAX as u64, Duration::ZERO, None)
-            .unwrap();
-        assert!(client.pending.len() <= PENDING_MAX, "{:?}", client.pending);
         client.settle().unwrap();
-        assert!(
-            daemon.join().unwrap(),
-            "a heartbeat within the limit waited"
-        );
+        client.heartbeat(AFTER, Duration::ZERO, None).unwrap();
+        client.settle().unwrap();
+        assert_eq!(client.unsent(), extra, "written again once answered");
+        let (went_on, steps) = daemon.join().unwrap();
+        assert!(went_on, "a heartbeat past the limit waited for an answer");
+        let mut expected: Vec<u64> = (0..PENDING_MAX as u64).collect();
+        expected.push(AFTER);
+        assert_eq!(steps, expected);
     }
 
     /// The rank reads its daemon's busy word instead of asking; without one it has no word.

@@ -1003,6 +1003,14 @@ impl Session {
                 "ckptd: {} snapshots skipped while the daemon was busy",
                 saver.skipped
             )?;
+            let unsent = saver.client.unsent();
+            if unsent > 0 {
+                writeln!(
+                    log,
+                    "ckptd: {unsent} heartbeats not sent while the daemon left {} requests unanswered",
+                    crate::snapshot::PENDING_MAX
+                )?;
+            }
         }
         Ok(())
     }
