@@ -1690,6 +1690,26 @@ pub(crate) mod tests {
         leader.handle(node, 0, message).await.expect("handled");
     }
 
+    /// `node`'s daemon heartbeats with its rank `rank` (process `pid`) at `step`.
+    pub(crate) async fn rank_at(leader: &Leader, node: &str, rank: Rank, pid: u32, step: u64) {
+        let beat = wire::RankBeat {
+            rank,
+            pid,
+            step,
+            seen_ms_ago: 0,
+            compute_us: 0,
+            process_state: None,
+            restored_from: None,
+            unhealthy: None,
+            losses: Vec::new(),
+        };
+        let message = Message::NodeHeartbeat {
+            node: node.into(),
+            ranks: vec![beat],
+        };
+        leader.handle(node, 0, message).await.expect("handled");
+    }
+
     /// `node`'s daemon says its rank `rank` (process `pid`) finished its run (`Bye`).
     pub(crate) async fn rank_done(leader: &Leader, node: &str, rank: Rank, pid: u32) {
         let message = Message::RankDone {

@@ -65,6 +65,7 @@ pub enum Ending {
 const BAD_INPUT_EXIT: i32 = 2;
 
 /// What a leader that starts with the run's timeline already written finds.
+#[derive(Debug)]
 enum Found {
     /// Every rank of the world is registered and alive: it keeps running.
     World(Vec<String>),
@@ -454,16 +455,26 @@ pub async fn supervise(
     }
 }
 
+/// How many graces adoption waits at most for the daemons of a world that keeps stepping.
+const ADOPTION_MOST: u32 = 3;
+
 /// Waits (a few heartbeats) for the ranks of a world that kept running while no leader was
 /// there: the nodes' hellos list them, and each rank re-registers with its restarted daemon.
 /// A rank its daemon saw die ends the wait at once: a world with a dead rank is stopped
 /// whatever else comes back. A rank that finished (`Bye`) came back too: a world that
 /// completed while no leader was there is adopted, and its supervision completes.
+///
+/// A world steps only with all of its ranks (each step's loss is summed over the world), so
+/// while the ranks that are back keep stepping, the others are alive and only their daemons
+/// are not back yet (a leader's, killed and restarting): the grace also runs from the last
+/// step they took, up to [`ADOPTION_MOST`] graces in all. Until a daemon is back its ranks
+/// skip their snapshots, which is the world's exposure while it waits.
 async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
     let grace = Duration::from_secs_f64((2.0 * plan.heartbeat_timeout_seconds).max(3.0));
     // The grace runs from the last rank that registered: thousands of nodes reconnecting
     // take longer than a few, and a world still arriving is not a partial one.
-    let mut started = Instant::now();
+    let began = Instant::now();
+    let mut started = began;
     let mut seen = 0;
     let after = if took_over {
         "was replaced"
@@ -496,13 +507,28 @@ async fn adopt(leader: &Leader, plan: &Supervision, took_over: bool) -> Found {
             }
             return Found::World(nodes);
         }
-        if started.elapsed() > grace {
+        let stepped_ago = back
+            .iter()
+            .filter(|r| !r.done)
+            .map(|r| r.progressed_ago)
+            .min()
+            .unwrap_or(Duration::MAX);
+        let quiet = started.elapsed().min(stepped_ago);
+        if quiet > grace || began.elapsed() > grace * ADOPTION_MOST {
             if back.is_empty() {
                 return Found::Nothing;
             }
             let names: Vec<String> = back.iter().map(|r| r.rank.to_string()).collect();
+            let stepping = if quiet > grace {
+                String::new()
+            } else {
+                format!(
+                    ", though the world stepped on for {:.1} s",
+                    began.elapsed().as_secs_f64()
+                )
+            };
             return Found::Partial(format!(
-                "after the leader {after}, only ranks {} of {world} came back",
+                "after the leader {after}, only ranks {} of {world} came back{stepping}",
                 names.join(",")
             ));
         }
@@ -1318,17 +1344,29 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
+    use lazarus_shared::Rank;
+    use tokio::task::JoinHandle;
+
     use super::{
         adopt, death_detail, repeat_count, socket_template, wait_for_nodes, Found, Supervision,
     };
-    use crate::daemon::leader::tests::{add_node, rank_done, rank_down, rank_up};
+    use crate::daemon::leader::tests::{add_node, rank_at, rank_done, rank_down, rank_up};
     use crate::daemon::leader::{Leader, RankDown};
     use crate::daemon::testing;
 
     /// Node `node`'s daemon leading `epoch` with a world of 2 nodes under mpiexec to supervise,
     /// and its plan.
     async fn supervising(node: &str, epoch: u64) -> (Arc<Leader>, Supervision) {
-        let flags = [
+        supervising_with(node, epoch, &[]).await
+    }
+
+    /// [`supervising`], with `extra` flags.
+    async fn supervising_with(
+        node: &str,
+        epoch: u64,
+        extra: &[&str],
+    ) -> (Arc<Leader>, Supervision) {
+        let mut flags = vec![
             "--leader-candidate",
             "--supervise",
             "mpiexec",
@@ -1336,6 +1374,7 @@ mod tests {
             "2",
             "--trainer-arg=train",
         ];
+        flags.extend_from_slice(extra);
         let cfg = testing::config(Path::new("/unused"), node, "127.0.0.1:7001", &flags);
         let plan = cfg.supervision.clone().expect("a supervising config");
         let store = testing::memory_store().await;
@@ -1419,6 +1458,70 @@ mod tests {
         };
         assert_eq!(nodes, ["n4", "n1"]);
         assert!(started.elapsed() < Duration::from_secs(2));
+    }
+
+    /// `node`'s daemon reports its rank `rank` (process `pid`) every 200 ms at a step one
+    /// higher each time, until the returned task is aborted.
+    fn stepping(leader: &Arc<Leader>, node: &'static str, rank: Rank, pid: u32) -> JoinHandle<()> {
+        let leader = Arc::clone(leader);
+        tokio::spawn(async move {
+            for step in 1.. {
+                rank_at(&leader, node, rank, pid, step).await;
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        })
+    }
+
+    /// Seen in the soak: a leader killed on a training node and restarted just after its
+    /// successor took over cost 8.5-9.2 s. The successor's grace (twice the heartbeat
+    /// timeout) ran out about a second before the restarted daemon's rank registered, and
+    /// the world, which had been stepping all along, was stopped and relaunched. A world
+    /// that steps has all its ranks alive: the wait goes on while it does.
+    #[tokio::test]
+    async fn a_world_that_steps_on_is_waited_for_past_the_grace_until_its_ranks_are_back() {
+        let (leader, plan) = supervising_with("n3", 2, &["--heartbeat-timeout-seconds", "1"]).await;
+        let _n4 = add_node(&leader, "n4").await;
+        rank_up(&leader, "n4", 1, 101).await;
+        let steps = stepping(&leader, "n4", 1, 101);
+        let late = Arc::clone(&leader);
+        tokio::spawn(async move {
+            // Past the grace (3 s at least) from the start.
+            tokio::time::sleep(Duration::from_millis(3_600)).await;
+            let _n1 = add_node(&late, "n1").await;
+            rank_up(&late, "n1", 0, 100).await;
+        });
+        let found = adopt(&leader, &plan, true).await;
+        steps.abort();
+        let Found::World(nodes) = found else {
+            panic!("a world that stepped on was not adopted: {found:?}");
+        };
+        assert_eq!(nodes, ["n1", "n4"]);
+    }
+
+    /// ... but not forever: a daemon that is not back within three graces leaves its world
+    /// partial, and the world is stopped and relaunched.
+    #[tokio::test]
+    async fn a_world_that_steps_on_without_its_other_daemons_is_partial_after_three_graces() {
+        let (leader, plan) = supervising_with("n3", 2, &["--heartbeat-timeout-seconds", "1"]).await;
+        let _n4 = add_node(&leader, "n4").await;
+        rank_up(&leader, "n4", 1, 101).await;
+        let steps = stepping(&leader, "n4", 1, 101);
+        let started = std::time::Instant::now();
+        let found = adopt(&leader, &plan, true).await;
+        let waited = started.elapsed();
+        steps.abort();
+        let Found::Partial(detail) = found else {
+            panic!("a world without a daemon was adopted: {found:?}");
+        };
+        assert!(
+            detail.starts_with("after the leader was replaced, only ranks 1 of 2 came back, though the world stepped on for"),
+            "{detail}"
+        );
+        // The grace is 3 s here.
+        assert!(
+            (Duration::from_secs(9)..Duration::from_secs(11)).contains(&waited),
+            "waited {waited:?}"
+        );
     }
 
     #[test]
