@@ -366,6 +366,33 @@ fn a_traced_run_writes_each_rank_a_timeline_of_its_first_steps_by_phase_and_op()
             "{said}"
         );
     }
+    // Both ranks' files: each step, then its waits inside MPI split by op between waiting
+    // together and waiting for the other rank, the expert exchange among them.
+    let output = Command::new(bin("trainer"))
+        .arg("trace-summary")
+        .args((0..2).map(|rank| dir.join(format!("trace.rank{rank}.json"))))
+        .output()
+        .expect("trainer runs");
+    let text = String::from_utf8_lossy(&output.stdout).to_string();
+    assert!(output.status.success(), "{text}");
+    println!("both ranks:\n{text}");
+    let table = text
+        .split("waits inside MPI across the 2 ranks")
+        .nth(1)
+        .unwrap_or_else(|| panic!("no wait split:\n{text}"));
+    let waited: f64 = table
+        .lines()
+        .filter(|l| l.trim_start().starts_with("expert_"))
+        .map(|l| {
+            let fields: Vec<f64> = l
+                .split_whitespace()
+                .skip(2)
+                .map(|f| f.parse().unwrap())
+                .collect();
+            fields.iter().sum::<f64>()
+        })
+        .sum();
+    assert!(waited > 0.0, "no wait in the expert exchange:\n{table}");
 }
 
 /// Pipeline parallel: each layout matches one process that trains the same global batch in

@@ -91,8 +91,11 @@ pub enum Command {
         trace_steps: u64,
     },
     /// Print one step of a `train --trace` file by phase and op: calls, total and own time.
+    /// Given every rank's file of one world, also how that step's waits inside MPI split, op
+    /// by op, between waiting together (the transfer) and waiting for other ranks (imbalance).
     TraceSummary {
-        file: PathBuf,
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
         /// The step (default: the last one traced).
         #[arg(long)]
         step: Option<u64>,
@@ -197,10 +200,21 @@ fn run(cli: Cli) -> anyhow::Result<()> {
             );
             Ok(())
         }
-        Command::TraceSummary { file, step } => {
-            let profile = crate::trace::profile(&file, step)?;
+        Command::TraceSummary { files, step } => {
+            let mut text = String::new();
+            for file in &files {
+                let profile = crate::trace::profile(file, step)?;
+                if files.len() > 1 {
+                    text += &format!("{}: ", file.display());
+                }
+                text += &profile.to_string();
+            }
+            if files.len() > 1 {
+                let splits = crate::trace::wait_split(&files, step)?;
+                text += &crate::trace::wait_split_table(&splits, files.len());
+            }
             // A reader that stops early (`| head`) is no error.
-            match write!(std::io::stdout().lock(), "{profile}") {
+            match write!(std::io::stdout().lock(), "{text}") {
                 Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => Err(error.into()),
                 _ => Ok(()),
             }

@@ -133,9 +133,9 @@ struct Entry {
     args: serde_json::Value,
 }
 
-/// The profile of step `step` of the trace at `path` (the last traced step when `None`):
-/// every span inside that step's `step` span on its thread, summed by name.
-pub fn profile(path: &Path, step: Option<u64>) -> Result<StepProfile> {
+/// Step `step` of the trace at `path` (the last traced step when `None`): its number, its
+/// length in ms, and the spans inside it on its thread, in order (the `step` span left out).
+fn read_step(path: &Path, step: Option<u64>) -> Result<(u64, f64, Vec<Entry>)> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("reading the trace {}", path.display()))?;
     let entries: Vec<Entry> = serde_json::from_str(&text)
@@ -173,13 +173,21 @@ pub fn profile(path: &Path, step: Option<u64>) -> Result<StepProfile> {
             steps.iter().map(|s| s.0).collect::<Vec<_>>()
         );
     };
+    let inside = entries
+        .into_iter()
+        .filter(|e| e.tid == tid && e.ts >= start && e.ts <= end && e.name != "step")
+        .collect();
+    Ok((number, (end - start) / 1e3, inside))
+}
+
+/// The profile of step `step` of the trace at `path` (the last traced step when `None`):
+/// every span inside that step's `step` span on its thread, summed by name.
+pub fn profile(path: &Path, step: Option<u64>) -> Result<StepProfile> {
+    let (number, step_ms, entries) = read_step(path, step)?;
     // Spans nest on a thread: a stack of (name, start, time in children).
     let mut stack: Vec<(String, f64, f64)> = Vec::new();
     let mut sums: BTreeMap<String, OpTime> = BTreeMap::new();
-    for entry in entries
-        .iter()
-        .filter(|e| e.tid == tid && e.ts >= start && e.ts <= end && e.name != "step")
-    {
+    for entry in &entries {
         match entry.ph.as_str() {
             "B" => stack.push((entry.name.clone(), entry.ts, 0.0)),
             "E" => {
@@ -207,9 +215,111 @@ pub fn profile(path: &Path, step: Option<u64>) -> Result<StepProfile> {
     ops.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
     Ok(StepProfile {
         step: number,
-        step_ms: (end - start) / 1e3,
+        step_ms,
         ops,
     })
+}
+
+/// The waits inside MPI of one op (an exchange or collective) in one step, split across the
+/// ranks whose traces were read.
+#[derive(Clone, Debug, PartialEq)]
+pub struct WaitSplit {
+    /// The span the waits were in (the innermost one around them).
+    pub op: String,
+    /// Its calls in the step, as many on every rank.
+    pub calls: u64,
+    /// Per rank, ms: in each call, the least any rank waited in it. Every rank waited that
+    /// long, so no rank was waiting for another to arrive: the transfer and MPI's latency.
+    pub together_ms: f64,
+    /// Mean per rank, ms: in each call, what a rank waited beyond the least: the time it
+    /// waited for slower ranks to arrive (another rank's extra work: load imbalance).
+    pub for_others_ms: f64,
+}
+
+/// How step `step`'s waits inside MPI split, call by call, between waiting together and
+/// waiting for other ranks, for the traces of several ranks of one world (`trace.rank0.json`,
+/// `trace.rank1.json`, ...). Calls are matched by their order among the op's calls in the
+/// step; an op that some rank called a different number of times (a pipeline stage's, say)
+/// is left out.
+pub fn wait_split(paths: &[PathBuf], step: Option<u64>) -> Result<Vec<WaitSplit>> {
+    let mut per_rank: Vec<BTreeMap<String, Vec<f64>>> = Vec::new();
+    let mut number = None;
+    for path in paths {
+        let (this, _, entries) = read_step(path, step.or(number))?;
+        number = Some(this);
+        // Per op, its calls' waits (µs), in order: a stack of (name, start, waits inside).
+        let mut stack: Vec<(String, f64, f64)> = Vec::new();
+        let mut calls: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+        for entry in &entries {
+            match entry.ph.as_str() {
+                "B" => stack.push((entry.name.clone(), entry.ts, 0.0)),
+                "E" => {
+                    let Some((name, began, waited)) = stack.pop() else {
+                        continue;
+                    };
+                    if name == "mpi_wait" {
+                        if let Some(parent) = stack.last_mut() {
+                            parent.2 += entry.ts - began;
+                        }
+                    } else {
+                        calls.entry(name).or_default().push(waited);
+                    }
+                }
+                _ => {}
+            }
+        }
+        per_rank.push(calls);
+    }
+    let Some(first) = per_rank.first() else {
+        bail!("no trace to read");
+    };
+    let ranks = per_rank.len() as f64;
+    let mut splits = Vec::new();
+    for op in first.keys() {
+        let counts: Vec<usize> = per_rank
+            .iter()
+            .map(|r| r.get(op).map_or(0, Vec::len))
+            .collect();
+        let waited = per_rank.iter().any(|r| {
+            r.get(op)
+                .is_some_and(|calls| calls.iter().any(|w| *w > 0.0))
+        });
+        if !waited || counts.iter().any(|c| *c != counts[0]) {
+            continue;
+        }
+        let (mut together, mut apart) = (0.0, 0.0);
+        for call in 0..counts[0] {
+            let waits: Vec<f64> = per_rank.iter().map(|r| r[op][call]).collect();
+            let least = waits.iter().copied().fold(f64::INFINITY, f64::min);
+            together += least;
+            apart += waits.iter().map(|w| w - least).sum::<f64>();
+        }
+        splits.push(WaitSplit {
+            op: op.clone(),
+            calls: counts[0] as u64,
+            together_ms: together / 1e3,
+            for_others_ms: apart / ranks / 1e3,
+        });
+    }
+    splits.sort_by(|a, b| {
+        (b.together_ms + b.for_others_ms).total_cmp(&(a.together_ms + a.for_others_ms))
+    });
+    Ok(splits)
+}
+
+/// [`wait_split`]'s figures as a table, for `ranks` ranks.
+pub fn wait_split_table(splits: &[WaitSplit], ranks: usize) -> String {
+    let mut text = format!(
+        "waits inside MPI across the {ranks} ranks, by op: waiting together (every rank waiting: the transfer) and for other ranks (mean per rank: their extra work)\n  {:<28} {:>6} {:>13} {:>17}\n",
+        "span", "calls", "together ms", "for others ms"
+    );
+    for split in splits {
+        text += &format!(
+            "  {:<28} {:>6} {:>13.2} {:>17.2}\n",
+            split.op, split.calls, split.together_ms, split.for_others_ms
+        );
+    }
+    text
 }
 
 impl std::fmt::Display for StepProfile {
@@ -266,7 +376,7 @@ impl CpuWait {
 
 #[cfg(test)]
 mod tests {
-    use super::{file_for, profile, CpuWait};
+    use super::{file_for, profile, wait_split, wait_split_table, CpuWait};
 
     /// Read again through the one open file, the wait matches a fresh read of the kernel's
     /// figure taken between two reads.
@@ -299,6 +409,69 @@ mod tests {
             Path::new("out/t.rank1.json")
         );
         assert_eq!(file_for(Path::new("t"), 3, 4), Path::new("t.rank3"));
+    }
+
+    /// Two ranks' traces of one step: in the first exchange rank 0 waits 0.5 ms and rank 1
+    /// 0.1 ms (0.1 together, 0.4 more for rank 0: 0.2 mean); in the second each waits 0.3
+    /// ms in two waits (all together); the all-reduce, called once on rank 0 and twice on
+    /// rank 1, is left out.
+    #[test]
+    fn waits_split_call_by_call_into_together_and_for_other_ranks() {
+        let dir = tempfile::tempdir().unwrap();
+        let event = |ph: &str, name: &str, ts: f64| serde_json::json!({"ph": ph, "pid": 1, "name": name, "ts": ts, "tid": 1});
+        let write = |name: &str, waits: [(f64, f64); 3], all_reduces: usize| {
+            let mut entries = vec![
+                serde_json::json!({"ph": "B", "pid": 1, "name": "step", "ts": 0.0, "tid": 1, "args": {"step": "3"}}),
+                event("B", "layer", 0.0),
+                event("B", "expert_combine", 100.0),
+                event("B", "mpi_wait", 100.0),
+                event("E", "mpi_wait", 100.0 + waits[0].0),
+                event("E", "expert_combine", 1000.0),
+                event("B", "expert_combine", 1000.0),
+                event("B", "mpi_wait", 1000.0),
+                event("E", "mpi_wait", 1000.0 + waits[1].0),
+                event("B", "mpi_wait", 1500.0),
+                event("E", "mpi_wait", 1500.0 + waits[2].0),
+                event("E", "expert_combine", 2000.0),
+                event("E", "layer", 2000.0),
+            ];
+            for i in 0..all_reduces {
+                let at = 2000.0 + 100.0 * i as f64;
+                entries.extend([
+                    event("B", "all_reduce", at),
+                    event("B", "mpi_wait", at),
+                    event("E", "mpi_wait", at + 50.0),
+                    event("E", "all_reduce", at + 100.0),
+                ]);
+            }
+            entries.push(
+                serde_json::json!({"ph": "E", "pid": 1, "name": "step", "ts": 3000.0, "tid": 1}),
+            );
+            let path = dir.path().join(name);
+            std::fs::write(&path, serde_json::to_vec(&entries).unwrap()).unwrap();
+            path
+        };
+        let rank0 = write(
+            "t.rank0.json",
+            [(500.0, 0.0), (100.0, 0.0), (200.0, 0.0)],
+            1,
+        );
+        let rank1 = write(
+            "t.rank1.json",
+            [(100.0, 0.0), (200.0, 0.0), (100.0, 0.0)],
+            2,
+        );
+        let splits = wait_split(&[rank0, rank1], None).unwrap();
+        assert_eq!(splits.len(), 1, "{splits:?}");
+        let combine = &splits[0];
+        assert_eq!((combine.op.as_str(), combine.calls), ("expert_combine", 2));
+        // 0.1 ms together in the first call, 0.3 in the second.
+        assert!((combine.together_ms - 0.4).abs() < 1e-9, "{combine:?}");
+        // Rank 0 waited 0.4 ms more in the first call: 0.2 per rank.
+        assert!((combine.for_others_ms - 0.2).abs() < 1e-9, "{combine:?}");
+        let table = wait_split_table(&splits, 2);
+        assert!(table.contains("expert_combine"), "{table}");
+        assert!(wait_split(&[], None).is_err());
     }
 
     #[test]
