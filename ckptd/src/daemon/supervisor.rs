@@ -1344,7 +1344,8 @@ mod tests {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use lazarus_shared::Rank;
+    use lazarus_shared::wire::Message;
+    use tokio::sync::mpsc;
     use tokio::task::JoinHandle;
 
     use super::{
@@ -1460,16 +1461,27 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(2));
     }
 
-    /// `node`'s daemon reports its rank `rank` (process `pid`) every 200 ms at a step one
-    /// higher each time, until the returned task is aborted.
-    fn stepping(leader: &Arc<Leader>, node: &'static str, rank: Rank, pid: u32) -> JoinHandle<()> {
-        let leader = Arc::clone(leader);
-        tokio::spawn(async move {
+    /// A successor (n3, with a 3 s grace) adopting a world of 2 ranks: n4 is connected, and
+    /// its rank 1 (process 101) reports a step one higher every 200 ms until the returned
+    /// task is aborted; rank 0 is not back. The leader, its plan, what n4 receives, and the
+    /// stepping task.
+    async fn a_world_stepping_without_rank_0() -> (
+        Arc<Leader>,
+        Supervision,
+        mpsc::UnboundedReceiver<Message>,
+        JoinHandle<()>,
+    ) {
+        let (leader, plan) = supervising_with("n3", 2, &["--heartbeat-timeout-seconds", "1"]).await;
+        let n4 = add_node(&leader, "n4").await;
+        rank_up(&leader, "n4", 1, 101).await;
+        let stepping = Arc::clone(&leader);
+        let steps = tokio::spawn(async move {
             for step in 1.. {
-                rank_at(&leader, node, rank, pid, step).await;
+                rank_at(&stepping, "n4", 1, 101, step).await;
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
-        })
+        });
+        (leader, plan, n4, steps)
     }
 
     /// Seen in the soak: a leader killed on a training node and restarted just after its
@@ -1479,10 +1491,7 @@ mod tests {
     /// that steps has all its ranks alive: the wait goes on while it does.
     #[tokio::test]
     async fn a_world_that_steps_on_is_waited_for_past_the_grace_until_its_ranks_are_back() {
-        let (leader, plan) = supervising_with("n3", 2, &["--heartbeat-timeout-seconds", "1"]).await;
-        let _n4 = add_node(&leader, "n4").await;
-        rank_up(&leader, "n4", 1, 101).await;
-        let steps = stepping(&leader, "n4", 1, 101);
+        let (leader, plan, _n4, steps) = a_world_stepping_without_rank_0().await;
         let late = Arc::clone(&leader);
         tokio::spawn(async move {
             // Past the grace (3 s at least) from the start.
@@ -1502,10 +1511,7 @@ mod tests {
     /// partial, and the world is stopped and relaunched.
     #[tokio::test]
     async fn a_world_that_steps_on_without_its_other_daemons_is_partial_after_three_graces() {
-        let (leader, plan) = supervising_with("n3", 2, &["--heartbeat-timeout-seconds", "1"]).await;
-        let _n4 = add_node(&leader, "n4").await;
-        rank_up(&leader, "n4", 1, 101).await;
-        let steps = stepping(&leader, "n4", 1, 101);
+        let (leader, plan, _n4, steps) = a_world_stepping_without_rank_0().await;
         let started = std::time::Instant::now();
         let found = adopt(&leader, &plan, true).await;
         let waited = started.elapsed();
