@@ -1186,14 +1186,16 @@ mod tests {
     fn heartbeats_past_the_pending_limit_are_dropped_not_waited_on() {
         const AFTER: u64 = 1_000;
         let (_dir, mut client, release, daemon) = held_back_daemon(move |mut stream, released| {
+            let heartbeat_step = |stream: &mut UnixStream| match wire::read_frame_sync(stream, None)
+                .unwrap()
+                .message
+            {
+                Message::Poll { step, .. } => step,
+                other => panic!("{other:?} instead of a heartbeat"),
+            };
             let mut steps = Vec::new();
             for _ in 0..PENDING_MAX {
-                steps.push(
-                    match wire::read_frame_sync(&mut stream, None).unwrap().message {
-                        Message::Poll { step, .. } => step,
-                        other => panic!("{other:?} instead of a heartbeat"),
-                    },
-                );
+                steps.push(heartbeat_step(&mut stream));
             }
             let went_on = released.recv_timeout(Duration::from_secs(30)).is_ok();
             for _ in 0..PENDING_MAX {
@@ -1201,12 +1203,7 @@ mod tests {
                     .unwrap();
             }
             // The next request written is the one after the answers, none of those dropped.
-            steps.push(
-                match wire::read_frame_sync(&mut stream, None).unwrap().message {
-                    Message::Poll { step, .. } => step,
-                    other => panic!("{other:?} instead of a heartbeat"),
-                },
-            );
+            steps.push(heartbeat_step(&mut stream));
             wire::write_frame_sync(&mut stream, &answer(&[0], false, false), &[], None).unwrap();
             (went_on, steps)
         });

@@ -180,36 +180,62 @@ fn read_step(path: &Path, step: Option<u64>) -> Result<(u64, f64, Vec<Entry>)> {
     Ok((number, (end - start) / 1e3, inside))
 }
 
-/// The profile of step `step` of the trace at `path` (the last traced step when `None`):
-/// every span inside that step's `step` span on its thread, summed by name.
-pub fn profile(path: &Path, step: Option<u64>) -> Result<StepProfile> {
-    let (number, step_ms, entries) = read_step(path, step)?;
-    // Spans nest on a thread: a stack of (name, start, time in children).
-    let mut stack: Vec<(String, f64, f64)> = Vec::new();
-    let mut sums: BTreeMap<String, OpTime> = BTreeMap::new();
-    for entry in &entries {
+/// A span as it closed: its name, and in µs its length, its time in the spans inside it,
+/// and its time in the `mpi_wait` spans directly inside it.
+struct Closed {
+    name: String,
+    took: f64,
+    children: f64,
+    waited: f64,
+}
+
+/// The spans of `entries` (begins and ends nesting on one thread), in the order they close.
+fn closed_spans(entries: &[Entry]) -> Vec<Closed> {
+    // A stack of (name, start, time in children, time in mpi_wait children).
+    let mut stack: Vec<(&str, f64, f64, f64)> = Vec::new();
+    let mut closed = Vec::new();
+    for entry in entries {
         match entry.ph.as_str() {
-            "B" => stack.push((entry.name.clone(), entry.ts, 0.0)),
+            "B" => stack.push((&entry.name, entry.ts, 0.0, 0.0)),
             "E" => {
-                let Some((name, began, children)) = stack.pop() else {
+                let Some((name, began, children, waited)) = stack.pop() else {
                     continue;
                 };
                 let took = entry.ts - began;
                 if let Some(parent) = stack.last_mut() {
                     parent.2 += took;
+                    if name == "mpi_wait" {
+                        parent.3 += took;
+                    }
                 }
-                let sum = sums.entry(name.clone()).or_insert(OpTime {
-                    name,
-                    calls: 0,
-                    total_ms: 0.0,
-                    self_ms: 0.0,
+                closed.push(Closed {
+                    name: name.to_string(),
+                    took,
+                    children,
+                    waited,
                 });
-                sum.calls += 1;
-                sum.total_ms += took / 1e3;
-                sum.self_ms += (took - children) / 1e3;
             }
             _ => {}
         }
+    }
+    closed
+}
+
+/// The profile of step `step` of the trace at `path` (the last traced step when `None`):
+/// every span inside that step's `step` span on its thread, summed by name.
+pub fn profile(path: &Path, step: Option<u64>) -> Result<StepProfile> {
+    let (number, step_ms, entries) = read_step(path, step)?;
+    let mut sums: BTreeMap<String, OpTime> = BTreeMap::new();
+    for span in closed_spans(&entries) {
+        let sum = sums.entry(span.name.clone()).or_insert(OpTime {
+            name: span.name,
+            calls: 0,
+            total_ms: 0.0,
+            self_ms: 0.0,
+        });
+        sum.calls += 1;
+        sum.total_ms += span.took / 1e3;
+        sum.self_ms += (span.took - span.children) / 1e3;
     }
     let mut ops: Vec<OpTime> = sums.into_values().collect();
     ops.sort_by(|a, b| b.total_ms.total_cmp(&a.total_ms));
@@ -247,25 +273,11 @@ pub fn wait_split(paths: &[PathBuf], step: Option<u64>) -> Result<Vec<WaitSplit>
     for path in paths {
         let (this, _, entries) = read_step(path, step.or(number))?;
         number = Some(this);
-        // Per op, its calls' waits (µs), in order: a stack of (name, start, waits inside).
-        let mut stack: Vec<(String, f64, f64)> = Vec::new();
+        // Per op, its calls' waits (µs), in order.
         let mut calls: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-        for entry in &entries {
-            match entry.ph.as_str() {
-                "B" => stack.push((entry.name.clone(), entry.ts, 0.0)),
-                "E" => {
-                    let Some((name, began, waited)) = stack.pop() else {
-                        continue;
-                    };
-                    if name == "mpi_wait" {
-                        if let Some(parent) = stack.last_mut() {
-                            parent.2 += entry.ts - began;
-                        }
-                    } else {
-                        calls.entry(name).or_default().push(waited);
-                    }
-                }
-                _ => {}
+        for span in closed_spans(&entries) {
+            if span.name != "mpi_wait" {
+                calls.entry(span.name).or_default().push(span.waited);
             }
         }
         per_rank.push(calls);
@@ -419,19 +431,19 @@ mod tests {
     fn waits_split_call_by_call_into_together_and_for_other_ranks() {
         let dir = tempfile::tempdir().unwrap();
         let event = |ph: &str, name: &str, ts: f64| serde_json::json!({"ph": ph, "pid": 1, "name": name, "ts": ts, "tid": 1});
-        let write = |name: &str, waits: [(f64, f64); 3], all_reduces: usize| {
+        let write = |name: &str, waits: [f64; 3], all_reduces: usize| {
             let mut entries = vec![
                 serde_json::json!({"ph": "B", "pid": 1, "name": "step", "ts": 0.0, "tid": 1, "args": {"step": "3"}}),
                 event("B", "layer", 0.0),
                 event("B", "expert_combine", 100.0),
                 event("B", "mpi_wait", 100.0),
-                event("E", "mpi_wait", 100.0 + waits[0].0),
+                event("E", "mpi_wait", 100.0 + waits[0]),
                 event("E", "expert_combine", 1000.0),
                 event("B", "expert_combine", 1000.0),
                 event("B", "mpi_wait", 1000.0),
-                event("E", "mpi_wait", 1000.0 + waits[1].0),
+                event("E", "mpi_wait", 1000.0 + waits[1]),
                 event("B", "mpi_wait", 1500.0),
-                event("E", "mpi_wait", 1500.0 + waits[2].0),
+                event("E", "mpi_wait", 1500.0 + waits[2]),
                 event("E", "expert_combine", 2000.0),
                 event("E", "layer", 2000.0),
             ];
@@ -451,16 +463,8 @@ mod tests {
             std::fs::write(&path, serde_json::to_vec(&entries).unwrap()).unwrap();
             path
         };
-        let rank0 = write(
-            "t.rank0.json",
-            [(500.0, 0.0), (100.0, 0.0), (200.0, 0.0)],
-            1,
-        );
-        let rank1 = write(
-            "t.rank1.json",
-            [(100.0, 0.0), (200.0, 0.0), (100.0, 0.0)],
-            2,
-        );
+        let rank0 = write("t.rank0.json", [500.0, 100.0, 200.0], 1);
+        let rank1 = write("t.rank1.json", [100.0, 200.0, 100.0], 2);
         let splits = wait_split(&[rank0, rank1], None).unwrap();
         assert_eq!(splits.len(), 1, "{splits:?}");
         let combine = &splits[0];
