@@ -26,6 +26,11 @@ pub struct TrainerProgress {
     /// The losses of the last steps, oldest first, for the health check's spike rule.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub recent_losses: Vec<f64>,
+    /// Each layer's routing bias, by expert (`train.router_bias_rate`): added to the router's
+    /// probabilities where each token's experts are chosen, not to their weights. Empty where
+    /// no bias was ever applied.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub router_bias: Vec<Vec<f32>>,
 }
 
 /// `batches` global batches skipped right after `after_step` (a rollback past bad data, or
@@ -83,6 +88,11 @@ mod tests {
                 batches: 20,
             }],
             recent_losses: vec![4.25, 4.125],
+            // Values JSON must carry exactly: a resume routes with the same bias.
+            router_bias: vec![
+                vec![1e-3, -2.5e-3, f32::MIN_POSITIVE, 0.1 + 0.2],
+                vec![0.0; 4],
+            ],
             ..old
         };
         let text = serde_json::to_string(&new).unwrap();

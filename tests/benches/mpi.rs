@@ -6,6 +6,9 @@
 //!    time the reduce-scatter was in flight and waited on.
 //! 2. Optimizer-state bytes per rank against the ZeRO-1 formula.
 //! 3. The expert all-to-all's MB/s against a plain MPI all-to-all of 1 MiB per peer.
+//! 4. Expert parallel over a longer run (`LAZARUS_BENCH_BIAS_STEPS`, default 150) with and
+//!    without the routing bias (`train.router_bias_rate = 1e-3`): the busiest expert against
+//!    the mean and tokens/s over the run's last third, and the exchange's waits.
 //!
 //! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench mpi
 
@@ -23,6 +26,27 @@ const WARMUP: u64 = 2;
 
 fn train(dir: &Path, ranks: usize, ep: usize, overlap: bool) -> (f64, String) {
     let run = format!("n{ranks}-ep{ep}-overlap-{overlap}");
+    let (text, _) = launch(
+        dir,
+        &run,
+        ranks,
+        ep,
+        STEPS,
+        &[&format!("parallel.overlap_grad_reduce={overlap}")],
+    );
+    (mean_tokens_per_second(dir, &run, WARMUP), text)
+}
+
+/// Runs `trainer train` on `ranks` ranks with the benchmark's settings and `sets`; returns
+/// what it printed and its metrics, one JSON object per step.
+fn launch(
+    dir: &Path,
+    run: &str,
+    ranks: usize,
+    ep: usize,
+    steps: u64,
+    sets: &[&str],
+) -> (String, Vec<serde_json::Value>) {
     let mut command = if ranks == 1 {
         Command::new(bin("trainer"))
     } else {
@@ -33,17 +57,17 @@ fn train(dir: &Path, ranks: usize, ep: usize, overlap: bool) -> (f64, String) {
     command.args(
         TrainerArgs::new("tiny")
             .metrics(&dir.join("metrics"))
-            .run(&run)
-            .steps(STEPS)
+            .run(run)
+            .steps(steps)
             .set("train.micro_batch", 8 / ranks)
             .set("train.threads", 2 / ranks)
             .set("parallel.ep", ep)
-            .set("parallel.overlap_grad_reduce", overlap)
             .sets([
                 "train.log_every=1",
                 "train.val_every=1000",
                 "checkpoint.every=1000",
             ])
+            .sets(sets.iter().copied())
             .store(&format!("file://{}", dir.join("store").display()))
             .data(&dir.join("data"))
             .build(),
@@ -52,7 +76,22 @@ fn train(dir: &Path, ranks: usize, ep: usize, overlap: bool) -> (f64, String) {
     let text = String::from_utf8_lossy(&output.stdout).to_string()
         + &String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{run}: {text}");
-    (mean_tokens_per_second(dir, &run, WARMUP), text)
+    let metrics = std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
+        .expect("metrics");
+    let steps = metrics
+        .lines()
+        .map(|line| serde_json::from_str(line).unwrap())
+        .collect();
+    (text, steps)
+}
+
+/// The mean of `figure` over the last third of `steps`.
+fn last_third(steps: &[serde_json::Value], figure: &str) -> f64 {
+    let last = &steps[steps.len() - steps.len() / 3..];
+    last.iter()
+        .map(|s| s[figure].as_f64().unwrap())
+        .sum::<f64>()
+        / last.len() as f64
 }
 
 fn main() {
@@ -94,4 +133,27 @@ fn main() {
         .expect("mpiexec runs");
     let plain = String::from_utf8_lossy(&plain.stdout).to_string();
     println!("  plain:   {}", line_with(&plain, "MPI all-to-all"));
+
+    let steps: u64 = std::env::var("LAZARUS_BENCH_BIAS_STEPS").map_or(150, |v| {
+        v.parse().expect("LAZARUS_BENCH_BIAS_STEPS is a number")
+    });
+    println!("routing bias: N=2 EP=2 over {steps} steps, the last third's means:");
+    for (name, rate) in [("without", "0"), ("with", "1e-3")] {
+        let run = format!("bias-{name}");
+        let (text, figures) = launch(
+            dir.path(),
+            &run,
+            2,
+            2,
+            steps,
+            &[&format!("train.router_bias_rate={rate}")],
+        );
+        println!(
+            "  {name:<7} (train.router_bias_rate = {rate:>4}): busiest expert {:.2}x the mean, {:>6.0} tokens/s, loss {:.4}",
+            last_third(&figures, "expert_imbalance"),
+            last_third(&figures, "tokens_per_second"),
+            last_third(&figures, "loss"),
+        );
+        println!("    {}", line_with(&text, "expert all-to-all"));
+    }
 }

@@ -226,6 +226,12 @@ pub struct TrainConfig {
     pub val_batches: usize,
     /// CPU threads for the math; 0 means one per physical core.
     pub threads: usize,
+    /// Load balancing without a loss (DeepSeek-V3's expert bias): after each step, every
+    /// layer's bias of an expert that took more than the mean share of the step's tokens falls
+    /// by this much, and one that took less rises. The bias only chooses each token's experts.
+    /// 0: off.
+    #[serde(default)]
+    pub router_bias_rate: f64,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -457,6 +463,13 @@ impl Config {
         require(
             t.grad_clip > 0.0 && t.weight_decay >= 0.0,
             "train.grad_clip must be positive and train.weight_decay not negative".into(),
+        );
+        require(
+            t.router_bias_rate.is_finite() && t.router_bias_rate >= 0.0,
+            format!(
+                "train.router_bias_rate {} must be 0 (off) or positive",
+                t.router_bias_rate
+            ),
         );
         require(
             t.log_every > 0 && t.val_every > 0 && t.val_batches > 0,
@@ -697,6 +710,10 @@ mod tests {
             (
                 "checkpoint.resume=sometimes",
                 "must be \"auto\" or \"never\"",
+            ),
+            (
+                "train.router_bias_rate=-0.001",
+                "train.router_bias_rate -0.001 must be 0 (off) or positive",
             ),
         ] {
             let error = Config::load("tiny", &[bad.into()]).unwrap_err().to_string();

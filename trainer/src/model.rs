@@ -75,6 +75,9 @@ pub struct Model {
     /// Where the ops behind the LM head, the embedding and the experts leave their weights'
     /// gradients ([`Model::backward`]).
     pub handed: HandedGradients,
+    /// Every layer's routing bias by expert, whole-model layer indices (empty: none). Set
+    /// with [`Model::set_router_bias`]; see [`update_router_bias`].
+    router_bias: std::sync::RwLock<Vec<Vec<f32>>>,
 }
 
 /// Which part of the model a rank holds: its place in the tensor-parallel group (`tp_rank`
@@ -372,7 +375,14 @@ impl Model {
             final_norm: last.then_some(final_norm),
             lm_head: last.then_some(lm_head),
             handed: HandedGradients::default(),
+            router_bias: Default::default(),
         })
+    }
+
+    /// Routes with `bias` from now on: `bias[layer][expert]` over the whole model's layers
+    /// (empty: no bias).
+    pub fn set_router_bias(&self, bias: &[Vec<f32>]) {
+        *self.router_bias.write().expect("not poisoned") = bias.to_vec();
     }
 
     /// Every parameter this rank holds with its name (layers by their index in the whole
@@ -625,7 +635,7 @@ impl Model {
             let normed = rms_norm(&x, &layer.ffn_norm, c.norm_eps)?;
             let moe = {
                 let _moe = tracing::info_span!("moe").entered();
-                self.moe(layer, &normed)?
+                self.moe(self.first_layer + index, layer, &normed)?
             };
             x = (x + moe.output)?;
             load_balancing.push(moe.load_balancing);
@@ -719,23 +729,19 @@ impl Model {
             .apply_op2(&layer.expert_down, self.handed.wrap(DownCombine(route)))
     }
 
-    /// The dropless MoE block on `x: [tokens, d_model]`.
-    fn moe(&self, layer: &Layer, x: &Tensor) -> Result<MoeOutput> {
+    /// The dropless MoE block of layer `index` (of the whole model) on `x: [tokens, d_model]`.
+    fn moe(&self, index: usize, layer: &Layer, x: &Tensor) -> Result<MoeOutput> {
         let (experts, top_k) = (self.config.experts, self.config.top_k);
         let tokens = x.dim(0)?;
         let routing = tracing::info_span!("router").entered();
         let logits = x.matmul(&layer.router)?;
         let probs = softmax_last(&logits)?;
-        // Routing decisions need no gradient: pick the top-k on the host (ties to the lower index).
+        // Routing decisions need no gradient: pick the top-k on the host (ties to the lower
+        // index), by probability plus the layer's bias, if any.
         let host: Vec<Vec<f64>> = probs.to_dtype(DType::F64)?.to_vec2()?;
-        let mut routed: Vec<Vec<u32>> = vec![Vec::new(); experts];
-        for (token, row) in host.iter().enumerate() {
-            let mut order: Vec<usize> = (0..experts).collect();
-            order.sort_by(|a, b| row[*b].total_cmp(&row[*a]).then(a.cmp(b)));
-            for expert in &order[..top_k] {
-                routed[*expert].push(token as u32);
-            }
-        }
+        let bias = self.router_bias.read().expect("not poisoned");
+        let routed = route_top_k(&host, bias.get(index).map(Vec::as_slice), top_k);
+        drop(bias);
         // The experts this rank's tensor-parallel place runs, in global order: expert `e` is
         // in block `e / per_rank`, held by the block's tensor-parallel place `block % tp` at
         // place `block / tp` of the expert-parallel group.
@@ -811,6 +817,52 @@ impl Model {
             router_z: z,
             load,
         })
+    }
+}
+
+/// Each expert's tokens: every token (a row of `probs`) goes to the `top_k` experts of the
+/// highest probability plus `bias` (ties to the lower index).
+fn route_top_k(probs: &[Vec<f64>], bias: Option<&[f32]>, top_k: usize) -> Vec<Vec<u32>> {
+    let experts = probs.first().map_or(0, Vec::len);
+    let mut routed: Vec<Vec<u32>> = vec![Vec::new(); experts];
+    let mut scores = vec![0.0; experts];
+    for (token, row) in probs.iter().enumerate() {
+        scores.copy_from_slice(row);
+        if let Some(bias) = bias {
+            for (score, b) in scores.iter_mut().zip(bias) {
+                *score += f64::from(*b);
+            }
+        }
+        let mut order: Vec<usize> = (0..experts).collect();
+        order.sort_by(|a, b| scores[*b].total_cmp(&scores[*a]).then(a.cmp(b)));
+        for expert in &order[..top_k] {
+            routed[*expert].push(token as u32);
+        }
+    }
+    routed
+}
+
+/// One step of load balancing without a loss (DeepSeek-V3's expert bias): `load[layer][e]`,
+/// the tokens each layer's experts took this step over the whole world, moves each expert's
+/// bias by `rate` toward its mean share (down where it took more, up where it took less).
+/// `bias` starts at zero where it is empty. Every rank sees the same loads, so every rank
+/// holds the same bias.
+pub fn update_router_bias(bias: &mut Vec<Vec<f32>>, load: &[Vec<u64>], rate: f64) {
+    if bias.is_empty() {
+        *bias = load.iter().map(|layer| vec![0.0; layer.len()]).collect();
+    }
+    let rate = rate as f32;
+    for (layer, load) in bias.iter_mut().zip(load) {
+        let total: u64 = load.iter().sum();
+        let experts = load.len() as u64;
+        for (b, n) in layer.iter_mut().zip(load) {
+            // Compared in integers: n against total / experts, exactly.
+            match (n * experts).cmp(&total) {
+                std::cmp::Ordering::Greater => *b -= rate,
+                std::cmp::Ordering::Less => *b += rate,
+                std::cmp::Ordering::Equal => {}
+            }
+        }
     }
 }
 
@@ -951,5 +1003,88 @@ pub(crate) mod tests {
             .forward(&batch_tokens, 2)
             .unwrap();
         assert_ne!(a.cross_entropy.to_bits(), c.cross_entropy.to_bits());
+    }
+
+    #[test]
+    fn a_bias_moves_tokens_to_other_experts() {
+        let probs = vec![vec![0.5, 0.3, 0.2], vec![0.1, 0.2, 0.7]];
+        assert_eq!(route_top_k(&probs, None, 1), [vec![0], vec![], vec![1]]);
+        let bias = [-0.25f32, 0.0, 0.0];
+        assert_eq!(
+            route_top_k(&probs, Some(&bias), 1),
+            [vec![], vec![0], vec![1]]
+        );
+        // Through the model: a bias no probability can outweigh keeps every layer's tokens
+        // away from expert 0, and the loss still comes out finite.
+        let config = small_config(4, 2);
+        let model = Model::new(&config, 3, DType::F32).unwrap();
+        let batch_tokens = tokens(2, config.seq_len, config.vocab_size as u32);
+        let plain = model.forward(&batch_tokens, 2).unwrap();
+        assert!(plain.expert_load.iter().all(|layer| layer[0] > 0));
+        model.set_router_bias(&[vec![-2.0, 0.0, 0.0, 0.0], vec![-2.0, 0.0, 0.0, 0.0]]);
+        let biased = model.forward(&batch_tokens, 2).unwrap();
+        for (layer, load) in biased.expert_load.iter().enumerate() {
+            assert_eq!(load[0], 0, "layer {layer}: {load:?}");
+            assert_eq!(
+                load.iter().sum::<u64>(),
+                plain.expert_load[layer].iter().sum::<u64>()
+            );
+        }
+        assert!(biased.cross_entropy.is_finite());
+    }
+
+    #[test]
+    fn the_bias_moves_each_expert_toward_its_mean_share() {
+        let mut bias = Vec::new();
+        // 12 tokens over 3 experts: a mean of 4.
+        update_router_bias(&mut bias, &[vec![6, 4, 2], vec![4, 4, 4]], 0.5);
+        assert_eq!(bias, [vec![-0.5, 0.0, 0.5], vec![0.0, 0.0, 0.0]]);
+        update_router_bias(&mut bias, &[vec![1, 5, 6], vec![0, 12, 0]], 0.25);
+        assert_eq!(bias, [vec![-0.25, -0.25, 0.25], vec![0.25, -0.25, 0.25]]);
+    }
+
+    /// Routing with fixed, skewed probabilities (a router that prefers some experts), the
+    /// bias's updates even out the experts' loads within a hundred steps.
+    #[test]
+    fn the_bias_evens_out_a_skewed_router() {
+        use rand::{Rng, SeedableRng};
+        let (experts, top_k, tokens) = (8, 2, 512);
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let batch = |rng: &mut rand::rngs::StdRng| -> Vec<Vec<f64>> {
+            (0..tokens)
+                .map(|_| {
+                    let logits: Vec<f64> = (0..experts)
+                        .map(|e| 0.3 * e as f64 + rng.random_range(-1.0..1.0))
+                        .collect();
+                    let total: f64 = logits.iter().map(|l| l.exp()).sum();
+                    logits.iter().map(|l| l.exp() / total).collect()
+                })
+                .collect()
+        };
+        let imbalance = |routed: &[Vec<u32>]| -> f64 {
+            let most = routed.iter().map(Vec::len).max().unwrap() as f64;
+            most / (tokens * top_k / experts) as f64
+        };
+        let mut bias = Vec::new();
+        let mut last = Vec::new();
+        for _ in 0..120 {
+            let probs = batch(&mut rng);
+            let routed = route_top_k(&probs, bias.first().map(Vec::as_slice), top_k);
+            last.push((
+                imbalance(&route_top_k(&probs, None, top_k)),
+                imbalance(&routed),
+            ));
+            let load: Vec<u64> = routed.iter().map(|r| r.len() as u64).collect();
+            update_router_bias(&mut bias, &[load], 0.003);
+        }
+        // Over the last 20 steps, the mean of each step's busiest expert against the mean load.
+        let (plain, biased) = last[100..]
+            .iter()
+            .fold((0.0, 0.0), |(p, b), (x, y)| (p + x / 20.0, b + y / 20.0));
+        assert!(plain > 2.5, "the router is skewed: {plain}");
+        assert!(
+            biased < 1.3,
+            "busiest expert at {biased}x the mean (unbiased {plain}x)"
+        );
     }
 }

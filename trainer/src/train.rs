@@ -568,6 +568,16 @@ impl Session {
         Ok(())
     }
 
+    /// Takes the progress of a restored step (this launch's layout stays), and the model
+    /// routes with the step's bias.
+    fn continue_from(&mut self, state: TrainerState) {
+        self.state = TrainerState {
+            layout: self.state.layout.take(),
+            ..state
+        };
+        self.model.set_router_bias(&self.state.router_bias);
+    }
+
     /// Whether a checkpoint is being written in the background (on every rank alike).
     fn writing(&self) -> bool {
         matches!(&self.saver, Saver::Store(saver) if saver.writing.is_some())
@@ -605,10 +615,7 @@ impl Session {
         self.optim.write_to(&self.model)?;
         // Delta bases only where this rank wrote the same slices before.
         self.saver = Saver::Store(StoreSaver::default());
-        self.state = TrainerState {
-            layout: self.state.layout.take(),
-            ..state
-        };
+        self.continue_from(state);
         Ok(Some(latest.step))
     }
 
@@ -664,10 +671,7 @@ impl Session {
                 if state.layout != self.state.layout {
                     self.expected_losses.clear();
                 }
-                self.state = TrainerState {
-                    layout: self.state.layout.take(),
-                    ..state
-                };
+                self.continue_from(state);
                 Some((restored.step, restored.tier))
             }
             None => None,
@@ -1401,6 +1405,7 @@ pub fn train(
             layout: Some(layout.written()),
             skipped: Vec::new(),
             recent_losses: Vec::new(),
+            router_bias: Vec::new(),
         },
         saver: Saver::Store(StoreSaver::default()),
         stalls: Vec::new(),
@@ -1656,6 +1661,14 @@ pub fn train(
             }
             let all = world.sum_u64(Group::Pipeline, &all);
             expert_load = all.chunks(experts).map(<[u64]>::to_vec).collect();
+        }
+        if config.train.router_bias_rate > 0.0 {
+            crate::model::update_router_bias(
+                &mut session.state.router_bias,
+                &expert_load,
+                config.train.router_bias_rate,
+            );
+            session.model.set_router_bias(&session.state.router_bias);
         }
         let forward = StepFigures {
             cross_entropy: sums[1],

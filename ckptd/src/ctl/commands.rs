@@ -598,15 +598,18 @@ async fn show(cli: &Cli, run: &str, step: &str) -> Result<()> {
 /// The trainer layout that wrote `checkpoint`, from rank 0's `trainer.json`, when it has one
 /// that records it.
 async fn written_layout(checkpoint: &Checkpoint) -> Option<WrittenLayout> {
+    trainer_progress(checkpoint).await?.layout
+}
+
+/// Rank 0's `trainer.json` of `checkpoint`, when it has a readable one.
+async fn trainer_progress(checkpoint: &Checkpoint) -> Option<TrainerProgress> {
     let manifest = checkpoint.manifests.first()?;
     manifest.blob(TRAINER_BLOB)?;
     let bytes = checkpoint
         .read_blob(manifest.rank, TRAINER_BLOB)
         .await
         .ok()?;
-    serde_json::from_slice::<TrainerProgress>(&bytes)
-        .ok()?
-        .layout
+    serde_json::from_slice(&bytes).ok()
 }
 
 async fn verify(
@@ -1263,6 +1266,20 @@ async fn export_hf_olmoe(cli: &Cli, checkpoint: &Checkpoint, out: &Path, bars: b
     let spec: hf_olmoe::ModelSpec =
         serde_json::from_slice(&checkpoint.read_blob(0, hf_olmoe::MODEL_BLOB).await?)
             .with_context(|| format!("reading {}", hf_olmoe::MODEL_BLOB))?;
+    let biased = trainer_progress(checkpoint).await.map_or(0, |progress| {
+        let layers = progress.router_bias.iter();
+        layers
+            .filter(|layer| layer.iter().any(|b| *b != 0.0))
+            .count()
+    });
+    if biased > 0 {
+        eprintln!(
+            "ckptctl: warning: step {} routes {biased} layers' tokens with a bias \
+             (train.router_bias_rate) that OLMoE's format has no place for: the exported model \
+             chooses its experts by the router's probabilities alone",
+            checkpoint.step()
+        );
+    }
     let parameters = spec.trainer_parameters();
     let bar = Bar::bytes("export", bars);
     bar.set_total_bytes(
