@@ -8,7 +8,8 @@
 # about 80 minutes on 2 cores. SEED replays a schedule; STEPS sets the steps of each run;
 # LAUNCHER=srun runs the ranks under srun on the local Slurm cluster (as root), with nodes
 # lost whole (their slurmd too) among the faults; ONLY=KillNode,CutLeader draws from those
-# kinds of fault only.
+# kinds of fault only; SETS="train.router_bias_rate=0.05 ..." adds trainer settings to every
+# run and the reference.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$HOME/.cargo/bin:$PATH"
@@ -16,7 +17,7 @@ ops/setup.sh test
 cargo build --release --workspace --bins
 export LAZARUS_SOAK_FAULTS="${FAULTS:-1000}" LAZARUS_SOAK_STEPS="${STEPS:-2000}"
 export LAZARUS_SOAK_LAUNCHER="${LAUNCHER:-mpiexec}"
-export LAZARUS_SOAK_ONLY="${ONLY:-}"
+export LAZARUS_SOAK_ONLY="${ONLY:-}" LAZARUS_SOAK_SETS="${SETS:-}"
 if [ -n "${SEED:-}" ]; then
   export LAZARUS_SOAK_SEED="$SEED"
 fi

@@ -155,12 +155,15 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-/// The training every round runs (and the reference, uninterrupted).
+/// The training every round runs (and the reference, uninterrupted), with the trainer
+/// settings of `LAZARUS_SOAK_SETS` (`key=value`, separated by spaces).
 fn trainer_args(dir: &Path, run: &str, steps: u64, store: &str) -> TrainerArgs {
+    let sets = std::env::var("LAZARUS_SOAK_SETS").unwrap_or_default();
     TrainerArgs::small(dir)
         .run(run)
         .steps(steps)
         .set("checkpoint.every", 1)
+        .sets(sets.split_whitespace())
         .store(store)
 }
 
