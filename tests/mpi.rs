@@ -587,25 +587,20 @@ fn a_layout_that_does_not_fit_exits_2_with_the_reason() {
 }
 
 /// `train.router_bias_rate` (load balancing by a routing bias, without a loss): every rank
-/// holds the same bias, so two ranks splitting the experts train like one process; the bias
-/// travels in the checkpoint, so a run stopped at step 5 resumes bit for bit in its layout and
-/// like one process in another.
+/// holds the same bias, so ranks splitting the experts, the layers or the heads train like one
+/// process; the bias travels in the checkpoint, so a run stopped at step 5 resumes bit for bit
+/// in its layout and like one process in another.
 #[test]
 fn the_routing_bias_is_the_same_on_every_rank_and_resumes_with_the_checkpoint() {
     let (_guard, dir) = prepared();
     let bias = ["train.router_bias_rate=0.05"];
-    let biased = |run: &str, steps: u64, micro_batch: usize, ep: &str| {
-        let mut sets = bias.to_vec();
-        sets.push(ep);
-        args_layout(&dir, run, steps, micro_batch, &sets)
+    let biased = |run: &str, steps: u64, micro_batch: usize, layout: &[&str]| {
+        args_layout(&dir, run, steps, micro_batch, &[&bias[..], layout].concat())
     };
     run(1, &args(&dir, "plain", 10, 4));
-    run(1, &biased("biased", 10, 4, "parallel.ep=1"));
+    run(1, &biased("biased", 10, 4, &[]));
     let (plain, reference) = (losses(&dir, "plain"), losses(&dir, "biased"));
-    println!(
-        "plain:  {plain:?}
-biased: {reference:?}"
-    );
+    println!("plain:  {plain:?}\nbiased: {reference:?}");
     // The bias changes which experts the tokens take, and so the losses after step 1.
     assert_eq!(plain[0], reference[0], "step 1 routes before any update");
     assert!(
@@ -616,27 +611,42 @@ biased: {reference:?}"
         "the bias changed nothing"
     );
 
-    // Two ranks, each with its own experts and tokens: the same bias on both.
-    run(2, &biased("biased-ep2", 10, 2, "parallel.ep=2"));
+    // Two ranks, each with its own experts and tokens: the same bias on both. Two stages,
+    // each routing its own layers with the bias the loads of both gave. Two ranks splitting
+    // the heads and the experts of each layer, both routing every token.
+    run(2, &biased("biased-ep2", 10, 2, &["parallel.ep=2"]));
     assert_close(
         &reference,
         &losses(&dir, "biased-ep2"),
         "DP2 x EP2 with the bias",
     );
+    run(2, &biased("biased-pp2", 10, 4, &["parallel.pp=2"]));
+    assert_close(&reference, &losses(&dir, "biased-pp2"), "PP2 with the bias");
+    run(2, &biased("biased-tp2", 10, 4, &["parallel.tp=2"]));
+    assert_close(&reference, &losses(&dir, "biased-tp2"), "TP2 with the bias");
 
     // Stopped at step 5 and resumed: bit for bit in the same layout, and like one process
     // after two ranks.
-    run(1, &biased("biased-again", 5, 4, "parallel.ep=1"));
-    let said = run(1, &biased("biased-again", 10, 4, "parallel.ep=1"));
+    run(1, &biased("biased-again", 5, 4, &[]));
+    let said = run(1, &biased("biased-again", 10, 4, &[]));
     assert!(said.contains("resumed from step 5"), "{said}");
     assert_eq!(bits(&losses(&dir, "biased-again")), bits(&reference));
-    run(2, &biased("biased-ep2-to-1", 5, 2, "parallel.ep=2"));
-    let said = run(1, &biased("biased-ep2-to-1", 10, 4, "parallel.ep=1"));
+    run(2, &biased("biased-ep2-to-1", 5, 2, &["parallel.ep=2"]));
+    let said = run(1, &biased("biased-ep2-to-1", 10, 4, &[]));
     assert!(said.contains("resumed from step 5"), "{said}");
     assert_close(
         &reference,
         &losses(&dir, "biased-ep2-to-1"),
         "DP2 x EP2 then one process, with the bias",
+    );
+    // Rank 0 of two stages holds only the first stage's layers, and keeps every layer's bias.
+    run(2, &biased("biased-pp2-to-1", 5, 4, &["parallel.pp=2"]));
+    let said = run(1, &biased("biased-pp2-to-1", 10, 4, &[]));
+    assert!(said.contains("resumed from step 5"), "{said}");
+    assert_close(
+        &reference,
+        &losses(&dir, "biased-pp2-to-1"),
+        "PP2 then one process, with the bias",
     );
 
     // OLMoE's format has no routing bias: exporting a biased step says so, a plain one not.

@@ -1652,7 +1652,8 @@ pub fn train(
         let (loss, any_busy) = (sums[0], sums[4] > 0.0);
         let mut expert_load = figures.expert_load;
         if layout.pp > 1 {
-            // Every stage's layers, for the step log.
+            // Every stage's layers, for the step log and the routing bias (every rank keeps
+            // every layer's: rank 0 writes them all to trainer.json).
             let experts = config.model.experts;
             let mut all = vec![0u64; config.model.layers * experts];
             let first = session.model.first_layer;
