@@ -620,6 +620,18 @@ fn the_routing_bias_is_the_same_on_every_rank_and_resumes_with_the_checkpoint() 
         &losses(&dir, "biased-ep2"),
         "DP2 x EP2 with the bias",
     );
+    // Where ranks split the experts, the step log also gives the busiest rank's share.
+    let rank_imbalance = |run: &str| -> Vec<Option<f64>> {
+        let path = dir.join("metrics").join(run).join("metrics.jsonl");
+        let text = std::fs::read_to_string(path).unwrap();
+        let line = |l: &str| serde_json::from_str::<serde_json::Value>(l).unwrap();
+        let figure = |l: &str| line(l)["expert_rank_imbalance"].as_f64();
+        text.lines().map(figure).collect()
+    };
+    let ep2 = rank_imbalance("biased-ep2");
+    assert!(ep2.iter().all(|r| r.is_some_and(|r| r >= 1.0)), "{ep2:?}");
+    let one = rank_imbalance("biased");
+    assert!(one.iter().all(Option::is_none), "{one:?}");
     run(2, &biased("biased-pp2", 10, 4, &["parallel.pp=2"]));
     assert_close(&reference, &losses(&dir, "biased-pp2"), "PP2 with the bias");
     run(2, &biased("biased-tp2", 10, 4, &["parallel.tp=2"]));

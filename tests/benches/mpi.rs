@@ -7,8 +7,9 @@
 //! 2. Optimizer-state bytes per rank against the ZeRO-1 formula.
 //! 3. The expert all-to-all's MB/s against a plain MPI all-to-all of 1 MiB per peer.
 //! 4. Expert parallel over a longer run (`LAZARUS_BENCH_BIAS_STEPS`, default 150) with and
-//!    without the routing bias (`train.router_bias_rate = 1e-3`): the busiest expert against
-//!    the mean and tokens/s over the run's last third, and the exchange's waits.
+//!    without the routing bias (`train.router_bias_rate = 1e-3`): the busiest expert and the
+//!    busiest rank's experts against the mean and tokens/s over the run's last third, and
+//!    the exchange's waits.
 //!
 //! Run: cargo build --release --workspace --bins && cargo bench -p lazarus-tests --bench mpi
 
@@ -149,8 +150,9 @@ fn main() {
             &[&format!("train.router_bias_rate={rate}")],
         );
         println!(
-            "  {name:<7} (train.router_bias_rate = {rate:>4}): busiest expert {:.2}x the mean, {:>6.0} tokens/s, loss {:.4}",
+            "  {name:<7} (train.router_bias_rate = {rate:>4}): busiest expert {:.2}x the mean, busiest rank's experts {:.2}x, {:>6.0} tokens/s, loss {:.4}",
             last_third(&figures, "expert_imbalance"),
+            last_third(&figures, "expert_rank_imbalance"),
             last_third(&figures, "tokens_per_second"),
             last_third(&figures, "loss"),
         );

@@ -27,6 +27,11 @@ pub struct StepMetrics {
     pub tokens_per_second: f64,
     /// Most-loaded expert's share over the mean share, averaged over layers (1.0 = balanced).
     pub expert_imbalance: f64,
+    /// Where each layer's experts are split over ranks (expert and tensor parallel): the rows
+    /// of the busiest rank's experts over the mean rank's, averaged over layers. What the
+    /// other ranks wait for at the expert exchange.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_rank_imbalance: Option<f64>,
     /// Model FLOPs per second over the matmul peak `trainer bench-peak` measured (if it ran).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub mfu: Option<f64>,
@@ -67,6 +72,9 @@ pub struct StepLog {
     last_step: u64,
     tokens_per_step: usize,
     flops_per_token: f64,
+    experts: usize,
+    /// How many ranks split each layer's experts (`ep x tp`).
+    expert_places: usize,
     /// The world's peak: the measured one machine's, times the machines.
     peak_gflops: Option<f64>,
     window_start: Instant,
@@ -120,6 +128,8 @@ impl StepLog {
             last_step: config.train.steps,
             tokens_per_step: tokens_per_step(config, layout),
             flops_per_token: crate::model::training_flops_per_token(&config.model),
+            experts: config.model.experts,
+            expert_places: layout.ep * layout.tp,
             peak_gflops: peak_gflops.map(|peak| peak * hosts.max(1) as f64),
             window_start: Instant::now(),
             window_tokens: 0,
@@ -156,15 +166,9 @@ impl StepLog {
             return Ok(());
         }
         let seconds = self.window_start.elapsed().as_secs_f64();
-        let imbalance = forward
-            .expert_load
-            .iter()
-            .map(|load| {
-                let mean = load.iter().sum::<u64>() as f64 / load.len() as f64;
-                *load.iter().max().expect("at least one expert") as f64 / mean.max(1e-9)
-            })
-            .sum::<f64>()
-            / forward.expert_load.len() as f64;
+        let imbalance = places_imbalance(&forward.expert_load, self.experts);
+        let rank_imbalance = (self.expert_places > 1)
+            .then(|| places_imbalance(&forward.expert_load, self.expert_places));
         let steps = f64::from(self.window_steps);
         let tokens_per_second = self.window_tokens as f64 / seconds.max(1e-9);
         let line = StepMetrics {
@@ -177,6 +181,7 @@ impl StepLog {
             lr,
             tokens_per_second,
             expert_imbalance: imbalance,
+            expert_rank_imbalance: rank_imbalance,
             mfu: self
                 .peak_gflops
                 .map(|peak| tokens_per_second * self.flops_per_token / 1e9 / peak),
@@ -188,13 +193,16 @@ impl StepLog {
         writeln!(self.metrics, "{}", serde_json::to_string(&line)?)?;
         writeln!(
             log,
-            "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s{}  experts max/mean {imbalance:.2}  ms fwd/bwd/opt {:.0}/{:.0}/{:.0}{}",
+            "step {step:>6}  loss {loss:.4}  ce {:.4}  aux {:.4}  z {:.3}  |g| {:.3}  lr {lr:.2e}  {:.0} tok/s{}  experts max/mean {imbalance:.2}{}  ms fwd/bwd/opt {:.0}/{:.0}/{:.0}{}",
             line.cross_entropy,
             line.load_balancing,
             line.router_z,
             line.grad_norm,
             line.tokens_per_second,
             line.mfu.map(|m| format!("  MFU {:.1}%", m * 100.0)).unwrap_or_default(),
+            rank_imbalance
+                .map(|r| format!(" (ranks' {r:.2})"))
+                .unwrap_or_default(),
             line.forward_ms,
             line.backward_ms,
             line.optimizer_ms,
@@ -206,6 +214,21 @@ impl StepLog {
         self.phase_seconds = [0.0; 3];
         Ok(())
     }
+}
+
+/// Each layer's experts cut into `places` runs of consecutive experts, as expert and tensor
+/// parallel split them (one expert each where `places` is the expert count): the busiest
+/// place's tokens over the mean place's, averaged over the layers of `load`.
+fn places_imbalance(load: &[Vec<u64>], places: usize) -> f64 {
+    let per_layer = |layer: &Vec<u64>| {
+        let sums: Vec<u64> = layer
+            .chunks(layer.len().div_ceil(places).max(1))
+            .map(|run| run.iter().sum())
+            .collect();
+        let mean = sums.iter().sum::<u64>() as f64 / places as f64;
+        *sums.iter().max().unwrap_or(&0) as f64 / mean.max(1e-9)
+    };
+    load.iter().map(per_layer).sum::<f64>() / load.len().max(1) as f64
 }
 
 /// The peak `trainer bench-peak` saved in `dir`, if any.
@@ -238,6 +261,18 @@ mod tests {
                 "{sets:?} on {ranks} ranks"
             );
         }
+    }
+
+    /// The busiest expert, and the busiest rank's experts, against the mean.
+    #[test]
+    fn imbalance_is_the_busiest_expert_or_rank_over_the_mean() {
+        let load = [vec![10, 2, 1, 3], vec![4, 4, 4, 4]];
+        // Layer 0: 10 of a mean of 4; layer 1: balanced.
+        assert_eq!(super::places_imbalance(&load, 4), (2.5 + 1.0) / 2.0);
+        // Two ranks of two experts each: layer 0 is 12 against 4, a mean of 8.
+        assert_eq!(super::places_imbalance(&load, 2), (1.5 + 1.0) / 2.0);
+        // A busy expert beside an idle one on one rank is no rank's imbalance.
+        assert_eq!(super::places_imbalance(&[vec![8, 0, 4, 4]], 2), 1.0);
     }
 
     /// CPU-MFU is against the peak of every machine the ranks run on: ranks on one machine
