@@ -1303,18 +1303,29 @@ async fn cancel_slurm_world(run: &str) {
     }
 }
 
-/// Whether Slurm still has `node` drained (or cannot say).
+/// Whether Slurm still keeps `node` out of new jobs (or cannot say).
 async fn slurm_drained(node: &str) -> bool {
     match Command::new("sinfo")
-        .args(["-h", "-N", "-n", node, "-o", "%t"])
+        .args(["-h", "-N", "-n", node, "-o", "%T"])
         .output()
         .await
     {
         Ok(output) if output.status.success() => {
-            String::from_utf8_lossy(&output.stdout).contains("drain")
+            out_of_service(&String::from_utf8_lossy(&output.stdout))
         }
         _ => true,
     }
+}
+
+/// Whether a node in Slurm state `state` (`sinfo -o %T`) takes no new job: drained, or still
+/// draining (the drain flag set while a job, such as the world just stopped, completes on it;
+/// `%t` abbreviates that `drng`, which the leader once took for resumed), down or failed. A job launched on such a node waits in
+/// the queue, whatever its daemon says.
+fn out_of_service(state: &str) -> bool {
+    let state = state.to_ascii_lowercase();
+    ["drain", "drng", "down", "fail"]
+        .iter()
+        .any(|s| state.contains(s))
 }
 
 /// Drains a node in Slurm (when the launcher is srun), with `reason`. Says whether it did.
@@ -1349,7 +1360,8 @@ mod tests {
     use tokio::task::JoinHandle;
 
     use super::{
-        adopt, death_detail, repeat_count, socket_template, wait_for_nodes, Found, Supervision,
+        adopt, death_detail, out_of_service, repeat_count, socket_template, wait_for_nodes, Found,
+        Supervision,
     };
     use crate::daemon::leader::tests::{add_node, rank_at, rank_done, rank_down, rank_up};
     use crate::daemon::leader::{Leader, RankDown};
@@ -1435,6 +1447,27 @@ mod tests {
         // The grace is at least 3 s; the death was known after 0.3 s.
         assert!(waited < Duration::from_secs(2), "waited {waited:?}");
         assert!(leader.take_downs().await.is_empty(), "the death is taken");
+    }
+
+    /// Seen in the soak: a node drained as it was lost came back while the stopped world's
+    /// job still completed on it. Slurm said `drng` (draining), which the leader took for
+    /// resumed, and the relaunch on it waited in Slurm's queue for good.
+    #[test]
+    fn a_draining_node_is_still_out_of_service() {
+        for state in [
+            "drained",
+            "draining",
+            "drained*",
+            "DRAINING",
+            "mixed+drain",
+            "down*",
+            "fail",
+        ] {
+            assert!(out_of_service(state), "{state}");
+        }
+        for state in ["idle", "allocated", "mixed", "completing", "idle*"] {
+            assert!(!out_of_service(state), "{state}");
+        }
     }
 
     /// Seen in the soak: a world whose ranks finished while no leader was there was
