@@ -8,7 +8,7 @@ use std::process::Command;
 
 use lazarus_tests::bin;
 use lazarus_tests::runbook::Runbook;
-use lazarus_tests::train::{prepared, TrainerArgs};
+use lazarus_tests::train::{metrics_records, prepared, TrainerArgs};
 
 /// A small model; `micro_batch` is per rank, so the global batch is micro_batch x ranks.
 fn args(dir: &Path, run: &str, steps: u64, micro_batch: usize) -> Vec<String> {
@@ -622,11 +622,11 @@ fn the_routing_bias_is_the_same_on_every_rank_and_resumes_with_the_checkpoint() 
     );
     // Where ranks split the experts, the step log also gives the busiest rank's share.
     let rank_imbalance = |run: &str| -> Vec<Option<f64>> {
-        let path = dir.join("metrics").join(run).join("metrics.jsonl");
-        let text = std::fs::read_to_string(path).unwrap();
-        let line = |l: &str| serde_json::from_str::<serde_json::Value>(l).unwrap();
-        let figure = |l: &str| line(l)["expert_rank_imbalance"].as_f64();
-        text.lines().map(figure).collect()
+        let records = metrics_records(&dir, run);
+        records
+            .iter()
+            .map(|r| r["expert_rank_imbalance"].as_f64())
+            .collect()
     };
     let ep2 = rank_imbalance("biased-ep2");
     assert!(ep2.iter().all(|r| r.is_some_and(|r| r >= 1.0)), "{ep2:?}");

@@ -20,7 +20,7 @@ use std::path::Path;
 use std::process::Command;
 
 use lazarus_tests::bin;
-use lazarus_tests::train::{line_with, mean_tokens_per_second, TrainerArgs};
+use lazarus_tests::train::{line_with, mean_tokens_per_second, metrics_records, TrainerArgs};
 
 const STEPS: u64 = 6;
 const WARMUP: u64 = 2;
@@ -77,13 +77,7 @@ fn launch(
     let text = String::from_utf8_lossy(&output.stdout).to_string()
         + &String::from_utf8_lossy(&output.stderr);
     assert!(output.status.success(), "{run}: {text}");
-    let metrics = std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
-        .expect("metrics");
-    let steps = metrics
-        .lines()
-        .map(|line| serde_json::from_str(line).unwrap())
-        .collect();
-    (text, steps)
+    (text, metrics_records(dir, run))
 }
 
 /// The mean of `figure` over the last third of `steps`.

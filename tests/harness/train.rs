@@ -180,14 +180,20 @@ pub fn reference_run(dir: &Path, ranks: usize, args: &[String]) -> BTreeMap<u64,
     loss_texts(dir, "reference")
 }
 
+/// The records of `run`'s `metrics.jsonl` under `dir/metrics`, one per logged step.
+pub fn metrics_records(dir: &Path, run: &str) -> Vec<serde_json::Value> {
+    std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
+        .expect("metrics")
+        .lines()
+        .filter_map(|line| serde_json::from_str(line).ok())
+        .collect()
+}
+
 /// The mean `tokens_per_second` of `run`'s steps after the first `warmup` (benchmarks).
 pub fn mean_tokens_per_second(dir: &Path, run: &str, warmup: u64) -> f64 {
-    let metrics = std::fs::read_to_string(dir.join("metrics").join(run).join("metrics.jsonl"))
-        .expect("metrics");
-    let rates: Vec<f64> = metrics
-        .lines()
-        .filter_map(|line| {
-            let value: serde_json::Value = serde_json::from_str(line).ok()?;
+    let rates: Vec<f64> = metrics_records(dir, run)
+        .iter()
+        .filter_map(|value| {
             (value["step"].as_u64()? > warmup).then(|| value["tokens_per_second"].as_f64())?
         })
         .collect();

@@ -1319,8 +1319,8 @@ async fn slurm_drained(node: &str) -> bool {
 
 /// Whether a node in Slurm state `state` (`sinfo -o %T`) takes no new job: drained, or still
 /// draining (the drain flag set while a job, such as the world just stopped, completes on it;
-/// `%t` abbreviates that `drng`, which the leader once took for resumed), down or failed. A job launched on such a node waits in
-/// the queue, whatever its daemon says.
+/// `%t` abbreviates that `drng`, which the leader once took for resumed), down or failed. A
+/// job launched on such a node waits in the queue, whatever its daemon says.
 fn out_of_service(state: &str) -> bool {
     let state = state.to_ascii_lowercase();
     ["drain", "drng", "down", "fail"]
